@@ -1,0 +1,359 @@
+"""Typed, frozen configuration for every stage of the pipeline.
+
+One pydantic model per stage; `PipelineConfig` groups them. Every model is frozen and
+rejects unknown keys, so a typo in a YAML file or an override is an error, not a silently
+ignored setting. Cross-field checks collect every problem and raise one `ValueError`.
+
+This module imports neither torch nor prefect (STYLE rule 3): flows and CPU workers load
+configs cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: Fixed ids of the special tokens, shared by the tokenizer, shards, masking and model.
+SPECIAL_TOKENS: dict[str, int] = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
+#: First id of an ordinary (non-special) piece; ids `[0, NUM_SPECIAL)` are special.
+NUM_SPECIAL = len(SPECIAL_TOKENS)
+
+
+class StrictModel(BaseModel):
+    """Base of every config: frozen, unknown keys rejected, attribute docstrings kept."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class IngestConfig(StrictModel):
+    """Corpus ingestion: which inputs to read and how documents are cleaned and split."""
+
+    sources: list[str] = Field(default_factory=lambda: ["debian:fr"], min_length=1)
+    """Inputs, in order. `debian:NAME` fetches a built-in French corpus from Debian packages
+    (names: see `mlm_pipeline.corpora.DEBIAN_CORPORA`, `debian:fr` = the default set); any
+    other entry is a path, directory or glob of `.txt` / `.jsonl` files, optionally `.gz`."""
+    text_field: str = "text"
+    """JSONL field that holds the document text."""
+    txt_document: Literal["paragraph", "file"] = "paragraph"
+    """`.txt` files: one document per blank-line-separated block (`paragraph`) or per file."""
+    normalization: Literal["NFC", "NFKC"] = "NFC"
+    """Unicode normalization form applied to every document."""
+    min_chars: int = Field(default=1, ge=1)
+    """Documents shorter than this many characters (after cleaning) are dropped and counted."""
+    max_documents: int | None = Field(default=None, ge=1)
+    """Stop after this many documents read (a slice for quick runs); None reads everything."""
+    validation_fraction: float = Field(default=0.02, ge=0.0, lt=1.0)
+    """Share of documents (by hash of the normalized text) held out for evaluation."""
+    cache_dir: str | None = None
+    """Where fetched Debian packages and extracted corpora are cached; None uses
+    `$MLM_PIPELINE_CACHE` or `~/.cache/mlm-pipeline`."""
+
+
+class TokenizerConfig(StrictModel):
+    """SentencePiece training on the training split."""
+
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    """SentencePiece algorithm (Kudo 2018 unigram LM, or BPE)."""
+    vocab_size: int = Field(default=8000, ge=NUM_SPECIAL + 2, le=1_000_000)
+    """Pieces in the vocabulary, the five special tokens included."""
+    character_coverage: float = Field(default=0.9995, gt=0.0, le=1.0)
+    """Share of characters covered by the vocabulary; the rest map to [UNK]."""
+    input_sentence_size: int = Field(default=2_000_000, ge=1)
+    """Sentences (lines) sampled from the training split to train on: bounds memory."""
+    max_sentence_length: int = Field(default=16384, ge=16)
+    """Longest training sentence in bytes; longer lines are split, not skipped."""
+    num_threads: int = Field(default=2, ge=1)
+    """SentencePiece trainer threads."""
+
+
+class ShardConfig(StrictModel):
+    """Packing of encoded documents into fixed-length rows and Arrow IPC shards."""
+
+    seq_len: int = Field(default=128, ge=8, le=8192)
+    """Tokens per row, [CLS] and [SEP] included."""
+    rows_per_shard: int = Field(default=65536, ge=1)
+    """Rows per Arrow IPC file."""
+    encode_batch_size: int = Field(default=1024, ge=1)
+    """Documents encoded per SentencePiece batch call."""
+
+
+class MaskingConfig(StrictModel):
+    """Masked-language-model corruption (Devlin et al. 2019, §3.1)."""
+
+    mode: Literal["dynamic"] = "dynamic"
+    """`dynamic`: a new mask per epoch, computed on the training device."""
+    mlm_probability: float = Field(default=0.15, gt=0.0, lt=1.0)
+    """Share of maskable tokens selected for prediction."""
+    mask_replace_prob: float = Field(default=0.8, ge=0.0, le=1.0)
+    """Share of selected tokens replaced by [MASK]."""
+    random_replace_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Share of selected tokens replaced by a random ordinary token; the rest stay unchanged."""
+
+    @model_validator(mode="after")
+    def _check_split(self) -> MaskingConfig:
+        total = self.mask_replace_prob + self.random_replace_prob
+        if total > 1.0 + 1e-9:
+            raise ValueError(
+                f"masking: mask_replace_prob + random_replace_prob = {total:g} must be <= 1"
+            )
+        return self
+
+
+class ModelConfig(StrictModel):
+    """BERT-style encoder shape."""
+
+    hidden_size: int = Field(default=128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(default=2, ge=1)
+    """Transformer blocks."""
+    num_heads: int = Field(default=2, ge=1)
+    """Attention heads; must divide `hidden_size`."""
+    intermediate_size: int = Field(default=512, ge=8)
+    """Width of the feed-forward layer."""
+    dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    layer_norm_eps: float = Field(default=1e-12, gt=0.0)
+    """LayerNorm epsilon (BERT uses 1e-12)."""
+    initializer_range: float = Field(default=0.02, gt=0.0)
+    """Std of the truncated-normal weight init (BERT: 0.02)."""
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model: hidden_size {self.hidden_size} is not divisible by "
+                f"num_heads {self.num_heads}"
+            )
+        return self
+
+
+class TrainConfig(StrictModel):
+    """Optimization loop."""
+
+    micro_batch_size: int = Field(default=32, ge=1)
+    """Rows per forward/backward pass."""
+    grad_accum_steps: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step; global batch = micro_batch_size * grad_accum_steps."""
+    max_steps: int = Field(default=1000, ge=1)
+    """Optimizer steps; the LR schedule spans exactly this many."""
+    max_time_s: float | None = Field(default=None, gt=0)
+    """Wall-clock budget in seconds; training stops early (and logs it) when exceeded."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Final LR as a share of the peak."""
+    warmup_steps: int = Field(default=100, ge=0)
+    """Steps of linear warm-up from 0 to `lr`."""
+    decay: Literal["linear", "cosine"] = "linear"
+    """Shape of the decay after warm-up."""
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    """AdamW decoupled weight decay (not applied to biases, LayerNorm, embeddings' norms)."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas."""
+    eps: float = Field(default=1e-6, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Max global gradient L2 norm; None disables clipping."""
+    log_every: int = Field(default=10, ge=1)
+    """Optimizer steps between metric records."""
+    seed: int = 0
+    """Seeds model init, data order and masking."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` picks CUDA when available."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`auto`: bf16 autocast on CUDA, fp32 on CPU."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads on CPU; None keeps torch's default."""
+    checkpoint_every: int | None = Field(default=None, ge=1)
+    """Steps between checkpoints; None saves only the final one."""
+    keep_last_checkpoints: int = Field(default=2, ge=1)
+    """Checkpoints kept on disk (oldest removed first)."""
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainConfig:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"train: warmup_steps {self.warmup_steps} exceeds max_steps {self.max_steps}"
+            )
+        return self
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation with fixed masks."""
+
+    batch_size: int = Field(default=64, ge=1)
+    """Rows per evaluation batch (metrics do not depend on it)."""
+    seed: int = 1234
+    """Masking key of the evaluation positions: the same seed gives the same positions."""
+    max_rows: int | None = Field(default=None, ge=1)
+    """Evaluate on at most this many validation rows; None uses all."""
+    probes: list[str] = Field(
+        default_factory=lambda: [
+            "Le banquier est allé à la [MASK] pour retirer de l'argent.",
+            "Le [MASK] du chat est doux et chaud.",
+        ]
+    )
+    """Fill-mask probe sentences; each `[MASK]` is predicted."""
+    top_k: int = Field(default=5, ge=1)
+    """Candidates reported per probe mask."""
+
+
+class TrackingConfig(StrictModel):
+    """MLflow tracking."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None uses `$MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`."""
+    experiment_name: str = "mlm-pipeline"
+    """MLflow experiment."""
+    run_name: str | None = None
+    """MLflow run name; None lets MLflow pick one."""
+    log_checkpoint: bool = True
+    """Log the final checkpoint directory as run artifacts."""
+
+
+class PipelineConfig(StrictModel):
+    """The whole pipeline: one config per stage plus where outputs go."""
+
+    name: str = "mlm"
+    """A label for the config (logged as a param)."""
+    work_dir: str = ".mlm-pipeline"
+    """Root of every stage's outputs (content-addressed subdirectories)."""
+    ingest: IngestConfig = IngestConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    shards: ShardConfig = ShardConfig()
+    masking: MaskingConfig = MaskingConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> PipelineConfig:
+        problems = []
+        if self.tokenizer.vocab_size > 2**32:
+            problems.append("tokenizer.vocab_size must fit in uint32")
+        if self.model.hidden_size // self.model.num_heads % 2:
+            problems.append(
+                f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
+                "must be even"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and field."""
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split a `key.path=value` override; the value is parsed as YAML (`3e-4`, `true`, `[a]`).
+
+    Raises:
+        ConfigError: when `item` has no `=` or an empty key.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """Load a YAML pipeline config and apply dotted overrides (`train.lr=3e-4`).
+
+    Args:
+        path: YAML file; None starts from the defaults. A bare name such as `tiny` is looked
+            up as `configs/tiny.yaml` under the current directory and the project root.
+        overrides: `key.path=value` strings applied in order after the file.
+
+    Returns:
+        The validated, frozen `PipelineConfig`.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, an override is malformed,
+            or validation fails (every failing field is listed with its dotted path).
+    """
+    tree: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        resolved = resolve_config_path(path)
+        source = str(resolved)
+        try:
+            loaded = yaml.safe_load(resolved.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{resolved}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{resolved}: top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None
+
+
+def resolve_config_path(path: str | os.PathLike[str]) -> Path:
+    """Find a config file: the path itself, else `configs/NAME.yaml` here or in the project.
+
+    Raises:
+        ConfigError: when no candidate exists (the candidates tried are listed).
+    """
+    p = Path(path)
+    candidates = [p]
+    if p.suffix not in (".yaml", ".yml"):
+        candidates += [Path("configs") / f"{p}.yaml", PROJECT_ROOT / "configs" / f"{p}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise ConfigError(f"config not found: tried {', '.join(str(c) for c in candidates)}")
+
+
+#: Root of the source checkout (where `configs/` lives in a development install).
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into `{"train.lr": 0.001, ...}` for MLflow params.
+
+    Lists and tuples are rendered as compact strings; None becomes "None".
+    """
+    out: dict[str, Any] = {}
+    for name, value in cfg.model_dump(mode="json").items():
+        _flatten_into(out, f"{prefix}{name}", value)
+    return out
+
+
+def _flatten_into(out: dict[str, Any], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten_into(out, f"{key}.{k}", v)
+    elif isinstance(value, list):
+        out[key] = ",".join(str(v) for v in value)
+    else:
+        out[key] = "None" if value is None else value
