@@ -1,0 +1,189 @@
+"""The `mlm-pipeline` command line.
+
+    mlm-pipeline run CONFIG [--set key=value ...] [--summary-json PATH]
+    mlm-pipeline config CONFIG [--set key=value ...]
+    mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
+    mlm-pipeline fill-mask CHECKPOINT_DIR TOKENIZER_MODEL TEXT [TEXT ...]
+
+`run` executes the `mlm-pretraining` Prefect flow in this process. Without
+`PREFECT_API_URL` Prefect starts a temporary local API, so no server is needed; with it,
+the run is recorded on that server. Prefect is imported only by `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from mlm_pipeline.config import ConfigError, load_config
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    # Settings read when prefect is imported: route our library logs through Prefect's
+    # handlers and silence the temporary server's analytics (harmless "database is
+    # locked" tracebacks otherwise; see shared notes).
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "mlm_pipeline")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # Fail on a bad config before paying for Prefect's start-up.
+    cfg = load_config(args.config, args.set)
+    from flows.pretraining import PretrainParams, mlm_pretraining
+
+    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
+    result = mlm_pretraining(PretrainParams(config=args.config, overrides=list(args.set)))
+    if args.summary_json:
+        from mlm_pipeline.pipeline import write_summary
+
+        write_summary(result, args.summary_json)
+    _print_summary(result, cfg.tracking.experiment_name)
+    return 0
+
+
+def _print_summary(result: dict, experiment: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"MLflow run {result['mlflow_run_id']} (experiment {experiment})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in sorted(result["metrics"]):
+        value = result["metrics"][key]
+        table.add_row(key, f"{value:,.4f}" if abs(value) < 1e5 else f"{value:,.0f}")
+    console.print(table)
+    console.print(f"MLflow run id: {result['mlflow_run_id']}")
+    console.print(f"Tracking URI:  {result['mlflow_tracking_uri']}")
+    if result.get("mlflow_run_url"):
+        console.print(f"Run page:      {result['mlflow_run_url']}")
+    else:
+        console.print(f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}")
+    console.print(f"Checkpoint:    {result['checkpoint']}")
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set)
+    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def config_reference() -> str:
+    """Markdown tables of every config field: dotted key, type, default and description
+    (taken from the field docstrings in `mlm_pipeline.config`)."""
+    from mlm_pipeline.config import PipelineConfig, StrictModel
+
+    lines = []
+    sections = []
+    top = []
+    for name, field in PipelineConfig.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, StrictModel):
+            sections.append((name, ann))
+        else:
+            top.append((name, field))
+    lines += ["| key | default | meaning |", "|---|---|---|"]
+    for name, field in top:
+        lines.append(f"| `{name}` | `{field.default!r}` | {field.description or ''} |")
+    for section, model in sections:
+        lines += ["", f"**`{section}`**: {(model.__doc__ or '').strip().splitlines()[0]}", "",
+                  "| key | default | meaning |", "|---|---|---|"]
+        defaults = model().model_dump(mode="json")
+        for name, field in model.model_fields.items():
+            doc = " ".join((field.description or "").split())
+            lines.append(f"| `{section}.{name}` | `{defaults[name]!r}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    sys.stdout.write(config_reference())
+    return 0
+
+
+def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mlm_pipeline.corpora import default_cache_dir, fetch_debian_corpus
+
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    for name in args.names:
+        for path in fetch_debian_corpus(name, cache):
+            print(path)
+    return 0
+
+
+def _cmd_fill_mask(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mlm_pipeline.evaluate import fill_mask
+    from mlm_pipeline.tokenizer import Tokenizer
+    from mlm_pipeline.train.checkpoint import load_model, read_state
+
+    checkpoint = Path(args.checkpoint)
+    model = load_model(checkpoint)
+    results = fill_mask(
+        model, Tokenizer.load(args.tokenizer), args.texts,
+        seq_len=read_state(checkpoint)["seq_len"], top_k=args.top_k,
+    )
+    print(json.dumps(results, ensure_ascii=False, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `mlm-pipeline` (sub-commands run, config, fetch-corpus,
+    fill-mask)."""
+    parser = argparse.ArgumentParser(
+        prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="config name (tiny -> configs/tiny.yaml) or YAML path")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, repeatable (e.g. --set train.max_steps=50)")
+
+    p = sub.add_parser("run", help="run the full pipeline as a local Prefect flow")
+    config_args(p)
+    p.add_argument("--summary-json", metavar="PATH",
+                   help="write run id, final metrics and stage manifest paths as JSON")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("config", help="print the resolved config as YAML")
+    config_args(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("config-reference", help="print every config field as Markdown")
+    p.set_defaults(func=_cmd_config_reference)
+
+    p = sub.add_parser("fetch-corpus", help="fetch a built-in Debian corpus into the cache")
+    p.add_argument("names", nargs="*", default=["fr"], help="corpus names (default: fr)")
+    p.add_argument("--cache-dir", help="cache directory (default: $MLM_PIPELINE_CACHE)")
+    p.set_defaults(func=_cmd_fetch_corpus)
+
+    p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step-XXXXXXXX)")
+    p.add_argument("tokenizer", help="SentencePiece .model file")
+    p.add_argument("texts", nargs="+", help="texts containing [MASK]")
+    p.add_argument("--top-k", type=int, default=5)
+    p.set_defaults(func=_cmd_fill_mask)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `mlm-pipeline` console script; returns the exit status
+    (2 for a config error, with the message on stderr)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"mlm-pipeline: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

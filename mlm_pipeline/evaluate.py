@@ -1,0 +1,258 @@
+"""Held-out evaluation: masked-token loss, accuracy and perplexity with fixed masks.
+
+Masks come from the same keyed masking function as training, keyed by
+(`eval.seed`, epoch 0, global validation row index): every run, every checkpoint and every
+eval batch size sees the same masked positions and the same corrupted inputs, so two runs
+are compared on identical predictions. Metrics are token-weighted: sums over all masked
+tokens divided once by their count, never a mean of per-batch means (so they do not
+depend on how masked tokens fall into batches).
+
+Besides the model's metrics, `eval/baseline_accuracy` is the accuracy of always predicting
+the most frequent ordinary token of the training split, on the same positions: a model
+that has learned anything beats it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mlm_pipeline.config import NUM_SPECIAL, PipelineConfig
+from mlm_pipeline.manifest import (
+    EvalManifest,
+    ShardManifest,
+    Stopwatch,
+    TokenizerManifest,
+    TrainManifest,
+    compute_digest,
+    stage_dir,
+    write_manifest,
+)
+from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.tokenizer import Tokenizer
+from mlm_pipeline.train.checkpoint import load_model
+from mlm_pipeline.train.data import ShardDataset
+from mlm_pipeline.train.perf import resolve_device, resolve_precision
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def masked_lm_metrics(
+    model: torch.nn.Module,
+    dataset: ShardDataset,
+    *,
+    vocab_size: int,
+    seed: int,
+    mlm_probability: float,
+    mask_replace_prob: float,
+    random_replace_prob: float,
+    batch_size: int,
+    max_rows: int | None = None,
+    baseline_token: int | None = None,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+) -> dict[str, float]:
+    """Token-weighted masked-LM metrics over the first `max_rows` rows of `dataset`.
+
+    Args:
+        model: a `BertMLM` (its `forward(input_ids, labels=...)` returns logits (N, V) at the
+            N masked positions, in row-major order).
+        dataset: validation rows, (rows, seq_len).
+        vocab_size: V, the real vocabulary size.
+        seed: masking key; positions depend on (seed, row index) only.
+        mlm_probability, mask_replace_prob, random_replace_prob: masking rates.
+        batch_size: rows per forward pass; the metrics do not depend on it.
+        max_rows: evaluate on rows [0, max_rows); None for all.
+        baseline_token: id whose constant prediction gives `eval/baseline_accuracy`.
+        device, precision: where and how to run the model (`bf16` autocast or `fp32`).
+
+    Returns:
+        `eval/loss` (mean cross-entropy, nats per masked token), `eval/mlm_accuracy`,
+        `eval/perplexity` (exp of the loss), `eval/masked_tokens`, `eval/rows`, and
+        `eval/baseline_accuracy` when `baseline_token` is given.
+
+    Raises:
+        ValueError: when no position was masked (nothing to evaluate).
+    """
+    model.eval()
+    device = torch.device(device)
+    rows = len(dataset) if max_rows is None else min(max_rows, len(dataset))
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    loss_sum, correct, baseline_hits, masked = 0.0, 0, 0, 0
+    for start in range(0, rows, batch_size):
+        index = torch.arange(start, min(start + batch_size, rows), dtype=torch.long)
+        input_ids, labels = mask_tokens(
+            dataset.get(index.numpy()),
+            vocab_size=vocab_size,
+            row_index=index,
+            seed=seed,
+            epoch=0,
+            mlm_probability=mlm_probability,
+            mask_replace_prob=mask_replace_prob,
+            random_replace_prob=random_replace_prob,
+        )
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        targets = labels[labels != -100]
+        if targets.numel() == 0:
+            continue
+        with autocast:
+            logits = model(input_ids, labels=labels).logits
+        logits = logits.float()
+        loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
+        correct += (logits.argmax(dim=-1) == targets).sum().item()
+        if baseline_token is not None:
+            baseline_hits += (targets == baseline_token).sum().item()
+        masked += targets.numel()
+    if masked == 0:
+        raise ValueError(f"no masked position in {rows} evaluation rows")
+    loss = loss_sum / masked
+    metrics = {
+        "eval/loss": loss,
+        "eval/mlm_accuracy": correct / masked,
+        "eval/perplexity": math.exp(min(loss, 700.0)),  # exp overflows a double past ~709
+        "eval/masked_tokens": float(masked),
+        "eval/rows": float(rows),
+    }
+    if baseline_token is not None:
+        metrics["eval/baseline_accuracy"] = baseline_hits / masked
+    return metrics
+
+
+@torch.no_grad()
+def fill_mask(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    *,
+    seq_len: int,
+    top_k: int = 5,
+    device: torch.device | str = "cpu",
+) -> list[dict[str, Any]]:
+    """Predict each literal `[MASK]` in `texts`.
+
+    Each text becomes `[CLS] pieces [SEP]` (truncated to `seq_len`), with id 4 at every
+    `[MASK]` marker; special ids are never proposed.
+
+    Returns:
+        One dict per text: `text`, and `predictions`, a list per mask of `top_k`
+        `{"token": piece, "probability": p}` sorted by probability.
+
+    Raises:
+        ValueError: when a text holds no `[MASK]` within `seq_len` tokens.
+    """
+    model.eval()
+    results = []
+    for text in texts:
+        ids = [tokenizer.cls_id, *tokenizer.encode_with_mask(text), tokenizer.sep_id][:seq_len]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        positions = (input_ids[0] == tokenizer.mask_id).nonzero().flatten()
+        if positions.numel() == 0:
+            raise ValueError(f"fill-mask probe has no [MASK] within {seq_len} tokens: {text!r}")
+        logits = model(input_ids).logits[0, positions].float()
+        logits[:, :NUM_SPECIAL] = float("-inf")
+        probs = logits.softmax(dim=-1)
+        top = probs.topk(top_k, dim=-1)
+        predictions = [
+            [
+                {"token": tokenizer.id_to_piece(int(i)), "probability": float(p)}
+                for p, i in zip(ps, is_)
+            ]
+            for ps, is_ in zip(top.values.tolist(), top.indices.tolist())
+        ]
+        results.append({"text": text, "predictions": predictions})
+    return results
+
+
+def most_frequent_token(shards: ShardManifest) -> int:
+    """The most frequent ordinary (non-special) id in the training split."""
+    counts = ShardDataset(shards, "train").token_counts(shards.vocab_size)
+    counts[:NUM_SPECIAL] = -1
+    return int(counts.argmax())
+
+
+def evaluate(
+    cfg: PipelineConfig,
+    trained: TrainManifest,
+    shards: ShardManifest,
+    tokenizer: TokenizerManifest,
+    work_dir: str | Path,
+) -> EvalManifest:
+    """Evaluate a trained checkpoint on the validation split and run the fill-mask probes.
+
+    Args:
+        cfg: pipeline config (`eval`, `masking`, `train.device`, `train.precision` are used).
+        trained: the training run to evaluate (its final checkpoint).
+        shards: the shards it was trained on (validation rows are evaluated).
+        tokenizer: its tokenizer (for the probes).
+        work_dir: outputs go to `<work_dir>/evaluate/<digest>/`.
+
+    Returns:
+        The `EvalManifest` with metrics and probe predictions; cached by digest.
+
+    Raises:
+        ValueError: when the validation split has no rows.
+    """
+    watch = Stopwatch()
+    digest = compute_digest(
+        "evaluate",
+        {"eval": cfg.eval, "masking": cfg.masking},
+        {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
+    )
+    out = stage_dir(work_dir, "evaluate", digest)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    model = load_model(trained.file(trained.checkpoint_dir), device)
+    mc = cfg.masking
+    metrics = masked_lm_metrics(
+        model,
+        ShardDataset(shards, "validation"),
+        vocab_size=shards.vocab_size,
+        seed=cfg.eval.seed,
+        mlm_probability=mc.mlm_probability,
+        mask_replace_prob=mc.mask_replace_prob,
+        random_replace_prob=mc.random_replace_prob,
+        batch_size=cfg.eval.batch_size,
+        max_rows=cfg.eval.max_rows,
+        baseline_token=most_frequent_token(shards),
+        device=device,
+        precision=precision,
+    )
+    probes = fill_mask(
+        model, Tokenizer.load(tokenizer), list(cfg.eval.probes), seq_len=shards.seq_len,
+        top_k=cfg.eval.top_k, device=device,
+    ) if cfg.eval.probes else []
+    for probe in probes:
+        tops = [" / ".join(c["token"] for c in mask[:3]) for mask in probe["predictions"]]
+        logger.info("fill-mask %r -> %s", probe["text"], "; ".join(tops))
+    logger.info(
+        "eval: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline %.4f), "
+        "perplexity %.1f over %d masked tokens",
+        metrics["eval/loss"], metrics["eval/mlm_accuracy"], metrics["eval/baseline_accuracy"],
+        metrics["eval/perplexity"], int(metrics["eval/masked_tokens"]),
+    )
+    manifest = EvalManifest(
+        stage="evaluate",
+        digest=digest,
+        output_dir=str(out),
+        config={"eval": cfg.eval.model_dump(mode="json"),
+                "masking": mc.model_dump(mode="json")},
+        inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
+        created_at=watch.created_at,
+        wall_time_s=watch.elapsed,
+        metrics=metrics,
+        probes=probes,
+    )
+    write_manifest(manifest)
+    return manifest

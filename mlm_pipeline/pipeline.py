@@ -1,0 +1,146 @@
+"""What a pipeline run records: lineage tags, data accounting, results and the summary.
+
+The flow in `flows/` calls these between stages; they turn stage manifests into MLflow
+tags, metrics and artifacts (through `mlm_pipeline.tracking`, the only MLflow user) and
+into the summary a user reads at the end of a run. No torch, no prefect.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlm_pipeline.config import PipelineConfig, flatten
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    EvalManifest,
+    ShardManifest,
+    TokenizerManifest,
+    TrainManifest,
+)
+from mlm_pipeline.tracking import MlflowTracker, git_commit
+
+
+def run_params(cfg: PipelineConfig) -> dict[str, Any]:
+    """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params."""
+    return flatten(cfg)
+
+
+def run_tags(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Tags known when a run starts: code version and whatever the caller adds
+    (e.g. the Prefect flow-run id)."""
+    from mlm_pipeline import __version__
+
+    tags = {"mlm_pipeline.version": __version__}
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    tags.update(extra or {})
+    return tags
+
+
+def data_tags(
+    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
+) -> dict[str, str]:
+    """Lineage: the digest of every data stage, so runs on the same data can be found."""
+    return {
+        "digest.corpus": corpus.digest,
+        "digest.tokenizer": tokenizer.digest,
+        "digest.shards": shards.digest,
+        "tokenizer.model_sha256": tokenizer.model.sha256,
+    }
+
+
+def data_metrics(
+    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
+) -> dict[str, float]:
+    """Ingestion accounting and data sizes, as MLflow metrics (counts of documents, tokens)."""
+    m: dict[str, float] = {
+        "data/documents_read": corpus.documents_read,
+        "data/documents_train": corpus.documents_train,
+        "data/documents_validation": corpus.documents_validation,
+        "data/characters": corpus.characters,
+        "data/vocab_size": tokenizer.vocab_size,
+        "data/train_rows": shards.train.rows,
+        "data/validation_rows": shards.validation.rows,
+        "data/train_tokens": shards.train.rows * shards.seq_len,
+        "data/remainder_tokens": shards.train.remainder_tokens + shards.validation.remainder_tokens,
+    }
+    m.update({f"data/dropped_{k}": v for k, v in corpus.dropped.items()})
+    m.update({f"data/repaired_{k}": v for k, v in corpus.repaired.items()})
+    return {k: float(v) for k, v in m.items()}
+
+
+def record_data(
+    tracker: MlflowTracker,
+    run_id: str,
+    corpus: CorpusManifest,
+    tokenizer: TokenizerManifest,
+    shards: ShardManifest,
+) -> None:
+    """Log data lineage tags, accounting metrics, the tokenizer files and the manifests."""
+    tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
+    tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
+    tracker.log_artifact(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
+    tracker.log_artifact(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
+    for m in (corpus, tokenizer, shards):
+        tracker.log_artifact(run_id, m.path, f"manifests/{m.stage}")
+
+
+def record_results(
+    tracker: MlflowTracker,
+    run_id: str,
+    cfg: PipelineConfig,
+    trained: TrainManifest,
+    evaluated: EvalManifest,
+) -> None:
+    """Log eval metrics (at the final step), probes, the final checkpoint and manifests."""
+    tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
+    tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
+    tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
+                              "train.device": trained.device,
+                              "train.precision": trained.precision})
+    for m in (trained, evaluated):
+        tracker.log_artifact(run_id, m.path, f"manifests/{m.stage}")
+    tracker.log_artifact(run_id, trained.file(trained.metrics_log), "train")
+    if cfg.tracking.log_checkpoint:
+        ckpt = trained.file(trained.checkpoint_dir)
+        tracker.log_artifacts(run_id, ckpt, f"checkpoints/{ckpt.name}")
+
+
+def summary(
+    tracker: MlflowTracker,
+    run_id: str,
+    corpus: CorpusManifest,
+    tokenizer: TokenizerManifest,
+    shards: ShardManifest,
+    trained: TrainManifest,
+    evaluated: EvalManifest,
+) -> dict[str, Any]:
+    """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able)."""
+    return {
+        "mlflow_run_id": run_id,
+        "mlflow_tracking_uri": tracker.tracking_uri,
+        "mlflow_run_url": tracker.run_url(run_id),
+        "metrics": {**trained.final_metrics, **evaluated.metrics},
+        "steps": trained.steps,
+        "tokens_seen": trained.tokens_seen,
+        "stopped_early": trained.stopped_early,
+        "checkpoint": str(trained.file(trained.checkpoint_dir)),
+        "manifests": {
+            m.stage: str(m.path) for m in (corpus, tokenizer, shards, trained, evaluated)
+        },
+        "wall_time_s": {
+            m.stage: round(m.wall_time_s, 2)
+            for m in (corpus, tokenizer, shards, trained, evaluated)
+        },
+    }
+
+
+def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
+    """Write the run summary as indented JSON; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(summary_dict, indent=2, sort_keys=True) + "\n")
+    return p

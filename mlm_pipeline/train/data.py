@@ -1,0 +1,172 @@
+"""Memory-mapped token rows and a resumable, deterministic batch order.
+
+`ShardDataset` maps the Arrow IPC shards of one split (`ShardManifest`) without copying and
+gathers rows by global index. `RowCursor` walks a shuffled order that depends only on
+(seed, epoch), so the position `(epoch, offset)` is the whole state: a resumed run sees
+exactly the batches an uninterrupted run would have seen, and ranks of a distributed run
+take disjoint strided slices of the same order.
+
+An epoch's last incomplete batch is skipped (`drop_last`, as in PyTorch's DataLoader); each
+epoch has its own permutation, so the rows skipped differ from epoch to epoch and no row is
+left out of training for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mlm_pipeline.manifest import ShardManifest
+from mlm_pipeline.shards import open_shard
+
+
+class ShardDataset:
+    """The rows of one split, memory-mapped from its Arrow IPC shards.
+
+    Args:
+        manifest: the shard manifest.
+        split: `train` or `validation`.
+
+    Raises:
+        ValueError: when `split` is unknown or has no rows.
+    """
+
+    def __init__(self, manifest: ShardManifest, split: str) -> None:
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+        info = getattr(manifest, split)
+        if info.rows == 0:
+            raise ValueError(f"{manifest.output_dir}: the {split} split has no rows")
+        self.split = split
+        self.seq_len = manifest.seq_len
+        self.arrays: list[np.ndarray] = [
+            open_shard(Path(manifest.output_dir) / entry.path) for entry in info.shards
+        ]
+        sizes = [a.shape[0] for a in self.arrays]
+        #: offsets[i] = global index of the first row of shard i; offsets[-1] = total rows.
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Rows at global `indices`.
+
+        Returns:
+            int64 tensor (len(indices), seq_len).
+
+        Raises:
+            IndexError: when an index is outside [0, len).
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"row index out of range [0, {len(self)})")
+        out = np.empty((idx.size, self.seq_len), dtype=np.int64)
+        shard_of = np.searchsorted(self.offsets, idx, side="right") - 1
+        for s in np.unique(shard_of):
+            sel = shard_of == s
+            out[sel] = self.arrays[s][idx[sel] - self.offsets[s]]
+        return torch.from_numpy(out)
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """Occurrences of each id over the whole split.
+
+        Returns:
+            int64 array (vocab_size,), streaming shard by shard.
+        """
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for a in self.arrays:
+            for start in range(0, a.shape[0], 65536):
+                block = np.asarray(a[start : start + 65536]).ravel()
+                counts += np.bincount(block, minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled row order of one epoch: a permutation of [0, num_rows), int64.
+
+    Depends only on (seed, epoch) (NumPy PCG64 seeded with both), never on earlier draws.
+    """
+    return np.random.default_rng([seed, epoch]).permutation(num_rows).astype(np.int64)
+
+
+class RowCursor:
+    """Deterministic, resumable source of row indices for training batches.
+
+    Args:
+        num_rows: rows in the split.
+        batch_size: rows per batch returned by `next_batch` (per rank).
+        seed: shuffling seed.
+        rank: this process's rank in data-parallel training.
+        world_size: number of ranks; rank r takes positions r, r + world_size, ... of each
+            epoch's order, so ranks never see the same row in an epoch.
+
+    Raises:
+        ValueError: when one rank's share of an epoch is smaller than one batch.
+    """
+
+    def __init__(
+        self, num_rows: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.per_rank = len(range(rank, num_rows, world_size))
+        self.batches_per_epoch = self.per_rank // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"the training split has {num_rows} rows: fewer than one batch of "
+                f"{batch_size} rows per rank (world_size {world_size}); lower "
+                "train.micro_batch_size or add data"
+            )
+        self.epoch = 0
+        self.offset = 0  # batches already taken in this epoch
+        self._order: np.ndarray | None = None
+
+    def _epoch_rows(self) -> np.ndarray:
+        if self._order is None:
+            self._order = epoch_order(self.num_rows, self.seed, self.epoch)[
+                self.rank :: self.world_size
+            ]
+        return self._order
+
+    def next_batch(self) -> tuple[np.ndarray, int]:
+        """The next batch's global row indices (int64, (batch_size,)) and its epoch."""
+        if self.offset >= self.batches_per_epoch:
+            self.epoch += 1
+            self.offset = 0
+            self._order = None
+        start = self.offset * self.batch_size
+        rows = self._epoch_rows()[start : start + self.batch_size]
+        self.offset += 1
+        return rows, self.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and identity of the order: everything needed to resume exactly."""
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "batch_size": self.batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by `state_dict`.
+
+        Raises:
+            ValueError: when the saved order was for other data, seed, batch size or ranks.
+        """
+        for key in ("seed", "num_rows", "batch_size", "rank", "world_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume data position: saved {key}={state[key]} but this run "
+                    f"has {key}={getattr(self, key)}"
+                )
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = None

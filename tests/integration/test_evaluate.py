@@ -1,0 +1,66 @@
+"""Held-out metrics: token-weighted, independent of the eval batch size, fixed positions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlm_pipeline.evaluate import masked_lm_metrics, most_frequent_token
+from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.train import BertMLM
+from mlm_pipeline.train.data import ShardDataset
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tiny_model_config, tiny_shard_manifest):
+    torch.manual_seed(3)
+    model = BertMLM(tiny_model_config, tiny_shard_manifest.vocab_size,
+                    tiny_shard_manifest.seq_len).eval()
+    return model, ShardDataset(tiny_shard_manifest, "validation"), tiny_shard_manifest
+
+
+def _metrics(model, data, manifest, batch_size):
+    return masked_lm_metrics(
+        model, data, vocab_size=manifest.vocab_size, seed=99, mlm_probability=0.15,
+        mask_replace_prob=0.8, random_replace_prob=0.1, batch_size=batch_size,
+        baseline_token=most_frequent_token(manifest),
+    )
+
+
+def test_same_metrics_for_batch_sizes_1_7_32(model_and_data):
+    model, data, manifest = model_and_data
+    results = [_metrics(model, data, manifest, bs) for bs in (1, 7, 32)]
+    for other in results[1:]:
+        assert other["eval/masked_tokens"] == results[0]["eval/masked_tokens"]
+        for key in results[0]:
+            assert other[key] == pytest.approx(results[0][key], rel=1e-5), key
+
+
+def test_metrics_match_a_full_head_reference(model_and_data):
+    """Recompute every number row by row with the model's full (B, L, V) logits."""
+    model, data, manifest = model_and_data
+    got = _metrics(model, data, manifest, 16)
+    loss_sum, correct, masked, counts = 0.0, 0, 0, torch.zeros(manifest.vocab_size)
+    train = ShardDataset(manifest, "train")
+    for i in range(len(train)):
+        counts += torch.bincount(train.get([i])[0], minlength=manifest.vocab_size)
+    counts[:5] = -1
+    top = int(counts.argmax())
+    hits = 0
+    with torch.no_grad():
+        for i in range(len(data)):
+            index = torch.tensor([i])
+            inp, labels = mask_tokens(data.get([i]), vocab_size=manifest.vocab_size,
+                                      row_index=index, seed=99, epoch=0)
+            logits = model(inp).logits[0, :, : manifest.vocab_size]
+            sel = labels[0] != -100
+            loss_sum += F.cross_entropy(logits[sel], labels[0][sel], reduction="sum").item()
+            correct += (logits[sel].argmax(-1) == labels[0][sel]).sum().item()
+            hits += (labels[0][sel] == top).sum().item()
+            masked += int(sel.sum())
+    assert got["eval/masked_tokens"] == masked
+    assert got["eval/loss"] == pytest.approx(loss_sum / masked, rel=1e-5)
+    assert got["eval/mlm_accuracy"] == pytest.approx(correct / masked)
+    assert got["eval/perplexity"] == pytest.approx(math.exp(loss_sum / masked), rel=1e-5)
+    assert got["eval/baseline_accuracy"] == pytest.approx(hits / masked)

@@ -1,0 +1,51 @@
+"""House rules that the import graph must keep (STYLE rules 1 and 3)."""
+
+import json
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import mlm_pipeline
+
+ALL_MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(mlm_pipeline.__path__, prefix="mlm_pipeline.")
+)
+CHEAP_MODULES = [
+    "mlm_pipeline.config",
+    "mlm_pipeline.manifest",
+    "mlm_pipeline.ingest",
+    "mlm_pipeline.corpora",
+    "mlm_pipeline.tokenizer",
+    "mlm_pipeline.tracking",
+    "mlm_pipeline.pipeline",
+    "mlm_pipeline.cli",
+]
+
+
+def _imported_after(module: str) -> set[str]:
+    code = (
+        f"import sys, json, importlib; importlib.import_module({module!r}); "
+        "print(json.dumps(sorted(k.split('.')[0] for k in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+def test_every_module_is_found():
+    # The list the other tests iterate over must not be empty or stale.
+    for name in ("mlm_pipeline.masking", "mlm_pipeline.train.loop", "mlm_pipeline.evaluate"):
+        assert name in ALL_MODULES
+
+
+@pytest.mark.parametrize("module", ALL_MODULES)
+def test_library_never_imports_prefect(module):
+    assert "prefect" not in _imported_after(module)
+
+
+@pytest.mark.parametrize("module", CHEAP_MODULES)
+def test_cheap_modules_import_neither_torch_nor_mlflow(module):
+    imported = _imported_after(module)
+    assert "torch" not in imported
+    assert "mlflow" not in imported
