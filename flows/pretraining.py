@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel, Field
 
 from mlm_pipeline import pipeline
@@ -48,8 +48,9 @@ def start_tracking(cfg: PipelineConfig) -> str:
     if flow_run.id:
         extra = {"prefect.flow_run_id": str(flow_run.id),
                  "prefect.flow_run_name": str(flow_run.name)}
-        if flow_run.deployment_id:
-            extra["prefect.deployment_id"] = str(flow_run.deployment_id)
+        if deployment.id:
+            extra["prefect.deployment_id"] = str(deployment.id)
+            extra["prefect.deployment_name"] = str(deployment.name)
     tracker = MlflowTracker.from_config(cfg.tracking)
     return tracker.start_run(pipeline.run_params(cfg), pipeline.run_tags(extra))
 

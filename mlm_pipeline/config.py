@@ -63,7 +63,7 @@ class TokenizerConfig(StrictModel):
     """Pieces in the vocabulary, the five special tokens included."""
     character_coverage: float = Field(default=0.9995, gt=0.0, le=1.0)
     """Share of characters covered by the vocabulary; the rest map to [UNK]."""
-    input_sentence_size: int = Field(default=2_000_000, ge=1)
+    input_sentence_size: int = Field(default=2_000_000, ge=101)
     """Sentences (lines) sampled from the training split to train on: bounds memory."""
     max_sentence_length: int = Field(default=16384, ge=16)
     """Longest training sentence in bytes; longer lines are split, not skipped."""
@@ -80,6 +80,8 @@ class ShardConfig(StrictModel):
     """Rows per Arrow IPC file."""
     encode_batch_size: int = Field(default=1024, ge=1)
     """Documents encoded per SentencePiece batch call."""
+    num_threads: int = Field(default=0, ge=0)
+    """SentencePiece encoder threads; 0 = SentencePiece's default (all cores)."""
 
 
 class MaskingConfig(StrictModel):

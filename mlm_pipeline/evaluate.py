@@ -174,6 +174,20 @@ def fill_mask(
     return results
 
 
+def _run_probes(model, tok: Tokenizer, cfg: PipelineConfig, seq_len: int,
+                device: torch.device) -> list[dict[str, Any]]:
+    """Fill-mask on each probe; a probe that cannot run (no [MASK] within `seq_len`
+    tokens) is reported with an `error` instead of failing the evaluation."""
+    results = []
+    for text in cfg.eval.probes:
+        try:
+            results += fill_mask(model, tok, [text], seq_len=seq_len, top_k=cfg.eval.top_k,
+                                 device=device)
+        except ValueError as exc:
+            results.append({"text": text, "error": str(exc)})
+    return results
+
+
 def most_frequent_token(shards: ShardManifest) -> int:
     """The most frequent ordinary (non-special) id in the training split."""
     counts = ShardDataset(shards, "train").token_counts(shards.vocab_size)
@@ -229,11 +243,11 @@ def evaluate(
         device=device,
         precision=precision,
     )
-    probes = fill_mask(
-        model, Tokenizer.load(tokenizer), list(cfg.eval.probes), seq_len=shards.seq_len,
-        top_k=cfg.eval.top_k, device=device,
-    ) if cfg.eval.probes else []
+    probes = _run_probes(model, Tokenizer.load(tokenizer), cfg, shards.seq_len, device)
     for probe in probes:
+        if "error" in probe:
+            logger.warning("fill-mask probe skipped: %s", probe["error"])
+            continue
         tops = [" / ".join(c["token"] for c in mask[:3]) for mask in probe["predictions"]]
         logger.info("fill-mask %r -> %s", probe["text"], "; ".join(tops))
     logger.info(

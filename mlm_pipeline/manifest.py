@@ -84,7 +84,15 @@ def canonical_json(obj: Any) -> bytes:
     """Deterministic JSON bytes (sorted keys, no whitespace) for hashing."""
     if isinstance(obj, BaseModel):
         obj = obj.model_dump(mode="json")
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_jsonable
+    ).encode()
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    raise TypeError(f"cannot hash {type(obj).__name__} into a digest")
 
 
 def compute_digest(stage: str, config: Any, inputs: Mapping[str, str]) -> str:
@@ -140,6 +148,10 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600 files; give the usual umask-based mode for shared work dirs.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

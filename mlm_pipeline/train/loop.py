@@ -15,6 +15,7 @@ so a step over k micro-batches computes the same gradient as one batch k times l
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -96,6 +97,16 @@ def accumulate_gradients(
     return loss_sum, total
 
 
+def _truncate_metrics_log(path: Path, step: int) -> None:
+    """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
+    those steps again, and the log must hold each step once."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def train_digest(cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest,
                  run_key: str) -> str:
     """Identity of one training run: model, train and masking configs, inputs, run key."""
@@ -175,7 +186,9 @@ def train(
         cursor.load_state_dict(state["cursor"])
         logger.info("resuming at step %d (%d tokens seen)", step, tokens_seen)
 
-    jsonl = JsonlSink(out / "metrics.jsonl")
+    if resume_from is not None:
+        _truncate_metrics_log(out / "metrics.jsonl", step)
+    jsonl = JsonlSink(out / "metrics.jsonl", append=True)
     sinks = [jsonl] + ([sink] if sink is not None else [])
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)

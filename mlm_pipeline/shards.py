@@ -1,0 +1,327 @@
+"""Pack encoded documents into fixed-length rows and write them as Arrow IPC shards.
+
+Packing ("full sentences", RoBERTa, Liu et al. 2019, §4.2, with BERT's [CLS] / [SEP]
+convention, Devlin et al. 2019, §3). Each split is read as one token stream
+
+    doc1 [SEP] doc2 [SEP] doc3 [SEP] ...
+
+in document order, and cut into rows of `seq_len` tokens: every row is [CLS] followed by the
+next `seq_len - 1` stream tokens. Rows therefore cross document boundaries (a [SEP] marks each
+boundary), every row is full, and there is no padding inside the corpus. The stream tokens
+left after the last full row (fewer than `seq_len - 1`) are the split's single remainder: they
+are counted (`remainder_tokens`) and not written. For each split
+
+    tokens_in = pieces + documents = rows * (seq_len - 1) + remainder_tokens
+
+Storage. One Arrow IPC file format (Feather v2, uncompressed) file per `rows_per_shard` rows,
+named `train-00000.arrow`, `validation-00000.arrow`, ...; one column `input_ids` of type
+`fixed_size_list<uint16>[seq_len]` (uint32 when `vocab_size > 65536`). Each shard is written
+as a single record batch: record batches in an IPC file are separated by metadata, and only
+one contiguous buffer lets `open_shard` return a zero-copy memory-mapped `(rows, seq_len)`
+array. Memory while writing is one encode batch plus one shard, never the whole split.
+
+This module may import numpy and pyarrow; it does not import torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from mlm_pipeline.config import CLS_ID, SEP_ID, ShardConfig
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    FileEntry,
+    ShardManifest,
+    ShardSplit,
+    Stopwatch,
+    TokenizerManifest,
+    compute_digest,
+    file_entry,
+    load_if_complete,
+    sha256_file,
+    stage_dir,
+    write_manifest,
+)
+from mlm_pipeline.tokenizer import Tokenizer, iter_text_batches
+
+logger = logging.getLogger(__name__)
+
+STAGE = "shards"
+#: Value of `ShardManifest.packing` for the scheme in the module docstring.
+PACKING = "full-sentences: [CLS] + (seq_len-1) tokens of the doc[SEP] stream, remainder dropped"
+#: Largest vocabulary whose ids fit in uint16.
+UINT16_VOCAB = 1 << 16
+_DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
+
+
+def write_shards(
+    cfg: ShardConfig,
+    corpus: CorpusManifest,
+    tokenizer: TokenizerManifest,
+    work_dir: str | os.PathLike[str],
+) -> ShardManifest:
+    """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
+
+    Args:
+        cfg: `seq_len` (tokens per row, [CLS] included), `rows_per_shard`,
+            `encode_batch_size` (documents per SentencePiece batch call).
+        corpus: the ingested corpus (`train` and `validation` Parquet files).
+        tokenizer: the trained tokenizer.
+        work_dir: pipeline work directory; output goes to `<work_dir>/shards/<digest[:16]>`.
+
+    Returns:
+        The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
+        rows, documents, `tokens_in` and `remainder_tokens`.
+
+    Raises:
+        ValueError: the training split yields no full row (the corpus is smaller than one
+            row of `seq_len` tokens), the tokenizer model differs from its manifest, or a
+            Parquet file is malformed (the file is named).
+    """
+    inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
+    digest = compute_digest(STAGE, cfg, inputs)
+    out_dir = stage_dir(work_dir, STAGE, digest)
+    cached = load_if_complete(out_dir, ShardManifest, digest)
+    if cached is not None:
+        logger.info("shards: reusing %s", out_dir)
+        return cached
+    watch = Stopwatch()
+    tok = Tokenizer.load(tokenizer)
+    if tok.model_sha256 != tokenizer.model.sha256:
+        raise ValueError(f"{tok.path}: sha256 differs from the tokenizer manifest {tokenizer.path}")
+    dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits: dict[str, ShardSplit] = {}
+    for name, files in (("train", corpus.train), ("validation", corpus.validation)):
+        paths = [corpus.file(e.path) for e in files]
+        split = _write_split(name, paths, tok, cfg, dtype, out_dir)
+        if split.rows == 0:
+            if name == "train":
+                raise ValueError(
+                    f"shards: the corpus is smaller than one row of seq_len={cfg.seq_len} "
+                    f"tokens: the training split has {split.tokens_in} tokens "
+                    f"({split.documents} documents) and a row needs {cfg.seq_len - 1} "
+                    "after [CLS]; lower shards.seq_len or add text"
+                )
+            logger.warning(
+                "shards: the %s split (%d documents, %d tokens) is shorter than one row of "
+                "seq_len=%d; it has no shards", name, split.documents, split.tokens_in,
+                cfg.seq_len,
+            )
+        splits[name] = split
+    manifest = ShardManifest(
+        stage=STAGE,
+        digest=digest,
+        output_dir=str(out_dir),
+        config=cfg.model_dump(mode="json"),
+        inputs=inputs,
+        created_at=watch.created_at,
+        wall_time_s=watch.elapsed,
+        seq_len=cfg.seq_len,
+        dtype=dtype,
+        vocab_size=tokenizer.vocab_size,
+        packing=PACKING,
+        train=splits["train"],
+        validation=splits["validation"],
+    )
+    write_manifest(manifest)
+    return manifest
+
+
+def _write_split(
+    name: str, paths: list[Path], tok: Tokenizer, cfg: ShardConfig, dtype: str, out_dir: Path
+) -> ShardSplit:
+    """Encode, pack and write one split; see the module docstring for the packing."""
+    watch = Stopwatch()
+    np_dtype = _DTYPES[dtype][0]
+    body = cfg.seq_len - 1  # stream tokens per row after [CLS]
+    writer = _ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype)
+    carry = np.empty(0, np_dtype)  # stream tokens not yet in a row; always < body
+    documents = tokens_in = 0
+    try:
+        for texts in iter_text_batches(paths, cfg.encode_batch_size):
+            chunk = _join_documents(tok.encode(texts, num_threads=cfg.num_threads), np_dtype)
+            documents += len(texts)
+            tokens_in += len(chunk)
+            stream = np.concatenate([carry, chunk])
+            n = len(stream) // body
+            if n:
+                rows = np.empty((n, cfg.seq_len), np_dtype)
+                rows[:, 0] = CLS_ID
+                rows[:, 1:] = stream[: n * body].reshape(n, body)
+                writer.add(rows)
+            carry = stream[n * body :].copy()
+        shards = writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    rows_total = sum(e.rows or 0 for e in shards)
+    logger.info(
+        "shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder tokens "
+        "(%.0f tokens/s)", name, documents, tokens_in, rows_total, len(shards), len(carry),
+        tokens_in / max(watch.elapsed, 1e-9),
+    )
+    return ShardSplit(
+        shards=shards,
+        rows=rows_total,
+        documents=documents,
+        tokens_in=tokens_in,
+        remainder_tokens=len(carry),
+    )
+
+
+def _join_documents(encoded: list[list[int]], dtype: type) -> np.ndarray:
+    """`doc1 [SEP] doc2 [SEP] ...` as a flat array, built without a Python loop per token."""
+    lengths = np.fromiter((len(ids) for ids in encoded), np.int64, count=len(encoded))
+    total = int(lengths.sum()) + len(encoded)
+    out = np.empty(total, dtype)
+    is_sep = np.zeros(total, bool)
+    is_sep[np.cumsum(lengths + 1) - 1] = True
+    out[is_sep] = SEP_ID
+    out[~is_sep] = np.fromiter(
+        itertools.chain.from_iterable(encoded), dtype, count=total - len(encoded)
+    )
+    return out
+
+
+class _ShardWriter:
+    """Collects rows of one split and writes a shard every `rows_per_shard` rows."""
+
+    def __init__(
+        self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str
+    ) -> None:
+        self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
+        self.rows_per_shard = rows_per_shard
+        self.np_dtype, pa_type = _DTYPES[dtype]
+        self.schema = pa.schema(
+            [pa.field("input_ids", pa.list_(pa_type, seq_len), nullable=False)]
+        )
+        # Grown by doubling up to rows_per_shard, so a small split does not reserve a shard.
+        self.buf = np.empty((0, seq_len), self.np_dtype)
+        self.filled = 0
+        self.entries: list[FileEntry] = []
+        self.tmp: Path | None = None
+
+    def add(self, rows: np.ndarray) -> None:
+        while len(rows):
+            take = min(len(rows), self.rows_per_shard - self.filled)
+            self._reserve(self.filled + take)
+            self.buf[self.filled : self.filled + take] = rows[:take]
+            self.filled += take
+            rows = rows[take:]
+            if self.filled == self.rows_per_shard:
+                self._flush()
+
+    def close(self) -> list[FileEntry]:
+        if self.filled:
+            self._flush()
+        return self.entries
+
+    def discard(self) -> None:
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= len(self.buf):
+            return
+        size = min(self.rows_per_shard, max(needed, 2 * len(self.buf), 1024))
+        grown = np.empty((size, self.seq_len), self.np_dtype)
+        grown[: self.filled] = self.buf[: self.filled]
+        self.buf = grown
+
+    def _flush(self) -> None:
+        path = self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
+        self.tmp = path.with_name(f".{path.name}.tmp")
+        values = pa.array(self.buf[: self.filled].reshape(-1))
+        column = pa.FixedSizeListArray.from_arrays(values, self.seq_len)
+        batch = pa.record_batch([column], schema=self.schema)
+        with open(self.tmp, "wb") as f:
+            with ipc.new_file(f, self.schema) as w:
+                w.write_batch(batch)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.tmp, path)
+        self.tmp = None
+        self.entries.append(
+            file_entry(self.out_dir, path, rows=self.filled, tokens=self.filled * self.seq_len)
+        )
+        self.filled = 0
+
+
+def open_shard(path: str | os.PathLike[str]) -> np.ndarray:
+    """Memory-map a shard as a read-only `(rows, seq_len)` array of token ids.
+
+    Shards written by `write_shards` hold one record batch, and the array is a zero-copy
+    view of the mapped file (the mapping stays open while the array lives). A file with
+    several record batches is read too, but copied into one array.
+
+    Args:
+        path: an Arrow IPC file with one column `input_ids`, `fixed_size_list<uint16|uint32>`.
+
+    Returns:
+        uint16 or uint32 (the stored type) array of shape `(rows, seq_len)`.
+
+    Raises:
+        ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
+            holds nulls (the file is named).
+    """
+    path = Path(path)
+    try:
+        reader = ipc.open_file(pa.memory_map(str(path), "r"))
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{path}: not an Arrow IPC file: {exc}") from exc
+    schema = reader.schema
+    kind = schema.field(0).type if len(schema) == 1 else None
+    if (
+        schema.names != ["input_ids"]
+        or not pa.types.is_fixed_size_list(kind)
+        or kind.value_type not in (pa.uint16(), pa.uint32())
+    ):
+        raise ValueError(
+            f"{path}: expected one column 'input_ids' of fixed_size_list<uint16|uint32>, "
+            f"got schema {schema}"
+        )
+    seq_len = kind.list_size
+    np_dtype = _DTYPES[str(kind.value_type)][0]
+    parts = []
+    for i in range(reader.num_record_batches):
+        column = reader.get_batch(i).column(0)
+        if column.null_count or column.values.null_count:
+            raise ValueError(f"{path}: record batch {i} of 'input_ids' holds nulls")
+        start = column.offset * seq_len
+        values = column.values.to_numpy(zero_copy_only=True)
+        parts.append(values[start : start + len(column) * seq_len].reshape(-1, seq_len))
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return np.empty((0, seq_len), np_dtype)
+    logger.debug("%s: %d record batches, copied into one array", path, len(parts))
+    out = np.concatenate(parts)
+    out.flags.writeable = False
+    return out
+
+
+def verify_shards(manifest: ShardManifest) -> None:
+    """Recompute the sha256 of every shard of both splits and compare with the manifest.
+
+    Raises:
+        ValueError: a shard is missing or its sha256 differs (the file is named).
+    """
+    for split in (manifest.train, manifest.validation):
+        for entry in split.shards:
+            path = manifest.file(entry.path)
+            if not path.is_file():
+                raise ValueError(f"{path}: shard listed in {manifest.path} is missing")
+            actual = sha256_file(path)
+            if actual != entry.sha256:
+                raise ValueError(
+                    f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}"
+                )
+

@@ -1,0 +1,456 @@
+"""SentencePiece tokenizer: training on the training split, loading and batch encoding.
+
+`train_tokenizer` trains a SentencePiece model (Kudo & Richardson 2018; unigram LM, Kudo 2018,
+or BPE, Sennrich et al. 2016) on the training split of an ingested corpus, with the fixed
+special-token ids of `config.SPECIAL_TOKENS`:
+
+    0 [PAD] (pad_id)   1 [UNK] (unk_id)   2 [CLS] (bos_id)   3 [SEP] (eos_id)   4 [MASK] (control)
+
+`[MASK]` is a *control* symbol: it has an id but is never matched in text, so a document that
+contains the characters "[MASK]" is encoded as ordinary text. The only way id 4 enters a
+sequence from text is `Tokenizer.encode_with_mask` (fill-mask probes); masking itself
+writes the id directly.
+
+Normalization. Ingestion already applied the declared Unicode policy (NFC or NFKC), so the
+tokenizer must not apply another one: SentencePiece's default `nmt_nfkc` would silently turn
+an NFC corpus into NFKC. We therefore train with the identity rule *except for whitespace*:
+SentencePiece only treats U+0020 as a word boundary, and with the plain `identity` rule a tab,
+newline, no-break space (U+00A0, U+202F, common in French typography) or any other Unicode
+space is an ordinary character, usually unseen in training and encoded as [UNK] (we checked
+this with sentencepiece 0.2.3: "chat\\tdort" gives [UNK] for the tab). A custom rule table
+(`normalization_rule_tsv`) maps every character for which `str.isspace()` is true to U+0020;
+it is compiled into the `.model` file, so any SentencePiece runtime reading the model encodes
+the same ids. `remove_extra_whitespaces` (default) then collapses runs of spaces.
+
+This module imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
+
+from mlm_pipeline.config import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_TOKENS, UNK_ID
+from mlm_pipeline.config import TokenizerConfig
+from mlm_pipeline.manifest import CorpusManifest, Stopwatch, TokenizerManifest, compute_digest
+from mlm_pipeline.manifest import file_entry, load_if_complete, read_manifest, stage_dir
+from mlm_pipeline.manifest import write_manifest
+
+logger = logging.getLogger(__name__)
+
+STAGE = "tokenizer"
+MODEL_FILE = "spm.model"
+VOCAB_FILE = "spm.vocab"
+#: The literal marker that `Tokenizer.encode_with_mask` replaces by the [MASK] id.
+MASK_MARKER = "[MASK]"
+#: SentencePiece rejects `input_sentence_size` in [1, 100] (trainer_interface.cc).
+_MIN_INPUT_SENTENCE_SIZE = 101
+#: Fixed seed of SentencePiece's sentence sampling, so that a rerun samples the same lines.
+_SAMPLING_SEED = 1
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+_SEVERE = re.compile(r"[WEF]\d{4} ")  # absl log prefix of warnings, errors, fatals
+_READ = re.compile(r"Loaded all (\d+) sentences|Sampled (\d+) sentences from \d+ sentences")
+
+
+def train_tokenizer(
+    cfg: TokenizerConfig, corpus: CorpusManifest, work_dir: str | os.PathLike[str]
+) -> TokenizerManifest:
+    """Train a SentencePiece model on the corpus's training split (or reuse a cached one).
+
+    Each document is written to a temporary text file as one line per non-blank line of the
+    document; a line longer than `cfg.max_sentence_length` bytes is split at whitespace (at a
+    character boundary when a single word is longer), so no text is dropped. The trainer
+    samples at most `cfg.input_sentence_size` lines (reservoir sampling with a fixed seed),
+    which bounds its memory.
+
+    Args:
+        cfg: tokenizer settings (`vocab_size` counts the five special tokens).
+        corpus: the ingested corpus; only its `train` Parquet files are read.
+        work_dir: pipeline work directory; output goes to `<work_dir>/tokenizer/<digest[:16]>`.
+
+    Returns:
+        The manifest of `spm.model` and `spm.vocab`, with the actual `vocab_size` and the
+        number of sentences (lines) the trainer read.
+
+    Raises:
+        ValueError: `cfg.vocab_size` is more than the corpus supports or fewer than its
+            required characters (the message names both numbers), `cfg.input_sentence_size`
+            is below SentencePiece's minimum of 101, the training split has no text, or a
+            Parquet file lacks a string `text` column (the file is named).
+        RuntimeError: the trained model does not have the fixed special-token ids.
+    """
+    digest = compute_digest(STAGE, cfg, {"corpus": corpus.digest})
+    out_dir = stage_dir(work_dir, STAGE, digest)
+    cached = load_if_complete(out_dir, TokenizerManifest, digest)
+    if cached is not None:
+        logger.info("tokenizer: reusing %s", out_dir)
+        return cached
+    if cfg.input_sentence_size < _MIN_INPUT_SENTENCE_SIZE:
+        raise ValueError(
+            f"tokenizer.input_sentence_size={cfg.input_sentence_size} is too small: "
+            f"SentencePiece needs at least {_MIN_INPUT_SENTENCE_SIZE}"
+        )
+    watch = Stopwatch()
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp-") as tmp_name:
+            tmp = Path(tmp_name)
+            lines = _write_training_text(corpus, tmp / "train.txt", cfg.max_sentence_length)
+            if lines == 0:
+                raise ValueError(
+                    f"tokenizer: the training split of corpus {corpus.output_dir} has no text"
+                )
+            read = _run_trainer(cfg, tmp, lines)
+            _strip_temp_paths(tmp / MODEL_FILE)
+            for name in (MODEL_FILE, VOCAB_FILE):
+                os.replace(tmp / name, out_dir / name)
+    except BaseException:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    vocab_size = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE)).get_piece_size()
+    manifest = TokenizerManifest(
+        stage=STAGE,
+        digest=digest,
+        output_dir=str(out_dir),
+        config=cfg.model_dump(mode="json"),
+        inputs={"corpus": corpus.digest},
+        created_at=watch.created_at,
+        wall_time_s=watch.elapsed,
+        model=file_entry(out_dir, out_dir / MODEL_FILE),
+        vocab=file_entry(out_dir, out_dir / VOCAB_FILE),
+        vocab_size=vocab_size,
+        model_type=cfg.model_type,
+        special_tokens=dict(SPECIAL_TOKENS),
+        training_sentences=read,
+    )
+    write_manifest(manifest)
+    logger.info(
+        "tokenizer: %s vocab_size=%d from %d sentences (%d lines written) in %.1f s",
+        cfg.model_type, vocab_size, read, lines, watch.elapsed,
+    )
+    return manifest
+
+
+def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
+    """Split `line` into pieces of at most `max_bytes` UTF-8 bytes, never dropping text.
+
+    Pieces break at whitespace (runs of whitespace become the break); a single word longer
+    than `max_bytes` is cut at character boundaries. A line that fits is yielded unchanged.
+
+    Args:
+        line: one line of text (no newline).
+        max_bytes: largest piece in UTF-8 bytes (SentencePiece skips longer training lines).
+
+    Yields:
+        Non-empty pieces, in order.
+    """
+    if len(line.encode("utf-8")) <= max_bytes:
+        yield line
+        return
+    current, size = [], 0
+    for word in line.split():
+        n = len(word.encode("utf-8"))
+        if n > max_bytes:
+            if current:
+                yield " ".join(current)
+                current, size = [], 0
+            yield from _cut_word(word, max_bytes)
+            continue
+        extra = n + (1 if current else 0)
+        if size + extra > max_bytes:
+            yield " ".join(current)
+            current, size = [word], n
+        else:
+            current.append(word)
+            size += extra
+    if current:
+        yield " ".join(current)
+
+
+def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
+    start, size = 0, 0
+    for i, ch in enumerate(word):
+        n = len(ch.encode("utf-8"))
+        if size + n > max_bytes:
+            yield word[start:i]
+            start, size = i, 0
+        size += n
+    yield word[start:]
+
+
+def iter_text_batches(
+    paths: list[str | os.PathLike[str]], batch_size: int
+) -> Iterator[list[str]]:
+    """Stream the `text` column of ingested Parquet document files, in order.
+
+    Memory stays at about two batches: files are read with `ParquetFile.iter_batches`.
+
+    Args:
+        paths: Parquet files with a string column `text` (ingestion's document shards).
+        batch_size: documents per yielded list (the last list may be shorter).
+
+    Yields:
+        Lists of document texts, in file and row order.
+
+    Raises:
+        ValueError: a file lacks a string `text` column, or a `text` value is null (the file
+            and row are named).
+    """
+    pending: list[str] = []
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+        kind = schema.field("text").type if "text" in schema.names else None
+        if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+        row = 0
+        for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
+            texts = batch.column(0).to_pylist()
+            if batch.column(0).null_count:
+                raise ValueError(f"{path}: row {row + texts.index(None)}: 'text' is null")
+            row += len(texts)
+            pending.extend(texts)
+            while len(pending) >= batch_size:
+                yield pending[:batch_size]
+                pending = pending[batch_size:]
+    if pending:
+        yield pending
+
+
+def _write_training_text(corpus: CorpusManifest, path: Path, max_bytes: int) -> int:
+    """Write one training sentence per line; returns the number of lines written."""
+    written = 0
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        paths = [corpus.file(e.path) for e in corpus.train]
+        for text in (t for batch in iter_text_batches(paths, 1024) for t in batch):
+            for line in text.split("\n"):
+                if not line.strip():
+                    continue
+                for piece in split_long_line(line, max_bytes):
+                    f.write(piece)
+                    f.write("\n")
+                    written += 1
+    return written
+
+
+def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
+    """Run the SentencePiece trainer in `tmp` and check its model; returns sentences read.
+
+    Raises:
+        ValueError: the requested vocabulary size does not fit the corpus (too many pieces,
+            fewer than the required characters, or fewer pieces built than requested).
+        RuntimeError: the model does not have the fixed special-token ids.
+    """
+    rules = tmp / "whitespace.tsv"
+    # Rule format (sentencepiece normalizer builder): source code points TAB target code points.
+    spaces = (c for c in range(0x110000) if chr(c).isspace() and c != 0x20)
+    rules.write_text("".join(f"{c:X}\t20\n" for c in spaces), encoding="utf-8")
+    log_path = tmp / "trainer.log"
+    spm.set_random_generator_seed(_SAMPLING_SEED)
+    error: RuntimeError | None = None
+    try:
+        # `logstream` redirects the process's stderr (fd 2) into the file while training:
+        # the only way to read how many sentences the trainer loaded.
+        with open(log_path, "w", encoding="utf-8") as log:
+            spm.SentencePieceTrainer.train(
+                input=str(tmp / "train.txt"),
+                model_prefix=str(tmp / Path(MODEL_FILE).stem),
+                model_type=cfg.model_type,
+                vocab_size=cfg.vocab_size,
+                character_coverage=cfg.character_coverage,
+                input_sentence_size=cfg.input_sentence_size,
+                shuffle_input_sentence=True,
+                max_sentence_length=cfg.max_sentence_length,
+                num_threads=cfg.num_threads,
+                normalization_rule_tsv=str(rules),
+                pad_id=PAD_ID, pad_piece="[PAD]",
+                unk_id=UNK_ID, unk_piece="[UNK]",
+                bos_id=CLS_ID, bos_piece="[CLS]",
+                eos_id=SEP_ID, eos_piece="[SEP]",
+                control_symbols=[MASK_MARKER],
+                logstream=log,
+            )
+    except RuntimeError as exc:
+        error = exc
+    read = _read_trainer_log(log_path, cfg, lines)
+    if error is not None:
+        if m := _TOO_HIGH.search(str(error)):
+            raise ValueError(_too_high_message(cfg, int(m.group(2)), read)) from error
+        if m := _TOO_SMALL.search(str(error)):
+            raise ValueError(
+                f"tokenizer.vocab_size={cfg.vocab_size} is less than this corpus needs: "
+                f"SentencePiece ({cfg.model_type}) needs at least {m.group(2)} pieces (the "
+                f"characters kept by character_coverage={cfg.character_coverage:g} plus the "
+                f"special tokens) for {read} training sentences; raise tokenizer.vocab_size "
+                "or lower tokenizer.character_coverage"
+            ) from error
+        raise error
+    sp = spm.SentencePieceProcessor(model_file=str(tmp / MODEL_FILE))
+    if sp.get_piece_size() < cfg.vocab_size:  # a trainer that silently built fewer pieces
+        raise ValueError(_too_high_message(cfg, sp.get_piece_size(), read))
+    _check_special(sp, tmp / MODEL_FILE, RuntimeError)
+    return read
+
+
+def _too_high_message(cfg: TokenizerConfig, supported: int, read: int) -> str:
+    return (
+        f"tokenizer.vocab_size={cfg.vocab_size} is more than this corpus supports: "
+        f"SentencePiece ({cfg.model_type}) can build at most {supported} pieces from {read} "
+        "training sentences; lower tokenizer.vocab_size or add text"
+    )
+
+
+def _read_trainer_log(log_path: Path, cfg: TokenizerConfig, lines: int) -> int:
+    """Forward the trainer's log to `logger`; returns the sentences it says it loaded
+    (else what sampling allows: min(lines written, input_sentence_size))."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        logger.log(logging.WARNING if _SEVERE.match(line) else logging.DEBUG, "spm: %s", line)
+    if m := _READ.search(text):
+        return int(m.group(1) or m.group(2))
+    return min(lines, cfg.input_sentence_size)
+
+
+def _strip_temp_paths(path: Path) -> None:
+    """Keep only file names of the temporary paths the trainer records in the model.
+
+    The `.model` proto stores its trainer spec, temporary input paths included; without
+    them the same config and corpus give byte-identical models (and `model_sha256`) in any
+    directory. Needs protobuf (an mlflow dependency); without it the model is left as is.
+    """
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # protobuf missing: the model works, its sha256 is just less stable
+        logger.debug("protobuf not installed: %s keeps its temporary paths", path)
+        return
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    spec.input[:] = [Path(p).name for p in spec.input]
+    spec.model_prefix = Path(spec.model_prefix).name
+    norm.normalization_rule_tsv = Path(norm.normalization_rule_tsv).name
+    path.write_bytes(proto.SerializeToString())
+
+
+def _check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Exception]) -> None:
+    wrong = [
+        f"{piece} has id {sp.piece_to_id(piece)}"
+        for piece, want in SPECIAL_TOKENS.items()
+        if sp.piece_to_id(piece) != want or sp.id_to_piece(want) != piece
+    ]
+    if not sp.is_control(MASK_ID):
+        wrong.append(f"{MASK_MARKER} is not a control symbol")
+    if wrong:
+        raise error(f"{path}: special tokens differ from {SPECIAL_TOKENS}: {'; '.join(wrong)}")
+
+
+class Tokenizer:
+    """A trained SentencePiece model with the pipeline's fixed special-token ids.
+
+    Attributes:
+        path: the `.model` file it was loaded from.
+        model_sha256: hex sha256 of that file's bytes (equals the manifest's `model.sha256`).
+        pad_id, unk_id, cls_id, sep_id, mask_id: the fixed special ids 0-4.
+    """
+
+    pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Load a `.model` file (prefer `Tokenizer.load`).
+
+        Raises:
+            ValueError: the model does not have the fixed special-token ids.
+        """
+        self.path = Path(path)
+        proto = self.path.read_bytes()
+        self.model_sha256 = hashlib.sha256(proto).hexdigest()
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        _check_special(self._sp, self.path, ValueError)
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str] | TokenizerManifest) -> Tokenizer:
+        """Load from a `TokenizerManifest`, its directory / `manifest.json`, or a `.model` file.
+
+        Raises:
+            FileNotFoundError: the path does not exist.
+            ValueError: the manifest is invalid, or the model lacks the fixed special ids.
+        """
+        if isinstance(source, TokenizerManifest):
+            return cls(source.file(source.model.path))
+        p = Path(source)
+        if p.is_dir() or p.name == "manifest.json":
+            m = read_manifest(p, TokenizerManifest)
+            return cls(m.file(m.model.path))
+        if not p.is_file():
+            raise FileNotFoundError(f"tokenizer model not found: {p}")
+        return cls(p)
+
+    @property
+    def vocab_size(self) -> int:
+        """Pieces in the vocabulary, special tokens included."""
+        return self._sp.get_piece_size()
+
+    def encode(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        """Encode a batch of texts to piece ids (no [CLS] / [SEP] added).
+
+        A literal "[MASK]" in a text is ordinary text: id 4 never comes out of `encode`.
+
+        Args:
+            texts: documents or sentences.
+            num_threads: SentencePiece encoder threads; 0 or less uses SentencePiece's
+                default (-1: one per hardware thread).
+
+        Returns:
+            One list of ids in `[0, vocab_size)` per text, in order.
+        """
+        return self._sp.encode(
+            list(texts), out_type=int, num_threads=num_threads if num_threads > 0 else -1
+        )
+
+    def encode_with_mask(self, text: str) -> list[int]:
+        """Encode a fill-mask probe: each literal "[MASK]" becomes the [MASK] id (4).
+
+        The text is split on the marker and each part encoded on its own, so each part gets
+        SentencePiece's word-start marker: "l'[MASK]s" reads as "l'", [MASK], " s".
+
+        Returns:
+            Piece ids with `MASK_ID` at each marker (no [CLS] / [SEP] added).
+        """
+        ids: list[int] = []
+        for i, part in enumerate(text.split(MASK_MARKER)):
+            if i:
+                ids.append(MASK_ID)
+            ids.extend(self._sp.encode(part, out_type=int))
+        return ids
+
+    def decode(self, ids) -> str:
+        """Decode ids (any iterable of ints, e.g. a numpy row) to text; control ids vanish."""
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, i: int) -> str:
+        """The piece string of id `i` (e.g. "▁chat", "[SEP]")."""
+        return self._sp.id_to_piece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        """The id of `piece`; `unk_id` when it is not in the vocabulary."""
+        return self._sp.piece_to_id(piece)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+

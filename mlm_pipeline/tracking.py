@@ -1,0 +1,440 @@
+"""MLflow run lifecycle and `MlflowSink`: the only module that talks to MLflow.
+
+`MlflowTracker` owns one `MlflowClient` and takes an explicit `run_id` everywhere: MLflow's
+active run is per thread, and Prefect tasks may run in other threads. `MlflowSink` is the
+`MetricsSink` (see `mlm_pipeline.sinks`, re-exported here) that sends step metrics in
+batches.
+
+mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
+torch or prefect). Before the first import, `MLFLOW_DISABLE_TELEMETRY` is set to `true` unless
+the environment already sets it: MLflow 3 otherwise sends usage events to an outside endpoint
+from every process, which offline workers cannot reach and which users never agreed to; the
+user's own setting wins.
+
+Artifacts with a SQLite backend: MLflow 3.17 puts a new experiment's artifacts under
+`<cwd>/mlruns/<experiment_id>` (the default artifact root `./mlruns`, resolved against the
+working directory of whichever process creates the experiment), so runs started from
+different directories scatter their artifacts. `MlflowTracker` creates experiments on a
+SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (characters
+other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
+experiments keep their location; an MLflow server decides for itself.
+
+Limits (MLflow 3.17 `mlflow/utils/validation.py`): 1000 metrics and 100 params or tags per
+`log_batch`, param values up to 6000 characters, tag values up to 8000, keys as in
+`sinks.check_key`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlparse
+from urllib.request import pathname2url, url2pathname
+
+from mlm_pipeline.config import TrackingConfig
+from mlm_pipeline.sinks import (
+    JsonlSink,
+    MetricsSink,
+    MultiSink,
+    StdoutSink,
+    check_key,
+    format_value,
+    to_float,
+)
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Run
+
+__all__ = [
+    "JsonlSink", "MetricsSink", "MlflowSink", "MlflowTracker", "MultiSink", "StdoutSink",
+    "check_key", "format_value", "git_commit", "resolve_tracking_uri", "sqlite_db_path",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+
+def _mlflow_client(tracking_uri: str) -> MlflowClient:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # why: see module docstring
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+class MlflowSink:
+    """Buffers step metrics and sends them to an MLflow run with `MlflowClient.log_batch`.
+
+    One HTTP call per value costs ~13 ms against a server, so records are buffered and sent
+    when `flush_every` records are waiting, when `flush_interval_s` has passed since the last
+    send (checked on `log`, no background thread), on `flush()` and on `close()`; each send
+    carries at most 1000 metrics. Non-finite values are dropped and counted in
+    `dropped_nonfinite` (MLflow would store `inf` as the largest double). A failed automatic
+    send keeps the metrics for the next one and logs a warning, so an MLflow outage does not
+    stop training; `flush()` and `close()` raise. Timestamps are Unix milliseconds of `log`.
+
+    Args:
+        run_id: MLflow run to log to.
+        tracking_uri: MLflow tracking URI.
+        flush_every: records (log calls) buffered before an automatic send.
+        flush_interval_s: seconds after which the next `log` sends, however few records.
+        client: an `MlflowClient` to share; None creates one for `tracking_uri`.
+
+    Raises:
+        ValueError: `flush_every` < 1 or `flush_interval_s` < 0.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        tracking_uri: str,
+        flush_every: int = 50,
+        flush_interval_s: float = 10.0,
+        client: MlflowClient | None = None,
+    ) -> None:
+        if flush_every < 1 or flush_interval_s < 0:
+            raise ValueError(
+                f"MlflowSink: flush_every={flush_every} must be >= 1 and "
+                f"flush_interval_s={flush_interval_s} >= 0"
+            )
+        self.run_id = run_id
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self.client = client or _mlflow_client(tracking_uri)
+        from mlflow.entities import Metric
+
+        self._metric = Metric
+        self._buffer: list[Metric] = []
+        self._records = 0
+        self._last_send = time.monotonic()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.sent = 0
+        """Metrics delivered to MLflow."""
+        self.dropped_nonfinite: dict[str, int] = {}
+        """Non-finite values dropped, by key."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer one record; send when due.
+
+        Raises:
+            ValueError: a key is not MLflow-legal (see `check_key`); nothing is buffered.
+            TypeError: a value is not a number.
+            RuntimeError: the sink is closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"MlflowSink for run {self.run_id} is closed")
+        for key in metrics:  # all keys first, so a bad one leaves nothing buffered
+            check_key(key)
+        values = {key: to_float(key, value) for key, value in metrics.items()}
+        ts = int(time.time() * 1000)
+        batch = []
+        for key, v in values.items():
+            if math.isfinite(v):
+                batch.append(self._metric(key=key, value=v, timestamp=ts, step=int(step)))
+                continue
+            if key not in self.dropped_nonfinite:
+                logger.warning("run %s: dropping non-finite %s=%s at step %d (counted)",
+                               self.run_id, key, v, step)
+            self.dropped_nonfinite[key] = self.dropped_nonfinite.get(key, 0) + 1
+        with self._lock:
+            self._buffer.extend(batch)
+            self._records += 1
+            due = (
+                self._records >= self.flush_every
+                or len(self._buffer) >= MAX_METRICS_PER_BATCH
+                or time.monotonic() - self._last_send >= self.flush_interval_s
+            )
+        if due:
+            try:
+                self.flush()
+            except Exception as exc:  # keep training; the buffer is retried at the next send
+                logger.warning("run %s: sending %d metrics to MLflow failed, kept for retry: %s",
+                               self.run_id, len(self._buffer), exc)
+
+    def flush(self) -> None:
+        """Send every buffered metric, at most 1000 per `log_batch` call.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the tracking backend rejected or missed a batch;
+                unsent metrics stay buffered.
+        """
+        with self._lock:
+            try:
+                while self._buffer:
+                    chunk = self._buffer[:MAX_METRICS_PER_BATCH]
+                    self._send(chunk)
+                    del self._buffer[: len(chunk)]
+                    self.sent += len(chunk)
+            finally:  # also after a failure, so an outage is retried per interval, not per step
+                self._records = 0
+                self._last_send = time.monotonic()
+
+    def _send(self, batch: list[Metric]) -> None:
+        """One `log_batch` request (a seam for tests that count requests)."""
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+    def close(self) -> None:
+        """Send what is buffered (idempotent) and log a summary of dropped values.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the final send failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.dropped_nonfinite:
+            logger.warning("run %s: dropped non-finite metric values: %s",
+                           self.run_id, self.dropped_nonfinite)
+        self.flush()
+
+
+def resolve_tracking_uri(cfg: TrackingConfig) -> str:
+    """The tracking URI: `cfg.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else
+    `sqlite:///<absolute cwd>/mlflow.db` (MLflow 3's own default, made absolute so that
+    workers in other directories reach the same database)."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    if env := os.environ.get("MLFLOW_TRACKING_URI"):
+        return env
+    return "sqlite:///" + pathname2url(str(Path.cwd().resolve() / "mlflow.db"))
+
+
+def sqlite_db_path(tracking_uri: str) -> Path | None:
+    """Absolute path of the database file of a `sqlite:///` URI; None for other URIs and
+    in-memory databases."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    raw = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    if not raw or raw == ":memory:":
+        return None
+    return Path(url2pathname(raw)).resolve()  # url2pathname also undoes %-quoting
+
+
+def git_commit() -> str | None:
+    """Commit (40 hex) of the checkout this package runs from; None when the package is not
+    the top of a git work tree's `mlm_pipeline/` (an installed wheel) or git is missing."""
+    pkg = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=pkg, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # A wheel installed in a venv inside some other repository must not report that commit.
+    if len(out) != 2 or Path(out[0]).resolve() != pkg.parent:
+        return None
+    return out[1]
+
+
+class MlflowTracker:
+    """MLflow run lifecycle with an explicit `run_id` (no global active run).
+
+    Args:
+        tracking_uri: MLflow tracking URI (see `resolve_tracking_uri`).
+        experiment_name: experiment to create runs in; created when missing.
+        run_name: name of runs created by `start_run`; None lets MLflow pick one.
+    """
+
+    def __init__(
+        self, tracking_uri: str, experiment_name: str = "mlm-pipeline", run_name: str | None = None
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self._client: MlflowClient | None = None
+        self._experiment_ids: dict[str, str] = {}  # run_id -> experiment_id
+
+    @classmethod
+    def from_config(cls, cfg: TrackingConfig) -> MlflowTracker:
+        """A tracker for `cfg` (URI resolved with `resolve_tracking_uri`)."""
+        return cls(resolve_tracking_uri(cfg), cfg.experiment_name, cfg.run_name)
+
+    @property
+    def client(self) -> MlflowClient:
+        """The `MlflowClient`, created on first use (no connection before that)."""
+        if self._client is None:
+            self._client = _mlflow_client(self.tracking_uri)
+        return self._client
+
+    def experiment_id(self) -> str:
+        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB) if missing.
+
+        Raises:
+            ValueError: the experiment exists but is deleted (restore it or pick a new name).
+        """
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.experiment_name)
+        if exp is None:
+            db = sqlite_db_path(self.tracking_uri)
+            # A path component of the name: no separators, no `..`, no hidden directory.
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.experiment_name).lstrip(".") or "_"
+            location = str(db.parent / "mlartifacts" / safe) if db else None
+            try:
+                return self.client.create_experiment(self.experiment_name, location)
+            except MlflowException:  # another worker created it first
+                exp = self.client.get_experiment_by_name(self.experiment_name)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage != "active":
+            raise ValueError(
+                f"MLflow experiment {self.experiment_name!r} (id {exp.experiment_id}) is deleted:"
+                f" `mlflow experiments restore --experiment-id {exp.experiment_id}` or set"
+                " tracking.experiment_name"
+            )
+        return exp.experiment_id
+
+    def start_run(self, params: Mapping[str, object], tags: Mapping[str, str] | None = None) -> str:
+        """Create a run, log `params` and `tags`; returns the run id.
+
+        Args:
+            params: key -> value, e.g. `config.flatten(cfg)`; values are logged as `str(value)`,
+                cut to 6000 characters with a warning.
+            tags: key -> value, cut to 8000 characters with a warning; e.g. the code's
+                commit as `mlflow.source.git.commit` (see `git_commit`), which the UI shows.
+
+        Raises:
+            ValueError: a param key is not MLflow-legal (see `check_key`), or the experiment
+                is deleted.
+        """
+        for key in params:
+            check_key(key)
+        exp_id = self.experiment_id()
+        run = self.client.create_run(exp_id, run_name=self.run_name)
+        run_id = run.info.run_id
+        self._experiment_ids[run_id] = exp_id
+        try:
+            self.log_params(run_id, params)
+            self.set_tags(run_id, tags or {})
+        except BaseException:  # leave no run stuck in RUNNING
+            self.end_run(run_id, "FAILED")
+            raise
+        logger.info("MLflow run %s in experiment %r (%s)", run_id, self.experiment_name,
+                    self.run_url(run_id) or self.tracking_uri)
+        return run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
+        """Log params in batches of 100 (values stringified, cut to 6000 characters).
+
+        Raises:
+            ValueError: a key is not MLflow-legal (see `check_key`).
+        """
+        from mlflow.entities import Param
+
+        items = []
+        for key, value in params.items():
+            check_key(key)
+            items.append(Param(key, _truncate("param", key, str(value), MAX_PARAM_VALUE_LENGTH)))
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Set tags in batches of 100 (values stringified, cut to 8000 characters)."""
+        from mlflow.entities import RunTag
+
+        items = [
+            RunTag(k, _truncate("tag", k, str(v), MAX_TAG_VALUE_LENGTH)) for k, v in tags.items()
+        ]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def sink(
+        self, run_id: str, flush_every: int = 50, flush_interval_s: float = 10.0
+    ) -> MlflowSink:
+        """An `MlflowSink` for `run_id` on this tracker's URI."""
+        return MlflowSink(run_id, self.tracking_uri, flush_every, flush_interval_s, self.client)
+
+    def log_metrics(
+        self, run_id: str, metrics: Mapping[str, float], step: int | None = None
+    ) -> None:
+        """Log a few metrics at once (e.g. evaluation results); non-finite values are
+        dropped with a warning. `step` None logs at step 0 (MLflow's default).
+
+        Raises:
+            ValueError: a key is not MLflow-legal (see `check_key`).
+            TypeError: a value is not a number.
+        """
+        sink = self.sink(run_id, flush_every=1 << 30, flush_interval_s=math.inf)
+        sink.log(dict(metrics), 0 if step is None else step)
+        sink.close()
+
+    def log_artifacts(
+        self, run_id: str, local_dir: str | os.PathLike[str], artifact_path: str | None = None
+    ) -> None:
+        """Copy a directory's files into the run's artifacts under `artifact_path`.
+
+        Raises:
+            NotADirectoryError: `local_dir` is not a directory.
+        """
+        if not Path(local_dir).is_dir():
+            raise NotADirectoryError(f"log_artifacts: {local_dir} is not a directory")
+        self.client.log_artifacts(run_id, str(local_dir), artifact_path)
+
+    def log_artifact(
+        self, run_id: str, local_file: str | os.PathLike[str], artifact_path: str | None = None
+    ) -> None:
+        """Copy one file into the run's artifacts under `artifact_path`.
+
+        Raises:
+            FileNotFoundError: `local_file` is not a file.
+        """
+        if not Path(local_file).is_file():
+            raise FileNotFoundError(f"log_artifact: {local_file} is not a file")
+        self.client.log_artifact(run_id, str(local_file), artifact_path)
+
+    def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
+        """Write `obj` as indented JSON to the run artifact `artifact_file` (e.g.
+        `manifests/train.json`); non-JSON values (paths, ...) are written with `str`."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / posixpath.basename(artifact_file)
+            text = json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n"
+            path.write_text(text, encoding="utf-8")
+            self.client.log_artifact(run_id, str(path), posixpath.dirname(artifact_file) or None)
+
+    def end_run(self, run_id: str, status: RunStatus = "FINISHED") -> None:
+        """Mark the run terminated with `status`.
+
+        Raises:
+            ValueError: `status` is not FINISHED, FAILED or KILLED.
+        """
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"end_run: status {status!r} must be FINISHED, FAILED or KILLED")
+        self.client.set_terminated(run_id, status)
+
+    def run_url(self, run_id: str, experiment_id: str | None = None) -> str | None:
+        """The run's page in the MLflow UI when the tracking URI is http(s), else None."""
+        if urlparse(self.tracking_uri).scheme not in ("http", "https"):
+            return None
+        exp = experiment_id or self._experiment_ids.get(run_id)
+        if exp is None:
+            exp = self.get_run(run_id).info.experiment_id
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+
+    def get_run(self, run_id: str) -> Run:
+        """`MlflowClient.get_run` (params, metrics, tags, status)."""
+        return self.client.get_run(run_id)
+
+
+def _truncate(kind: str, key: str, value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    logger.warning("MLflow %s %r: value of %d characters cut to %d", kind, key, len(value), limit)
+    return value[:limit]

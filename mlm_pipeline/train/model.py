@@ -1,0 +1,338 @@
+"""A BERT-style encoder for masked-language modelling, single-device and plain.
+
+Shapes used throughout: B = batch size (rows), L = sequence length (tokens per row, at most
+`seq_len`), H = hidden size (`ModelConfig.hidden_size`), V = vocabulary size (`vocab_size`,
+the special tokens included). N is the number of predicted (masked) positions in a batch.
+
+The architecture is BERT's (Devlin et al. 2019, §3; Vaswani et al. 2017): learned absolute
+position embeddings, post-LayerNorm residual blocks (`x = LN(x + f(x))`), GELU (exact erf
+form, as in BERT), biases everywhere, no token-type embeddings (one segment only). The MLM
+head (dense + GELU + LayerNorm, then a decoder tied to the word embeddings plus its own bias)
+runs only at masked positions when labels are given, which saves the (B, L, V) logits.
+
+Distributed training, `torch.compile`, autocast and logging belong to the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mlm_pipeline.config import ModelConfig
+
+#: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
+#: are multiples of 64 map onto full tensor-core tiles (NVIDIA "Matrix multiplication
+#: background" guide; nanoGPT pads GPT-2's 50257 to 50304 for a ~25% speed-up).
+VOCAB_PAD_MULTIPLE = 64
+IGNORE_INDEX = -100
+
+
+class MLMOutput(NamedTuple):
+    """What `BertMLM.forward` returns.
+
+    Attributes:
+        loss: mean cross-entropy over predicted positions, fp32 scalar (nats/token);
+            None without labels.
+        logits: (N, V) at predicted positions with labels, else (B, L, V); dtype of the
+            computation (fp32, or bf16 under autocast).
+        num_masked: int64 scalar tensor, N (0 without labels).
+    """
+
+    loss: Tensor | None
+    logits: Tensor
+    num_masked: Tensor
+
+
+class Embeddings(nn.Module):
+    """Word + learned absolute position embeddings, LayerNorm, dropout (BERT).
+
+    Args:
+        cfg: model shape.
+        padded_vocab_size: rows of the word-embedding table (V rounded up to 64).
+        seq_len: longest supported row, tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(seq_len, cfg.hidden_size)
+        self.layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Embed int64 ids (B, L) into (B, L, H)."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.dropout(self.layer_norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head bidirectional self-attention through `F.scaled_dot_product_attention`.
+
+    Args:
+        cfg: model shape; `num_heads` divides `hidden_size`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """Attend (B, L, H) -> (B, L, H); `attn_mask` bool (B, 1, 1, L), True = may attend."""
+        batch, seq_len, hidden = x.shape
+        # (B, L, 3H) -> 3 x (B, heads, L, H / heads)
+        q, k, v = (
+            self.qkv(x)
+            .view(batch, seq_len, 3, self.num_heads, hidden // self.num_heads)
+            .permute(2, 0, 3, 1, 4)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out(y.transpose(1, 2).reshape(batch, seq_len, hidden))
+
+
+class Block(nn.Module):
+    """Post-LN transformer block (BERT): `x = LN(x + attn(x)); x = LN(x + ffn(x))`.
+
+    Args:
+        cfg: model shape.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention = SelfAttention(cfg)
+        self.attention_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.hidden_size, cfg.intermediate_size),
+            nn.GELU(),
+            nn.Linear(cfg.intermediate_size, cfg.hidden_size),
+        )
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """(B, L, H) -> (B, L, H)."""
+        x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask)))
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+
+class MLMHead(nn.Module):
+    """BERT's prediction head: transform (dense + GELU + LayerNorm), tied decoder + bias.
+
+    Args:
+        cfg: model shape.
+        word_embeddings: the input embedding table, whose weight the decoder shares.
+    """
+
+    def __init__(self, cfg: ModelConfig, word_embeddings: nn.Embedding) -> None:
+        super().__init__()
+        self.transform = nn.Sequential(
+            nn.Linear(cfg.hidden_size, cfg.hidden_size),
+            nn.GELU(),
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps),
+        )
+        padded_vocab_size, hidden = word_embeddings.weight.shape
+        self.decoder = nn.Linear(hidden, padded_vocab_size)
+        self.decoder.weight = word_embeddings.weight  # tied (Press & Wolf 2017; BERT)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (..., V rounded up to 64) logits."""
+        return self.decoder(self.transform(hidden))
+
+
+class BertMLM(nn.Module):
+    """BERT-style encoder with a masked-language-model head.
+
+    Args:
+        cfg: model shape.
+        vocab_size: V, ids in the vocabulary, the special tokens included.
+        seq_len: longest row the position table supports, tokens.
+
+    Raises:
+        ValueError: `vocab_size` or `seq_len` is not positive.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        if vocab_size < 1 or seq_len < 1:
+            raise ValueError(f"model: vocab_size {vocab_size} and seq_len {seq_len} must be >= 1")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        # Padding rows are never looked up (ids < V) and their logits are sliced off.
+        self.padded_vocab_size = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+        self.embeddings = Embeddings(cfg, self.padded_vocab_size, seq_len)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = MLMHead(cfg, self.embeddings.word_embeddings)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # BERT init: truncated normal (cut at 2 std, as TF's truncated_normal), zero biases,
+        # LayerNorm weight 1 / bias 0 (google-research/bert modeling.py).
+        std = self.cfg.initializer_range
+        # The tied decoder weight is drawn twice (as embedding, then as decoder): harmless.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Run the encoder.
+
+        Args:
+            input_ids: int64 (B, L), ids in [0, V), L <= `seq_len`.
+            attention_mask: (B, L), 1 = real token, 0 = padding (keys ignored); None = all real.
+
+        Returns:
+            Final hidden states (B, L, H).
+
+        Raises:
+            ValueError: L exceeds `seq_len`.
+        """
+        if input_ids.shape[1] > self.seq_len:
+            raise ValueError(f"model: input length {input_ids.shape[1]} > seq_len {self.seq_len}")
+        attn_mask = None
+        # Skipping an all-ones mask lets SDPA use its fastest kernels; the check costs one
+        # host-device sync, which callers avoid by passing None for unpadded batches.
+        if attention_mask is not None and not bool(attention_mask.all()):
+            keep = attention_mask.bool()
+            # A row with no real token softmaxes over nothing: NaN (also in backward) in
+            # torch < 2.5's math kernel, zeros in later ones. Let such rows attend
+            # everywhere, the same on every version; they are never predicted anyway.
+            keep = keep | ~keep.any(dim=1, keepdim=True)
+            attn_mask = keep[:, None, None, :]
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+        return x
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> MLMOutput:
+        """Encode and predict.
+
+        With labels, the head runs only at the N positions where `labels != -100`
+        (boolean indexing, one host-device sync), and the loss is the fp32 cross-entropy
+        sum divided by max(N, 1): a batch with nothing to predict gives loss 0.0 that still
+        backpropagates (zero gradients).
+
+        Args:
+            input_ids: int64 (B, L), ids in [0, V).
+            attention_mask: (B, L), 1 = real token; None = all real.
+            labels: int64 (B, L), target ids, -100 where not predicted.
+
+        Returns:
+            `MLMOutput`: with labels, loss (fp32 scalar), logits (N, V), num_masked = N;
+            without, loss None, logits (B, L, V), num_masked = 0.
+
+        Raises:
+            ValueError: L exceeds `seq_len`, or `labels` is not shaped like `input_ids`.
+        """
+        hidden = self.encode(input_ids, attention_mask)
+        if labels is None:
+            logits = self.head(hidden)[..., : self.vocab_size]
+            return MLMOutput(None, logits, input_ids.new_zeros((), dtype=torch.int64))
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"model: labels shape {tuple(labels.shape)} != input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        predicted = labels != IGNORE_INDEX
+        targets = labels[predicted]  # (N,)
+        logits = self.head(hidden[predicted])[:, : self.vocab_size]  # (N, V)
+        # Upcast bf16/fp16 logits (autocast) to fp32; keep fp64 when the model runs in fp64.
+        logits_fp32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss_sum = F.cross_entropy(logits_fp32, targets, reduction="sum")
+        num_masked = predicted.sum()
+        loss = loss_sum / num_masked.clamp(min=1)
+        return MLMOutput(loss, logits, num_masked)
+
+    def flops_per_token(self, seq_len: int, masked_fraction: float = 0.15) -> float:
+        """Training FLOPs per token (forward + backward) for rows of `seq_len` tokens.
+
+        Convention of Kaplan et al. 2020, §2.1 (Table 1) and Hoffmann et al. 2022
+        (Chinchilla), Appendix F: count only matrix multiplications, 2 FLOPs per
+        multiply-add; backward = 2 x forward, so training = 3 x forward (the "6N" rule plus
+        attention). Embedding lookups, LayerNorm, softmax, GELU, biases and dropout are
+        left out. Per token, forward:
+
+            per layer   2 * (3*H*H + H*H)          Q, K, V and output projections
+                      + 2 * (2*H*I)                feed-forward, I = intermediate_size
+                      + 2 * L*H + 2 * L*H          scores Q K^T and weighted sum A V
+                      = 8*H^2 + 4*H*I + 4*L*H      (no causal halving: bidirectional)
+            head        f * (2*H*H + 2*H*V)        transform + tied decoder, only at the
+                                                   masked fraction f of tokens, real V
+
+            total = 3 * (num_layers * (8*H^2 + 4*H*I + 4*L*H) + f * (2*H^2 + 2*H*V))
+
+        Padding rows of the vocabulary are not counted (model FLOPs, not hardware FLOPs).
+
+        Args:
+            seq_len: L, tokens per row (attention cost grows with it).
+            masked_fraction: f, share of tokens where the head runs (the expected
+                `mlm_probability` times the maskable share).
+
+        Returns:
+            FLOPs per token (float).
+        """
+        h, i, v = self.cfg.hidden_size, self.cfg.intermediate_size, self.vocab_size
+        per_layer = 8 * h * h + 4 * h * i + 4 * seq_len * h
+        head = masked_fraction * (2 * h * h + 2 * h * v)
+        return 3.0 * (self.cfg.num_layers * per_layer + head)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Count parameters, each shared tensor once (the tied decoder weight is the
+        word-embedding table, padding rows included).
+
+        Args:
+            exclude_embeddings: leave out the word and position tables (Kaplan et al.
+                2020 count non-embedding parameters).
+
+        Returns:
+            Number of scalar parameters.
+        """
+        excluded = set()
+        if exclude_embeddings:
+            excluded = {
+                id(self.embeddings.word_embeddings.weight),
+                id(self.embeddings.position_embeddings.weight),
+            }
+        return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: decay matrices, not biases or LayerNorm parameters.
+
+        Follows BERT's `exclude_from_weight_decay=["LayerNorm", "layer_norm", "bias"]`
+        (google-research/bert optimization.py): every 1-D parameter (biases, LayerNorm
+        weights and biases, the embeddings' LayerNorm included) gets no decay; weight
+        matrices and embedding tables do. Each parameter appears exactly once.
+
+        Args:
+            weight_decay: decoupled weight decay of the decayed group.
+
+        Returns:
+            `[{"params": [...], "weight_decay": weight_decay},
+              {"params": [...], "weight_decay": 0.0}]`.
+        """
+        decay, no_decay = [], []
+        for param in self.parameters():  # deduplicates the tied weight
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]

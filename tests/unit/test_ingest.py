@@ -1,0 +1,294 @@
+"""Unit tests of `mlm_pipeline.ingest` on tiny corpora written in tmp_path."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from mlm_pipeline import ingest as ingest_mod
+from mlm_pipeline.config import IngestConfig
+from mlm_pipeline.ingest import ingest, read_documents
+
+# The issue's bytes: BOM, CRLF line, lone-CR line, LF line, U+2028 inside a line, an
+# invalid UTF-8 byte, a NUL.
+ISSUE_LINES = [b"\xef\xbb\xbfab\r\n", b"cd\r", b"ef\n", "g\u2028h\n".encode(), b"i\xffj\n",
+               b"k\x00l\n"]
+ZERO_DROPS = {"bad_json": 0, "missing_text": 0, "empty": 0, "too_short": 0, "duplicate": 0}
+
+
+def records(m) -> list[tuple[str, str, str]]:
+    """(id, text, source) of every written document, read with pyarrow directly."""
+    out = []
+    for e in m.train + m.validation:
+        t = pq.read_table(m.file(e.path))
+        assert t.schema.names == ["id", "text", "source"]
+        out += zip(*(t.column(c).to_pylist() for c in ("id", "text", "source")))
+    return sorted(out)
+
+
+def run(tmp_path: Path, sources, **kw):
+    kw.setdefault("validation_fraction", 0.0)
+    return ingest(IngestConfig(sources=[str(s) for s in sources], **kw), tmp_path / "work")
+
+
+def check_accounting(m) -> None:
+    assert m.documents_read == m.documents_kept + sum(m.dropped.values())
+    assert m.documents_kept == m.documents_train + m.documents_validation
+    assert sum(e.rows for e in m.train) == m.documents_train
+    assert sum(e.rows for e in m.validation) == m.documents_validation
+    assert sum(s.documents for s in m.sources) == m.documents_read
+    assert set(m.dropped) == set(ZERO_DROPS)
+    assert set(m.repaired) == {"bom", "invalid_utf8", "nul"}
+
+
+def test_issue_case_one_document_per_line(tmp_path):
+    # Each record followed by a blank line with the same terminator (a "\n" after "cd\r"
+    # would make it a CRLF): lines 1, 3, 5, ... hold the records.
+    data = (b"\xef\xbb\xbfab\r\n" b"\r\n" b"cd\r" b"\r" b"ef\n" b"\n" + "g\u2028h\n".encode()
+            + b"\n" b"i\xffj\n" b"\n" b"k\x00l\n")
+    f = tmp_path / "a.txt"
+    f.write_bytes(data)
+    m = run(tmp_path, [f])
+    assert records(m) == sorted([
+        ("a.txt:1", "ab", "a.txt"), ("a.txt:3", "cd", "a.txt"), ("a.txt:5", "ef", "a.txt"),
+        ("a.txt:7", "g\u2028h", "a.txt"), ("a.txt:9", "i\ufffdj", "a.txt"),
+        ("a.txt:11", "kl", "a.txt"),
+    ])
+    assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+    assert m.dropped == ZERO_DROPS
+    assert m.documents_read == 6 and m.characters == 4 * 2 + 3 + 3
+    check_accounting(m)
+
+
+def test_issue_case_lone_cr_blank_lines(tmp_path):
+    # Records separated by a bare "\r": "cd\r\r" is a line and a blank line (not CRLF).
+    f = tmp_path / "b.txt"
+    f.write_bytes(b"\r".join(line.rstrip(b"\r\n") + b"\r" for line in ISSUE_LINES))
+    m = run(tmp_path, [f])
+    assert sorted(t for _, t, _ in records(m)) == sorted(["ab", "cd", "ef", "g\u2028h",
+                                                          "i\ufffdj", "kl"])
+    assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+
+
+def test_issue_case_paragraph_and_file(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"".join(ISSUE_LINES))
+    want = "ab\ncd\nef\ng\u2028h\ni\ufffdj\nkl"
+    for mode in ("paragraph", "file"):
+        m = run(tmp_path / mode, [f], txt_document=mode)
+        assert records(m) == [("a.txt:1", want, "a.txt")]
+        assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+        assert m.documents_read == 1
+    g = tmp_path / "g.txt"
+    g.write_bytes(b"  \none\n\n\ntwo\n")
+    assert records(run(tmp_path / "g", [g], txt_document="file")) == [
+        ("g.txt:1", "one\n\n\ntwo", "g.txt")]
+    assert records(run(tmp_path / "gp", [g])) == [("g.txt:2", "one", "g.txt"),
+                                                   ("g.txt:5", "two", "g.txt")]
+
+
+def test_other_separators_do_not_split(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_bytes("a\x85b\n\nc\u2029d\n\ne\x0cf\ng\x0bh\n".encode())
+    m = run(tmp_path, [f])
+    assert records(m) == [("s.txt:1", "a\x85b", "s.txt"), ("s.txt:3", "c\u2029d", "s.txt"),
+                          ("s.txt:5", "e\x0cf\ng\x0bh", "s.txt")]
+
+
+def test_nfkc_and_bom_on_blank_first_line(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf \n\n" + "\ufb01n\n".encode())
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "x\u00b2"}).encode())
+    m = run(tmp_path, [tmp_path / "a.txt", tmp_path / "b.jsonl"], normalization="NFKC")
+    assert records(m) == [("a.txt:3", "fin", "a.txt"), ("b.jsonl:1", "x2", "b.jsonl")]
+    assert m.repaired == {"bom": 2, "invalid_utf8": 0, "nul": 0}
+    m = run(tmp_path / "nfc", [tmp_path / "a.txt"])
+    assert records(m) == [("a.txt:3", "\ufb01n", "a.txt")]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
+def test_raw_lines_chunk_boundaries(chunk):
+    import io
+
+    data = b"a\r\nb\rc\n\r\n\rd\r\r\ne" + b"x\r" * 5 + b"\r\n"
+    want = re.split(rb"\r\n|\r|\n", data)[:-1]  # reference: split the whole buffer
+    assert list(ingest_mod._raw_lines(io.BytesIO(data), chunk)) == want
+    assert list(ingest_mod._raw_lines(io.BytesIO(b"no end"), chunk)) == [b"no end"]
+
+
+def write_jsonl(path: Path, lines: list[str | bytes]) -> None:
+    data = b"".join(ln if isinstance(ln, bytes) else (ln + "\n").encode() for ln in lines)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+
+
+def test_jsonl_drops_repairs_and_gz(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [
+        json.dumps({"id": "x1", "text": "Bonjour le monde"}),
+        "{not json",
+        json.dumps({"title": "no text"}),
+        json.dumps({"text": 5}),
+        json.dumps({"text": "  \t "}),
+        json.dumps({"text": "Bonjour le monde", "source": "dup"}),
+        json.dumps({"text": "caf\u00e9 noir"}, ensure_ascii=False),
+        json.dumps({"text": "cafe\u0301 noir"}),  # NFD: same text after NFC
+        "[1, 2]",
+        json.dumps({"text": "ok", "source": "src"}),
+        "",  # blank line: no record
+        json.dumps({"text": "fin\u0000 de ligne", "source": "crlf"}).encode() + b"\r\n",
+        b'{"text": "octet \xff invalide"}\n',
+        json.dumps({"text": "moiti\ud800"}),  # lone surrogate escape
+    ])
+    write_jsonl(d / "b.jsonl.gz", [json.dumps({"text": "compress\u00e9"}, ensure_ascii=False),
+                                    json.dumps({"text": "Bonjour le monde"})])
+    m = run(tmp_path, [d], min_chars=3)
+    assert [Path(s.path).name for s in m.sources] == ["a.jsonl", "b.jsonl.gz"]
+    assert [s.documents for s in m.sources] == [13, 2]
+    assert m.sources[1].sha256 == hashlib.sha256((d / "b.jsonl.gz").read_bytes()).hexdigest()
+    assert records(m) == sorted([
+        ("x1", "Bonjour le monde", "a.jsonl"),
+        ("a.jsonl:7", "caf\u00e9 noir", "a.jsonl"),
+        ("a.jsonl:12", "fin de ligne", "crlf"),
+        ("a.jsonl:13", "octet \ufffd invalide", "a.jsonl"),
+        ("a.jsonl:14", "moiti\ufffd", "a.jsonl"),
+        ("b.jsonl.gz:1", "compress\u00e9", "b.jsonl.gz"),
+    ])
+    assert m.dropped == {"bad_json": 2, "missing_text": 2, "empty": 1, "too_short": 1,
+                         "duplicate": 3}
+    assert m.repaired == {"bom": 0, "invalid_utf8": 2, "nul": 1}
+    assert m.documents_read == 15
+    check_accounting(m)
+
+
+def test_sources_globs_directories_and_errors(tmp_path):
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.txt").write_text("deux\n")
+    (d / "sub" / "a.txt.gz").write_bytes(gzip.compress(b"un\n"))
+    (d / "notes.md").write_text("ignored in a directory\n")
+    (d / "c.jsonl").write_text('{"text": "trois"}\n')
+    m = run(tmp_path, [d, d / "b.txt", str(d / "*.jsonl")])
+    names = [Path(s.path).relative_to(d).as_posix() for s in m.sources]
+    assert names == ["b.txt", "c.jsonl", "sub/a.txt.gz", "b.txt", "c.jsonl"]
+    assert [t for _, t, _ in records(m)] == ["un", "deux", "trois"]  # by id: a.txt.gz:1 first
+    assert m.dropped["duplicate"] == 2
+    with pytest.raises(FileNotFoundError, match="nothing"):
+        run(tmp_path, [tmp_path / "nothing*.txt"])
+    with pytest.raises(ValueError, match="notes.md"):
+        run(tmp_path, [d / "notes.md"])
+    with pytest.raises(ValueError, match="notes.md"):
+        run(tmp_path, [str(d / "*")])
+
+
+def test_max_documents_stops_reading(tmp_path):
+    (tmp_path / "a.txt").write_text("".join(f"doc {i}\n\n" for i in range(10)))
+    (tmp_path / "b.jsonl").write_text("{bad\n" * 3)
+    m = run(tmp_path, [tmp_path / "a.txt", tmp_path / "b.jsonl"], max_documents=4)
+    assert m.documents_read == 4 and [s.documents for s in m.sources] == [4, 0]
+    assert [t for _, t, _ in records(m)] == ["doc 0", "doc 1", "doc 2", "doc 3"]
+    m = run(tmp_path / "x", [tmp_path / "a.txt", tmp_path / "b.jsonl"], max_documents=11)
+    assert m.documents_read == 11 and m.dropped["bad_json"] == 1
+    check_accounting(m)
+
+
+def in_validation(text: str, fraction: float) -> bool:
+    """Reference split rule from the spec, computed independently of the module."""
+    h = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def test_split_deterministic_order_and_directory_independent(tmp_path):
+    rng = random.Random(0)
+    texts = [f"Phrase numéro {i} : {rng.random():.6f} et quelques mots." for i in range(2000)]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one" / "c.txt").write_text("\n\n".join(texts) + "\n", encoding="utf-8")
+    shuffled = texts[:]
+    rng.shuffle(shuffled)
+    (tmp_path / "two" / "c.txt").write_text("\n\n".join(shuffled) + "\n", encoding="utf-8")
+    frac = 0.1
+    m1 = run(tmp_path / "w1", [tmp_path / "one" / "c.txt"], validation_fraction=frac)
+    m2 = run(tmp_path / "w2", [tmp_path / "two" / "c.txt"], validation_fraction=frac)
+
+    def val_texts(m):
+        return {t for _, t in read_documents([m.file(e.path) for e in m.validation])}
+
+    want = {t for t in texts if in_validation(t, frac)}
+    assert val_texts(m1) == val_texts(m2) == want
+    assert m1.documents_kept == 2000
+    # Binomial(2000, 0.1): mean 200, sd 13.4; 5 sd either side.
+    assert 133 <= m1.documents_validation <= 267
+    # The same bytes in another directory: same digest.
+    (tmp_path / "three").mkdir()
+    shutil.copy(tmp_path / "one" / "c.txt", tmp_path / "three" / "c.txt")
+    m3 = run(tmp_path / "w1", [tmp_path / "three" / "c.txt"], validation_fraction=frac)
+    assert m3.digest == m1.digest and m2.digest != m1.digest
+    assert records(m3) == records(m1)
+
+
+def test_read_documents_in_file_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest_mod, "DOCS_PER_FILE", 4)
+    monkeypatch.setattr(ingest_mod, "BATCH_DOCS", 3)
+    texts = [f"texte {i}" for i in range(10)]
+    (tmp_path / "a.txt").write_text("\n\n".join(texts))
+    m = run(tmp_path, [tmp_path / "a.txt"])
+    assert [e.path for e in m.train] == [f"train-0000{i}.parquet" for i in range(3)]
+    assert [e.rows for e in m.train] == [4, 4, 2]
+    got = list(read_documents([m.file(e.path) for e in m.train]))
+    assert got == [(f"a.txt:{2 * i + 1}", t) for i, t in enumerate(texts)]
+
+
+def test_empty_validation_gets_smallest_hash(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest_mod, "DOCS_PER_FILE", 2)
+    texts = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    (tmp_path / "a.txt").write_text("\n\n".join(texts))
+    frac = 1e-12
+    assert not any(in_validation(t, frac) for t in texts)
+    m = run(tmp_path, [tmp_path / "a.txt"], validation_fraction=frac)
+    smallest = min(texts, key=lambda t: hashlib.sha256(t.encode()).digest())
+    assert [t for _, t in read_documents([m.file(e.path) for e in m.validation])] == [smallest]
+    train = [t for _, t in read_documents([m.file(e.path) for e in m.train])]
+    assert train == [t for t in texts if t != smallest]  # reading order kept
+    assert m.documents_train == 4 and m.documents_validation == 1
+    check_accounting(m)
+
+
+def test_training_split_empty_is_an_error(tmp_path):
+    (tmp_path / "a.txt").write_text("  \n\n\x00\n")
+    with pytest.raises(ValueError, match="training split is empty"):
+        run(tmp_path, [tmp_path / "a.txt"])
+    (tmp_path / "b.txt").write_text("seul\n")
+    assert in_validation("seul", 0.9999)
+    with pytest.raises(ValueError, match="training split is empty"):
+        run(tmp_path, [tmp_path / "b.txt"], validation_fraction=0.9999)
+
+
+def test_rerun_is_cached(tmp_path, caplog):
+    (tmp_path / "a.txt").write_text("un\n\ndeux\n\ntrois\n")
+    m1 = run(tmp_path, [tmp_path / "a.txt"], validation_fraction=0.3)
+    out = Path(m1.output_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert "manifest.json" in before and len(before) >= 2
+    caplog.set_level("INFO", logger="mlm_pipeline.ingest")
+    m2 = run(tmp_path, [tmp_path / "a.txt"], validation_fraction=0.3)
+    assert m2 == m1
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert "cached" in caplog.text
+    m3 = run(tmp_path, [tmp_path / "a.txt"], validation_fraction=0.3, min_chars=4)
+    assert m3.digest != m1.digest and m3.documents_kept == 2
+
+
+def test_cheap_modules_import_neither_torch_nor_prefect():
+    code = ("import sys, mlm_pipeline.ingest, mlm_pipeline.corpora; "
+            "bad = {'torch', 'prefect'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,165 @@
+"""Unit tests of `mlm_pipeline.train.model.BertMLM`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlm_pipeline.config import ModelConfig
+from mlm_pipeline.train.model import BertMLM
+
+VOCAB = 100  # padded to 128 rows
+SEQ_LEN = 16
+
+
+@pytest.fixture
+def tiny_cfg() -> ModelConfig:
+    return ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, dropout=0.0)
+
+
+@pytest.fixture
+def model(tiny_cfg) -> BertMLM:
+    torch.manual_seed(0)
+    return BertMLM(tiny_cfg, vocab_size=VOCAB, seq_len=SEQ_LEN)
+
+
+def batch(b: int = 4, seq_len: int = SEQ_LEN, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, VOCAB, (b, seq_len), generator=g)
+    labels = torch.full((b, seq_len), -100)
+    chosen = torch.rand(b, seq_len, generator=g) < 0.3
+    labels[chosen] = torch.randint(5, VOCAB, (int(chosen.sum()),), generator=g)
+    return input_ids, labels
+
+
+def test_output_shapes(model):
+    input_ids, labels = batch()
+    n = int((labels != -100).sum())
+    out = model(input_ids, labels=labels)
+    assert out.logits.shape == (n, VOCAB)
+    assert out.loss.shape == () and out.loss.dtype == torch.float32
+    assert int(out.num_masked) == n
+    full = model(input_ids)
+    assert full.loss is None and full.logits.shape == (4, SEQ_LEN, VOCAB)
+    assert model.embeddings.word_embeddings.weight.shape == (128, 32)
+
+
+def test_masked_head_matches_full_head_loss_and_gradients(model):
+    input_ids, labels = batch(seed=1)
+
+    out = model(input_ids, labels=labels)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    # Reference: head over every position (B, L, V), mean cross-entropy over labels != -100.
+    hidden = model.encode(input_ids)
+    transformed = model.head.transform(hidden)
+    emb = model.embeddings.word_embeddings.weight
+    logits = transformed @ emb.T + model.head.decoder.bias
+    logits = logits[..., :VOCAB]
+    ref_loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    ref_loss.backward()
+
+    assert abs(out.loss.item() - ref_loss.item()) < 1e-5
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=0), name
+
+
+def test_nothing_maskable_gives_zero_loss_that_backpropagates(model):
+    input_ids, _ = batch()
+    labels = torch.full_like(input_ids, -100)
+    out = model(input_ids, labels=labels)
+    assert out.loss.item() == 0.0 and torch.isfinite(out.loss)
+    assert out.loss.requires_grad and int(out.num_masked) == 0
+    assert out.logits.shape == (0, VOCAB)
+    out.loss.backward()
+    grad = model.embeddings.word_embeddings.weight.grad
+    assert grad is not None and bool((grad == 0).all())
+
+
+def test_decoder_is_tied_to_word_embeddings(model):
+    emb = model.embeddings.word_embeddings.weight
+    assert model.head.decoder.weight is emb
+    assert model.head.decoder.bias.shape == (128,)
+    assert model.num_parameters() == sum(p.numel() for p in set(model.parameters()))
+
+
+def test_padding_does_not_change_real_tokens(model):
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    real = torch.randint(5, VOCAB, (1, 10), generator=g)
+    garbage = torch.randint(5, VOCAB, (1, 6), generator=g)  # not [PAD]: proves masking
+    padded = torch.cat([real, garbage], dim=1)
+    attention_mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 6)], dim=1).long()
+    with torch.no_grad():
+        alone = model.encode(real)
+        with_pad = model.encode(padded, attention_mask)
+        without_mask = model.encode(padded)
+    assert torch.allclose(with_pad[:, :10], alone, atol=1e-5)
+    assert not torch.allclose(without_mask[:, :10], alone, atol=1e-3)  # the mask matters
+    # An all-ones mask is the same as no mask.
+    with torch.no_grad():
+        ones = model.encode(padded, torch.ones(1, 16, dtype=torch.long))
+    assert torch.allclose(ones, without_mask, atol=1e-6)
+
+
+def test_fully_padded_row_stays_finite(model):
+    input_ids, labels = batch(b=2)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1] = 0
+    labels[1] = -100
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    out.loss.backward()
+    # Documented choice: a row without real tokens attends everywhere (as if unmasked).
+    with torch.no_grad():
+        assert torch.allclose(
+            model.encode(input_ids, attention_mask)[1], model.encode(input_ids)[1], atol=1e-6
+        )
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_too_long_input_raises(model):
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.full((1, SEQ_LEN + 1), 7))
+
+
+def test_flops_per_token_hand_count(model):
+    # H=32, I=64, layers=2, V=100, L=16, masked fraction 0.15.
+    # Per layer forward: QKV 2*3*32*32 = 6144, out 2*32*32 = 2048, FFN 2*2*32*64 = 8192,
+    #   scores 2*16*32 = 1024, values 2*16*32 = 1024  -> 18432; two layers -> 36864.
+    # Head forward: transform 2*32*32 = 2048, decoder 2*32*100 = 6400 -> 8448 * 0.15 = 1267.2.
+    # Training = 3 x forward = 3 * (36864 + 1267.2) = 114393.6.
+    assert model.flops_per_token(16) == pytest.approx(114393.6)
+    assert model.flops_per_token(16, masked_fraction=1.0) == pytest.approx(3 * (36864 + 8448))
+
+
+def test_num_parameters_hand_count(model):
+    h, i, vp, l = 32, 64, 128, 16
+    embeddings = vp * h + l * h + 2 * h
+    layer = (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    head = (h * h + h) + 2 * h + vp  # transform + LayerNorm + decoder bias (weight tied)
+    assert model.num_parameters() == embeddings + 2 * layer + head
+    assert model.num_parameters(exclude_embeddings=True) == 2 * h + 2 * layer + head
+
+
+def test_param_groups(model):
+    decay, no_decay = model.param_groups(0.01)
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    ids = [id(p) for p in decay["params"] + no_decay["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    named = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {named[id(p)] for p in no_decay["params"]}
+    assert "embeddings.layer_norm.weight" in no_decay_names
+    assert all(n.endswith("bias") or "norm" in n or n.startswith("head.transform.2")
+               for n in no_decay_names)
+    assert id(model.embeddings.word_embeddings.weight) in {id(p) for p in decay["params"]}
+
+
+def test_init_follows_bert(model, tiny_cfg):
+    w = model.layers[0].ffn[0].weight
+    assert w.abs().max() <= 2 * tiny_cfg.initializer_range
+    assert abs(w.std().item() - 0.88 * tiny_cfg.initializer_range) < 0.004  # 2-sigma truncation
+    assert bool((model.layers[0].attention.qkv.bias == 0).all())
+    assert bool((model.layers[1].ffn_norm.weight == 1).all())
