@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mlm-pipeline` console script; returns the exit status
     (2 for a config error, with the message on stderr)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.func is not _cmd_run:  # `run` logs through Prefect's handlers instead
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:

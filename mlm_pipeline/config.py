@@ -117,6 +117,10 @@ class ModelConfig(StrictModel):
     """Attention heads; must divide `hidden_size`."""
     intermediate_size: int = Field(default=512, ge=8)
     """Width of the feed-forward layer."""
+    norm: Literal["post", "pre"] = "post"
+    """LayerNorm placement: `post` (BERT, Devlin et al. 2019: `x = LN(x + f(x))`) or `pre`
+    (Xiong et al. 2020: `x = x + f(LN(x))` plus a final LayerNorm), which trains stably at
+    higher learning rates and leaves the early loss plateau much sooner."""
     dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
     """Dropout on embeddings, attention probabilities and residual branches."""
     layer_norm_eps: float = Field(default=1e-12, gt=0.0)

@@ -100,7 +100,8 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Post-LN transformer block (BERT): `x = LN(x + attn(x)); x = LN(x + ffn(x))`.
+    """Transformer block, post-LN (BERT): `x = LN(x + attn(x)); x = LN(x + ffn(x))`, or
+    pre-LN (Xiong et al. 2020): `x = x + attn(LN(x)); x = x + ffn(LN(x))`.
 
     Args:
         cfg: model shape.
@@ -117,9 +118,13 @@ class Block(nn.Module):
         )
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
         """(B, L, H) -> (B, L, H)."""
+        if self.pre_norm:
+            x = x + self.dropout(self.attention(self.attention_norm(x), attn_mask))
+            return x + self.dropout(self.ffn(self.ffn_norm(x)))
         x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
@@ -171,6 +176,10 @@ class BertMLM(nn.Module):
         self.padded_vocab_size = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
         self.embeddings = Embeddings(cfg, self.padded_vocab_size, seq_len)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        # Pre-LN leaves the residual stream unnormalized: normalize it once at the end.
+        self.final_norm = (
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else None
+        )
         self.head = MLMHead(cfg, self.embeddings.word_embeddings)
         self.apply(self._init_weights)
 
@@ -215,7 +224,7 @@ class BertMLM(nn.Module):
         x = self.embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, attn_mask)
-        return x
+        return x if self.final_norm is None else self.final_norm(x)
 
     def forward(
         self,

@@ -13,9 +13,10 @@ VOCAB = 100  # padded to 128 rows
 SEQ_LEN = 16
 
 
-@pytest.fixture
-def tiny_cfg() -> ModelConfig:
-    return ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, dropout=0.0)
+@pytest.fixture(params=["post", "pre"])
+def tiny_cfg(request) -> ModelConfig:
+    return ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                       dropout=0.0, norm=request.param)
 
 
 @pytest.fixture
@@ -135,13 +136,16 @@ def test_flops_per_token_hand_count(model):
     assert model.flops_per_token(16, masked_fraction=1.0) == pytest.approx(3 * (36864 + 8448))
 
 
-def test_num_parameters_hand_count(model):
+def test_num_parameters_hand_count(model, tiny_cfg):
     h, i, vp, l = 32, 64, 128, 16
     embeddings = vp * h + l * h + 2 * h
     layer = (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
     head = (h * h + h) + 2 * h + vp  # transform + LayerNorm + decoder bias (weight tied)
-    assert model.num_parameters() == embeddings + 2 * layer + head
-    assert model.num_parameters(exclude_embeddings=True) == 2 * h + 2 * layer + head
+    final_norm = 2 * h if tiny_cfg.norm == "pre" else 0
+    assert model.num_parameters() == embeddings + 2 * layer + final_norm + head
+    assert model.num_parameters(exclude_embeddings=True) == (
+        2 * h + 2 * layer + final_norm + head
+    )
 
 
 def test_param_groups(model):
@@ -163,3 +167,15 @@ def test_init_follows_bert(model, tiny_cfg):
     assert abs(w.std().item() - 0.88 * tiny_cfg.initializer_range) < 0.004  # 2-sigma truncation
     assert bool((model.layers[0].attention.qkv.bias == 0).all())
     assert bool((model.layers[1].ffn_norm.weight == 1).all())
+
+
+def test_pre_norm_block_matches_its_formula():
+    """x + attn(LN1(x)), then + ffn(LN2(.)), written out with the block's own sublayers."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                      dropout=0.0, norm="pre")
+    block = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN).layers[0]
+    x = torch.randn(2, SEQ_LEN, 32)
+    h = x + block.attention(block.attention_norm(x), None)
+    want = h + block.ffn(block.ffn_norm(h))
+    torch.testing.assert_close(block(x, None), want)
