@@ -121,6 +121,12 @@ class ModelConfig(StrictModel):
     """LayerNorm placement: `post` (BERT, Devlin et al. 2019: `x = LN(x + f(x))`) or `pre`
     (Xiong et al. 2020: `x = x + f(LN(x))` plus a final LayerNorm), which trains stably at
     higher learning rates and leaves the early loss plateau much sooner."""
+    position: Literal["learned", "rope"] = "learned"
+    """Position information: `learned` absolute embeddings (BERT) or rotary embeddings on
+    queries and keys (`rope`, Su et al. 2021), which need no training to tell neighbours
+    apart and so leave the early loss plateau sooner."""
+    rope_base: float = Field(default=10000.0, gt=1.0)
+    """RoPE frequency base (Su et al. 2021 use 10,000)."""
     dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
     """Dropout on embeddings, attention probabilities and residual branches."""
     layer_norm_eps: float = Field(default=1e-12, gt=0.0)

@@ -59,14 +59,19 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, seq_len: int) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(seq_len, cfg.hidden_size)
+        # With rotary positions, attention carries the positions: no absolute table.
+        self.position_embeddings = (
+            nn.Embedding(seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+        )
         self.layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Embed int64 ids (B, L) into (B, L, H)."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(positions)
         return self.dropout(self.layer_norm(x))
 
 
@@ -84,8 +89,10 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """Attend (B, L, H) -> (B, L, H); `attn_mask` bool (B, 1, 1, L), True = may attend."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None,
+                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Attend (B, L, H) -> (B, L, H); `attn_mask` bool (B, 1, 1, L), True = may attend;
+        `rope` = (cos, sin), each (L, H / heads), rotates queries and keys."""
         batch, seq_len, hidden = x.shape
         # (B, L, 3H) -> 3 x (B, heads, L, H / heads)
         q, k, v = (
@@ -93,10 +100,31 @@ class SelfAttention(nn.Module):
             .view(batch, seq_len, 3, self.num_heads, hidden // self.num_heads)
             .permute(2, 0, 3, 1, 4)
         )
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
         )
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, hidden))
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """Rotary-embedding tables (Su et al. 2021, RoFormer, eq. 34), fp32 (seq_len, head_dim):
+    angle(p, i) = p * base^(-2i / head_dim) for the pair i, repeated over both halves (the
+    half-split pairing of GPT-NeoX and Hugging Face Llama)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, heads, L, D) queries or keys by position: x*cos + rotate_half(x)*sin,
+    where rotate_half([a, b]) = [-b, a] on the two halves of the last dimension."""
+    length = x.shape[-2]
+    cos, sin = cos[:length].to(x.dtype), sin[:length].to(x.dtype)
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
 
 
 class Block(nn.Module):
@@ -120,12 +148,13 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """(B, L, H) -> (B, L, H)."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None,
+                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """(B, L, H) -> (B, L, H); `rope` as in `SelfAttention.forward`."""
         if self.pre_norm:
-            x = x + self.dropout(self.attention(self.attention_norm(x), attn_mask))
+            x = x + self.dropout(self.attention(self.attention_norm(x), attn_mask, rope))
             return x + self.dropout(self.ffn(self.ffn_norm(x)))
-        x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask, rope)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
 
@@ -176,6 +205,11 @@ class BertMLM(nn.Module):
         self.padded_vocab_size = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
         self.embeddings = Embeddings(cfg, self.padded_vocab_size, seq_len)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        if cfg.position == "rope":
+            cos, sin = rope_tables(seq_len, cfg.hidden_size // cfg.num_heads, cfg.rope_base)
+            # Derived from the config: not saved in checkpoints (persistent=False).
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         # Pre-LN leaves the residual stream unnormalized: normalize it once at the end.
         self.final_norm = (
             nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else None
@@ -222,8 +256,9 @@ class BertMLM(nn.Module):
             keep = keep | ~keep.any(dim=1, keepdim=True)
             attn_mask = keep[:, None, None, :]
         x = self.embeddings(input_ids)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
         for layer in self.layers:
-            x = layer(x, attn_mask)
+            x = layer(x, attn_mask, rope)
         return x if self.final_norm is None else self.final_norm(x)
 
     def forward(
@@ -316,10 +351,8 @@ class BertMLM(nn.Module):
         """
         excluded = set()
         if exclude_embeddings:
-            excluded = {
-                id(self.embeddings.word_embeddings.weight),
-                id(self.embeddings.position_embeddings.weight),
-            }
+            tables = [self.embeddings.word_embeddings, self.embeddings.position_embeddings]
+            excluded = {id(t.weight) for t in tables if t is not None}
         return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
 
     def param_groups(self, weight_decay: float) -> list[dict]:

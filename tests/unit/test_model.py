@@ -13,10 +13,12 @@ VOCAB = 100  # padded to 128 rows
 SEQ_LEN = 16
 
 
-@pytest.fixture(params=["post", "pre"])
+@pytest.fixture(params=[("post", "learned"), ("pre", "learned"), ("pre", "rope")],
+                ids=["post-learned", "pre-learned", "pre-rope"])
 def tiny_cfg(request) -> ModelConfig:
+    norm, position = request.param
     return ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                       dropout=0.0, norm=request.param)
+                       dropout=0.0, norm=norm, position=position)
 
 
 @pytest.fixture
@@ -138,7 +140,7 @@ def test_flops_per_token_hand_count(model):
 
 def test_num_parameters_hand_count(model, tiny_cfg):
     h, i, vp, l = 32, 64, 128, 16
-    embeddings = vp * h + l * h + 2 * h
+    embeddings = vp * h + (l * h if tiny_cfg.position == "learned" else 0) + 2 * h
     layer = (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
     head = (h * h + h) + 2 * h + vp  # transform + LayerNorm + decoder bias (weight tied)
     final_norm = 2 * h if tiny_cfg.norm == "pre" else 0
@@ -179,3 +181,19 @@ def test_pre_norm_block_matches_its_formula():
     h = x + block.attention(block.attention_norm(x), None)
     want = h + block.ffn(block.ffn_norm(h))
     torch.testing.assert_close(block(x, None), want)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    """RoPE's defining property (Su et al. 2021, eq. 16): <R_m q, R_n k> = g(q, k, n - m)."""
+    from mlm_pipeline.train.model import apply_rope, rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = rope_tables(64, 8, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+    def score(m, n):
+        qs = torch.zeros(1, 1, 64, 8); ks = torch.zeros(1, 1, 64, 8)
+        qs[0, 0, m] = q; ks[0, 0, n] = k
+        return (apply_rope(qs, cos, sin)[0, 0, m] @ apply_rope(ks, cos, sin)[0, 0, n]).item()
+    assert score(3, 10) == pytest.approx(score(40, 47), rel=1e-5)
+    assert score(0, 0) == pytest.approx(float(q @ k), rel=1e-5)  # position 0: no rotation
+    assert score(3, 10) != pytest.approx(score(3, 11), rel=1e-3)
