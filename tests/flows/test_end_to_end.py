@@ -40,8 +40,8 @@ def run(tmp_path_factory):
     cmd = [sys.executable, "-m", "mlm_pipeline.cli", "run", "tiny",
            "--set", f"work_dir={tmp / 'work'}",
            "--set", "ingest.max_documents=1200",
-           "--set", "train.max_steps=150",
-           "--set", "train.warmup_steps=15",
+           "--set", "train.max_steps=250",
+           "--set", "train.warmup_steps=25",
            "--set", "train.checkpoint_every=null",
            "--summary-json", str(tmp / "summary.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -61,7 +61,7 @@ def test_mlflow_run_has_params_metrics_artifacts(run):
     r = client.get_run(summary["mlflow_run_id"])
     assert r.info.status == "FINISHED"
     assert r.data.params["ingest.sources"] == "debian:fr"
-    assert r.data.params["train.max_steps"] == "150"
+    assert r.data.params["train.max_steps"] == "250"
     assert r.data.metrics["data/documents_read"] == 1200
     tops = {a.path for a in client.list_artifacts(r.info.run_id)}
     assert {"tokenizer", "checkpoints", "manifests", "eval", "train"} <= tops
@@ -80,8 +80,14 @@ def test_accuracy_beats_the_most_frequent_token(run):
     top = int(counts.argmax())
     valid = torch.from_numpy(_rows(shards, "validation").astype(np.int64))
     valid = valid[: int(metrics["eval/rows"])]
-    _, labels = mask_tokens(valid, vocab_size=shards["vocab_size"], row_index=torch.arange(len(valid)),
-                            seed=1234, epoch=0)
+    params = client.get_run(summary["mlflow_run_id"]).data.params
+    _, labels = mask_tokens(
+        valid, vocab_size=shards["vocab_size"], row_index=torch.arange(len(valid)),
+        seed=int(params["eval.seed"]), epoch=0,
+        mlm_probability=float(params["masking.mlm_probability"]),
+        mask_replace_prob=float(params["masking.mask_replace_prob"]),
+        random_replace_prob=float(params["masking.random_replace_prob"]),
+    )
     predicted = labels[labels != -100]
     assert len(predicted) == metrics["eval/masked_tokens"]
     baseline = float((predicted == top).float().mean())
