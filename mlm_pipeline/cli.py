@@ -55,15 +55,17 @@ def _print_summary(result: dict, experiment: str) -> None:
     table.add_column("value", justify="right")
     for key in sorted(result["metrics"]):
         value = result["metrics"][key]
-        table.add_row(key, f"{value:,.4f}" if abs(value) < 1e5 else f"{value:,.0f}")
+        table.add_row(key, f"{value:,.0f}" if float(value).is_integer() else f"{value:,.4f}")
     console.print(table)
-    console.print(f"MLflow run id: {result['mlflow_run_id']}")
-    console.print(f"Tracking URI:  {result['mlflow_tracking_uri']}")
-    if result.get("mlflow_run_url"):
-        console.print(f"Run page:      {result['mlflow_run_url']}")
-    else:
-        console.print(f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}")
-    console.print(f"Checkpoint:    {result['checkpoint']}")
+    lines = [
+        f"MLflow run id: {result['mlflow_run_id']}",
+        f"Tracking URI:  {result['mlflow_tracking_uri']}",
+        f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
+        f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
+        f"Checkpoint:    {result['checkpoint']}",
+    ]
+    for line in lines:  # paths and commands must stay copyable: never wrap them
+        console.print(line, soft_wrap=True, highlight=False)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
