@@ -3,7 +3,13 @@
 Each stage is a Prefect task around one library function; tasks exchange manifests. The
 MLflow run is opened first, so that a failure in any stage leaves a FAILED run with the
 config, and closed last. Run it locally with `mlm-pipeline run CONFIG` (no server needed:
-Prefect starts a temporary local API) or through a deployment.
+Prefect starts a temporary local API) or through a deployment (`prefect.yaml`).
+
+Caching: the data stages are cached across flow runs under the digest of their output,
+computed by the library from the content of their inputs and their config (never from
+paths or modification times), so a rerun of the same config shows them as Cached, and a
+change reruns exactly the stages downstream of it. A cached manifest whose files were
+deleted is recomputed.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel, Field
 
+from flows.progress import PrefectProgressSink
 from mlm_pipeline import pipeline
 from mlm_pipeline.config import PipelineConfig, load_config
 from mlm_pipeline.manifest import (
@@ -27,9 +35,23 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.tracking import MlflowTracker, MultiSink, StdoutSink
 
-# Stage functions skip their work when their content-addressed manifest exists, so Prefect's
-# own result cache is not needed here.
-_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+_NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry only errors that a second try can cure (network, I/O), not bad input."""
+    try:
+        state.result()
+    except (FileNotFoundError, PermissionError, IsADirectoryError, ValueError):
+        return False
+    except (OSError, ConnectionError, TimeoutError, RuntimeError):
+        return True
+    except Exception:  # noqa: BLE001 - anything else is a bug or bad input: fail fast
+        return False
+    return False
+
+
+_IO = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": _transient}
 
 
 class PretrainParams(BaseModel):
@@ -41,9 +63,28 @@ class PretrainParams(BaseModel):
     """Dotted overrides applied after the file, e.g. `train.max_steps=50`."""
 
 
-@task(name="start-tracking", **_TASK)
+def _ingest_key(context, parameters) -> str:
+    from mlm_pipeline.ingest import ingest_digest
+
+    return "ingest-" + ingest_digest(parameters["cfg"].ingest)
+
+
+def _tokenizer_key(context, parameters) -> str:
+    from mlm_pipeline.tokenizer import tokenizer_digest
+
+    return "tokenizer-" + tokenizer_digest(parameters["cfg"].tokenizer, parameters["corpus"])
+
+
+def _shards_key(context, parameters) -> str:
+    from mlm_pipeline.shards import shards_digest
+
+    p = parameters
+    return "shards-" + shards_digest(p["cfg"].shards, p["corpus"], p["tokenizer"])
+
+
+@task(name="start-tracking", **_NOT_CACHED, **_IO)
 def start_tracking(cfg: PipelineConfig) -> str:
-    """Open the MLflow run with the flattened config and code tags; returns its id."""
+    """Open the MLflow run with the flattened config and Prefect tags; returns its id."""
     extra = {}
     if flow_run.id:
         extra = {"prefect.flow_run_id": str(flow_run.id),
@@ -55,7 +96,7 @@ def start_tracking(cfg: PipelineConfig) -> str:
     return tracker.start_run(pipeline.run_params(cfg), pipeline.run_tags(extra))
 
 
-@task(name="ingest", retries=2, retry_delay_seconds=5, **_TASK)
+@task(name="ingest", cache_key_fn=_ingest_key, persist_result=True, **_IO)
 def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus."""
     from mlm_pipeline.ingest import ingest
@@ -63,7 +104,7 @@ def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
     return ingest(cfg.ingest, cfg.work_dir)
 
 
-@task(name="tokenizer", **_TASK)
+@task(name="tokenizer", cache_key_fn=_tokenizer_key, persist_result=True)
 def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerManifest:
     """Train the SentencePiece tokenizer on the training split."""
     from mlm_pipeline.tokenizer import train_tokenizer
@@ -71,7 +112,7 @@ def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerMani
     return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
 
 
-@task(name="shards", **_TASK)
+@task(name="shards", cache_key_fn=_shards_key, persist_result=True)
 def shards_task(
     cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
 ) -> ShardManifest:
@@ -81,32 +122,38 @@ def shards_task(
     return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir)
 
 
-@task(name="record-data", **_TASK)
+@task(name="record-data", **_NOT_CACHED, **_IO)
 def record_data_task(
     cfg: PipelineConfig, run_id: str, corpus: CorpusManifest, tokenizer: TokenizerManifest,
     shards: ShardManifest,
 ) -> None:
-    """Log data lineage, accounting and the tokenizer to the MLflow run."""
+    """Log data lineage, accounting and the tokenizer to MLflow; the accounting table to
+    Prefect."""
+    create_table_artifact(
+        key="ingestion-accounting", table=pipeline.accounting_rows(corpus),
+        description="documents read, kept, dropped and repaired, by reason",
+    )
     tracker = MlflowTracker.from_config(cfg.tracking)
     pipeline.record_data(tracker, run_id, corpus, tokenizer, shards)
 
 
-@task(name="train", **_TASK)
+@task(name="train", retries=1, **_NOT_CACHED)
 def train_task(
     cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest, run_id: str
 ) -> TrainManifest:
-    """Pretrain; metrics stream to the console and the MLflow run."""
+    """Pretrain; metrics stream to the console, MLflow and a progress artifact. A retry
+    resumes from the newest checkpoint of the run."""
     from mlm_pipeline.train import train
 
     tracker = MlflowTracker.from_config(cfg.tracking)
-    sink = MultiSink(StdoutSink(), tracker.sink(run_id))
+    sink = MultiSink(StdoutSink(), tracker.sink(run_id), PrefectProgressSink(cfg.train.max_steps))
     try:
         return train(cfg, shards, tokenizer, Path(cfg.work_dir) / "train" / run_id, sink)
     finally:
         sink.close()
 
 
-@task(name="evaluate", **_TASK)
+@task(name="evaluate", **_NOT_CACHED)
 def evaluate_task(
     cfg: PipelineConfig, trained: TrainManifest, shards: ShardManifest,
     tokenizer: TokenizerManifest,
@@ -117,7 +164,7 @@ def evaluate_task(
     return evaluate(cfg, trained, shards, tokenizer, cfg.work_dir)
 
 
-@task(name="record-results", **_TASK)
+@task(name="record-results", **_NOT_CACHED, **_IO)
 def record_results_task(
     cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest
 ) -> None:
@@ -126,10 +173,18 @@ def record_results_task(
     pipeline.record_results(tracker, run_id, cfg, trained, evaluated)
 
 
-@task(name="end-tracking", **_TASK)
+@task(name="end-tracking", **_NOT_CACHED, **_IO)
 def end_tracking(cfg: PipelineConfig, run_id: str, status: str) -> None:
     """Close the MLflow run with `FINISHED` or `FAILED`."""
     MlflowTracker.from_config(cfg.tracking).end_run(run_id, status)
+
+
+def _fresh(stage_task, *args):
+    """Run a cached stage; recompute it if the cached manifest's files were deleted."""
+    manifest = stage_task(*args)
+    if not pipeline.outputs_exist(manifest):
+        manifest = stage_task.with_options(refresh_cache=True)(*args)
+    return manifest
 
 
 @flow(name="mlm-pretraining")
@@ -139,9 +194,9 @@ def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
     cfg = load_config(params.config, params.overrides)
     run_id = start_tracking(cfg)
     try:
-        corpus = ingest_task(cfg)
-        tokenizer = tokenizer_task(cfg, corpus)
-        shards = shards_task(cfg, corpus, tokenizer)
+        corpus = _fresh(ingest_task, cfg)
+        tokenizer = _fresh(tokenizer_task, cfg, corpus)
+        shards = _fresh(shards_task, cfg, corpus, tokenizer)
         record_data_task(cfg, run_id, corpus, tokenizer, shards)
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
@@ -151,4 +206,7 @@ def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
         raise
     end_tracking(cfg, run_id, "FINISHED")
     tracker = MlflowTracker.from_config(cfg.tracking)
-    return pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated)
+    summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated)
+    create_markdown_artifact(key="run-summary", markdown=pipeline.summary_markdown(summary),
+                             description="final metrics and the MLflow run")
+    return summary

@@ -105,11 +105,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     watch = Stopwatch()
     files = resolve_sources(cfg)
     hashes = [sha256_file(f) for f in files]
-    # Content only: the same bytes under another directory give the same digest. The
-    # basename stays in the key because document ids contain it.
-    inputs = {f"{i:05d}:{f.name}": h for i, (f, h) in enumerate(zip(files, hashes))}
-    digest = compute_digest("ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources"}),
-                            inputs)
+    digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
     if (cached := load_if_complete(out_dir, CorpusManifest, digest)) is not None:
         logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
@@ -156,7 +152,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
         raise
     m = CorpusManifest(
         stage="ingest", digest=digest, output_dir=str(out_dir),
-        config=cfg.model_dump(mode="json"), inputs=inputs,
+        config=cfg.model_dump(mode="json"), inputs=_inputs(files, hashes),
         created_at=watch.created_at, wall_time_s=watch.elapsed,
         sources=[SourceEntry(path=str(f), sha256=h, bytes=f.stat().st_size,
                              documents=reader.per_file.get(i, 0))
@@ -174,6 +170,30 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
                 kept, m.documents_train, n_val, characters, drops, repairs, m.wall_time_s,
                 out_dir)
     return m
+
+
+def ingest_digest(cfg: IngestConfig) -> str:
+    """The digest `ingest(cfg, ...)` would give its output, without reading documents:
+    resolves the sources (fetching `debian:` corpora if needed) and hashes their bytes.
+
+    Raises:
+        The errors of `resolve_sources`.
+    """
+    files = resolve_sources(cfg)
+    return _digest(cfg, files, [sha256_file(f) for f in files])
+
+
+def _inputs(files: list[Path], hashes: list[str]) -> dict[str, str]:
+    # Content only: the same bytes under another directory give the same digest. The
+    # basename stays in the key because document ids contain it.
+    return {f"{i:05d}:{f.name}": h for i, (f, h) in enumerate(zip(files, hashes))}
+
+
+def _digest(cfg: IngestConfig, files: list[Path], hashes: list[str]) -> str:
+    return compute_digest(
+        "ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources"}),
+        _inputs(files, hashes),
+    )
 
 
 def resolve_sources(cfg: IngestConfig) -> list[Path]:

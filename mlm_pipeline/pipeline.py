@@ -14,10 +14,12 @@ from typing import Any
 from mlm_pipeline.config import PipelineConfig, flatten
 from mlm_pipeline.manifest import (
     CorpusManifest,
+    Manifest,
     EvalManifest,
     ShardManifest,
     TokenizerManifest,
     TrainManifest,
+    load_if_complete,
 )
 from mlm_pipeline.tracking import MlflowTracker, git_commit
 
@@ -144,3 +146,50 @@ def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(summary_dict, indent=2, sort_keys=True) + "\n")
     return p
+
+
+def outputs_exist(manifest: Manifest) -> bool:
+    """True when every file a manifest lists is still on disk with its recorded size: a
+    result cached by the orchestrator is only reused if its outputs were not deleted."""
+    return load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest) is not None
+
+
+def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:
+    """Ingestion accounting as table rows: what was read, kept, dropped and repaired, with
+    the reason and the number of documents (a dropped or repaired document is never silent)."""
+    rows: list[dict[str, Any]] = [
+        {"what": "read", "reason": "", "documents": corpus.documents_read},
+        {"what": "kept (train)", "reason": "", "documents": corpus.documents_train},
+        {"what": "kept (validation)", "reason": "", "documents": corpus.documents_validation},
+    ]
+    rows += [{"what": "dropped", "reason": k, "documents": v}
+             for k, v in sorted(corpus.dropped.items())]
+    rows += [{"what": "repaired", "reason": k, "documents": v}
+             for k, v in sorted(corpus.repaired.items())]
+    return rows
+
+
+def summary_markdown(summary_dict: dict[str, Any]) -> str:
+    """A Markdown report of a finished run: MLflow run (with link when served), the final
+    metrics and where the checkpoint and manifests are."""
+    run = summary_dict["mlflow_run_id"]
+    link = summary_dict.get("mlflow_run_url")
+    lines = [
+        "# mlm-pretraining run",
+        "",
+        f"MLflow run: [{run}]({link})" if link else
+        f"MLflow run: `{run}` (tracking URI `{summary_dict['mlflow_tracking_uri']}`)",
+        "",
+        f"Steps: {summary_dict['steps']:,}; tokens seen: {summary_dict['tokens_seen']:,}"
+        + (" (stopped early by `train.max_time_s`)" if summary_dict["stopped_early"] else ""),
+        "",
+        "| metric | value |",
+        "|---|---:|",
+    ]
+    for key, value in sorted(summary_dict["metrics"].items()):
+        lines.append(f"| `{key}` | {value:,.4f} |")
+    lines += ["", f"Checkpoint: `{summary_dict['checkpoint']}`", "", "| stage | seconds | manifest |",
+              "|---|---:|---|"]
+    for stage, path in summary_dict["manifests"].items():
+        lines.append(f"| {stage} | {summary_dict['wall_time_s'][stage]} | `{path}` |")
+    return "\n".join(lines) + "\n"

@@ -61,6 +61,13 @@ UINT16_VOCAB = 1 << 16
 _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
 
 
+def shards_digest(
+    cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
+) -> str:
+    """Identity of the shards `write_shards(cfg, corpus, tokenizer, ...)` writes."""
+    return compute_digest(STAGE, cfg, {"corpus": corpus.digest, "tokenizer": tokenizer.digest})
+
+
 def write_shards(
     cfg: ShardConfig,
     corpus: CorpusManifest,
@@ -85,8 +92,7 @@ def write_shards(
             row of `seq_len` tokens), the tokenizer model differs from its manifest, or a
             Parquet file is malformed (the file is named).
     """
-    inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
-    digest = compute_digest(STAGE, cfg, inputs)
+    digest = shards_digest(cfg, corpus, tokenizer)
     out_dir = stage_dir(work_dir, STAGE, digest)
     cached = load_if_complete(out_dir, ShardManifest, digest)
     if cached is not None:
@@ -121,7 +127,7 @@ def write_shards(
         digest=digest,
         output_dir=str(out_dir),
         config=cfg.model_dump(mode="json"),
-        inputs=inputs,
+        inputs={"corpus": corpus.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
         seq_len=cfg.seq_len,

@@ -63,6 +63,11 @@ _SEVERE = re.compile(r"[WEF]\d{4} ")  # absl log prefix of warnings, errors, fat
 _READ = re.compile(r"Loaded all (\d+) sentences|Sampled (\d+) sentences from \d+ sentences")
 
 
+def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
+    """Identity of the tokenizer `train_tokenizer(cfg, corpus, ...)` writes: config + corpus."""
+    return compute_digest(STAGE, cfg, {"corpus": corpus.digest})
+
+
 def train_tokenizer(
     cfg: TokenizerConfig, corpus: CorpusManifest, work_dir: str | os.PathLike[str]
 ) -> TokenizerManifest:
@@ -90,7 +95,7 @@ def train_tokenizer(
             Parquet file lacks a string `text` column (the file is named).
         RuntimeError: the trained model does not have the fixed special-token ids.
     """
-    digest = compute_digest(STAGE, cfg, {"corpus": corpus.digest})
+    digest = tokenizer_digest(cfg, corpus)
     out_dir = stage_dir(work_dir, STAGE, digest)
     cached = load_if_complete(out_dir, TokenizerManifest, digest)
     if cached is not None:

@@ -1,6 +1,8 @@
 """The mlm-pretraining flow on the tiny test corpus, with a real Prefect API and MLflow."""
 
 import importlib
+import json
+import shutil
 import pkgutil
 from pathlib import Path
 
@@ -81,3 +83,80 @@ def test_a_failing_stage_fails_the_flow_and_the_mlflow_run(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("flow-test").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def _stage_states(flow_run_id) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    states: dict[str, list[str]] = {}
+    for r in sorted(runs, key=lambda r: r.expected_start_time):
+        stage = r.name.rsplit("-", 1)[0]
+        if stage in ("ingest", "tokenizer", "shards"):
+            states.setdefault(stage, []).append(r.state.name)
+    # One run per stage, except a recomputation after a stale cache hit.
+    return {k: v[0] if len(v) == 1 else v for k, v in states.items()}
+
+
+def test_data_stages_are_cached_by_content(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes((ASSETS / "tiny_fr.txt").read_bytes())
+    base = _overrides(tmp_path, uri) + [f"ingest.sources=[{corpus}]", "train.max_steps=2",
+                                        "train.warmup_steps=1", "eval.probes=[]"]
+
+    def run(*extra):
+        state = mlm_pretraining(PretrainParams(config="tiny", overrides=base + list(extra)),
+                                return_state=True)
+        assert state.is_completed()
+        return _stage_states(state.state_details.flow_run_id)
+
+    assert run() == {"ingest": "Completed", "tokenizer": "Completed", "shards": "Completed"}
+    # Same config and bytes: every data stage comes from the cache.
+    assert run() == {"ingest": "Cached", "tokenizer": "Cached", "shards": "Cached"}
+    # Only the vocabulary changes: ingestion stays cached, the rest reruns.
+    assert run("tokenizer.vocab_size=120") == {
+        "ingest": "Cached", "tokenizer": "Completed", "shards": "Completed"}
+    # The same bytes under another name and directory: still cached (content, not paths).
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    (moved / "corpus.txt").write_bytes(corpus.read_bytes())
+    assert run(f"ingest.sources=[{moved / 'corpus.txt'}]") == {
+        "ingest": "Cached", "tokenizer": "Cached", "shards": "Cached"}
+    # One byte of the input changes: everything downstream reruns.
+    data = bytearray(corpus.read_bytes())
+    data[10] = ord("X") if data[10] != ord("X") else ord("Y")
+    corpus.write_bytes(bytes(data))
+    assert run() == {"ingest": "Completed", "tokenizer": "Completed", "shards": "Completed"}
+    # Outputs deleted behind the cache's back: recomputed, not reused.
+    shutil.rmtree(tmp_path / "work" / "shards")
+    assert run() == {"ingest": "Cached", "tokenizer": "Cached",
+                     "shards": ["Cached", "Completed"]}
+
+
+def test_flow_run_publishes_prefect_artifacts(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    state = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri)),
+                            return_state=True)
+    summary = state.result()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    by_key = {a.key: a for a in artifacts}
+    assert summary["mlflow_run_id"] in by_key["run-summary"].data
+    assert f"{summary['metrics']['eval/mlm_accuracy']:,.4f}" in by_key["run-summary"].data
+    rows = json.loads(by_key["ingestion-accounting"].data)
+    manifest = json.loads(Path(summary["manifests"]["ingest"]).read_text())
+    counts = {(r["what"], r["reason"]): r["documents"] for r in rows}
+    assert counts[("read", "")] == manifest["documents_read"]
+    assert counts[("kept (validation)", "")] == manifest["documents_validation"]
+    for reason, n in manifest["dropped"].items():
+        assert counts[("dropped", reason)] == n
+    assert float(by_key["training-progress"].data) == 100.0
