@@ -1,0 +1,130 @@
+"""Real servers on loopback for the deployment tests: a Prefect server, an MLflow server
+(SQLite backend, served artifacts) and a process worker. Every process is stopped at the
+end of the session, also when a test fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, then SIGKILL what is left (a worker started from a
+    non-interactive shell may ignore the first signal; see shared notes)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=15)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process and its children, MiB (from /proc)."""
+    total = 0
+    pids = [pid]
+    try:
+        pids += [int(p) for p in subprocess.run(["pgrep", "-g", str(os.getpgid(pid))],
+                                                capture_output=True, text=True).stdout.split()]
+    except ProcessLookupError:
+        return 0.0
+    for p in set(pids):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total / 1024
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """Start Prefect server, MLflow server and a process worker; yield their settings."""
+    tmp = tmp_path_factory.mktemp("stack")
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("PREFECT_")]:
+        del env[key]
+    env.update(
+        PREFECT_HOME=str(tmp / "prefect-home"),
+        PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_WORKER_PREFETCH_SECONDS="5",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mlflow_port}",
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PWD=str(ROOT),
+        MLM_PIPELINE_CACHE=os.environ.get("MLM_PIPELINE_CACHE", str(tmp / "cache")),
+    )
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        log = tmp / f"{name}.log"
+        procs[name] = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stopped as a whole
+        )
+        return procs[name]
+
+    try:
+        p = start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host",
+                                     "127.0.0.1", "--port", str(prefect_port), "--analytics-off"])
+        m = start("mlflow-server", [
+            str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
+            "--artifacts-destination", str(tmp / "mlartifacts"), "--host", "127.0.0.1",
+            "--port", str(mlflow_port), "--workers", "1"])
+        _wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", p, tmp / "prefect-server.log")
+        _wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", m, tmp / "mlflow-server.log")
+        subprocess.run([str(BIN / "prefect"), "work-pool", "create", "local-cpu", "--type",
+                        "process", "--overwrite"], cwd=ROOT, env=env, check=True,
+                       capture_output=True)
+        # Reset SIGINT before exec: background processes start with it ignored, and the
+        # worker's SIGTERM handler re-sends SIGINT (shared notes).
+        launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execv(sys.argv[1], sys.argv[1:])")
+        start("worker", [sys.executable, "-c", launcher, str(BIN / "prefect"), "worker", "start",
+                         "--pool", "local-cpu", "--type", "process"])
+        yield {"env": env, "tmp": tmp, "procs": procs, "root": ROOT, "bin": BIN,
+               "rss_mib": rss_mib}
+    finally:
+        for proc in procs.values():
+            _stop(proc)

@@ -1,0 +1,153 @@
+"""Deployments from prefect.yaml on a real Prefect server, worker and MLflow server.
+
+Slow (servers start in about 20 s): run with `pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+
+pytestmark = pytest.mark.slow
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def _prefect(stack, *args, timeout=600, check=True):
+    return subprocess.run([str(stack["bin"] / "prefect"), *args], cwd=stack["root"], env=stack["env"],
+                          capture_output=True, text=True, timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def deployed(stack):
+    template = stack["root"] / "infra" / "k8s" / "gpu-work-pool-template.json"
+    _prefect(stack, "work-pool", "create", "gpu-k8s", "--type", "kubernetes",
+             "--base-job-template", str(template), "--overwrite")
+    out = _prefect(stack, "--no-prompt", "deploy", "--all", check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "local-cpu" in out.stdout + out.stderr
+    config = stack["tmp"] / "deploy-test.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "deploy-test",
+        "work_dir": str(stack["tmp"] / "work"),
+        "ingest": {"sources": [str(ASSETS / "tiny_fr.txt")], "validation_fraction": 0.15},
+        "tokenizer": {"vocab_size": 128},
+        "shards": {"seq_len": 16},
+        "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+        "train": {"micro_batch_size": 4, "max_steps": 6, "warmup_steps": 2, "log_every": 2},
+        "eval": {"max_rows": 20, "probes": []},
+        "tracking": {"experiment_name": "deploy-test"},
+    }))
+    return {**stack, "config": str(config)}
+
+
+def _flow_run_id(output: str) -> str:
+    for line in output.splitlines():
+        if "UUID:" in line:
+            return line.split("UUID:")[1].strip()
+    raise AssertionError(f"no flow run id in:\n{output}")
+
+
+def _run_deployment(deployed, *overrides) -> tuple[str, float]:
+    params = json.dumps({"config": deployed["config"], "overrides": list(overrides)})
+    start = time.monotonic()
+    out = _prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
+                   "--param", f"params={params}", "--watch", "--watch-timeout", "500")
+    return _flow_run_id(out.stdout), time.monotonic() - start
+
+
+@contextlib.contextmanager
+def _client(deployed):
+    """A sync Prefect client (and settings) pointed at the test server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: deployed["env"]["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            yield client
+
+
+def _task_states(deployed, flow_run_id: str) -> dict[str, str]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with _client(deployed) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+
+def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
+    flow_run_id, seconds = _run_deployment(deployed)
+    with _client(deployed) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    assert flow_run.state.is_completed(), flow_run.state
+    mlflow = MlflowClient(tracking_uri=deployed["env"]["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.get_experiment_by_name("deploy-test")
+    runs = mlflow.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect.deployment_name"] == "local-cpu"
+    assert [m.step for m in mlflow.get_metric_history(run.info.run_id, "train/loss")] == [2, 4, 6]
+    assert "eval/mlm_accuracy" in run.data.metrics
+    # artifacts went through the server into its artifact store
+    assert {a.path for a in mlflow.list_artifacts(run.info.run_id, "tokenizer")} == {
+        "tokenizer/spm.model", "tokenizer/spm.vocab"}
+    local = mlflow.download_artifacts(run.info.run_id, "tokenizer/spm.model",
+                                      str(deployed["tmp"]))
+    assert Path(local).stat().st_size > 0
+    print(f"\nfirst deployment run: {seconds:.1f} s from `prefect deployment run` to Completed")
+
+    # Second run of the same config: the data stages come from the cache.
+    second_id, seconds = _run_deployment(deployed)
+    states = _task_states(deployed, second_id)
+    assert {states["ingest"], states["tokenizer"], states["shards"]} == {"Cached"}
+    print(f"second deployment run (cached data): {seconds:.1f} s")
+    for name, proc in deployed["procs"].items():
+        print(f"RSS {name}: {deployed['rss_mib'](proc.pid):.0f} MiB")
+
+
+def test_schedule_and_trigger_are_registered(deployed):
+    with _client(deployed) as client:
+        dep = client.read_deployment_by_name("mlm-pretraining/scheduled-retrain")
+        assert [s.schedule.cron for s in dep.schedules] == ["0 2 * * 1"]
+        assert dep.schedules[0].parameters["params"]["overrides"] == [
+            "tracking.run_name=weekly-retrain"]
+        automations = [a for a in client.read_automations()
+                       if any(getattr(act, "deployment_id", None) == dep.id for act in a.actions)]
+    assert len(automations) == 1
+    trigger = automations[0].trigger
+    assert trigger.expect == {"corpus.updated"}
+    action = automations[0].actions[0]
+    assert "event.payload.corpus" in json.dumps(action.parameters)
+
+
+def test_corpus_updated_event_starts_a_retrain(deployed):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.events import emit_event
+
+    with _client(deployed) as client:
+        dep = client.read_deployment_by_name("mlm-pretraining/scheduled-retrain")
+        emit_event(event="corpus.updated",
+                   resource={"prefect.resource.id": "mlm-pipeline.corpus.test"},
+                   payload={"corpus": str(ASSETS / "tiny_fr.txt"), "config": deployed["config"]})
+        deadline = time.monotonic() + 90
+        runs = []
+        while time.monotonic() < deadline and not runs:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                id=DeploymentFilterId(any_=[dep.id])))
+            # the cron schedule's future runs are not the event's
+            runs = [r for r in runs if "weekly-retrain" not in str(r.parameters)]
+            time.sleep(1)
+    assert runs, "no flow run was created by the corpus.updated event"
+    params = runs[0].parameters["params"]
+    assert params["config"] == deployed["config"]
+    assert params["overrides"][0] == f"ingest.sources=[{ASSETS / 'tiny_fr.txt'}]"
