@@ -93,7 +93,12 @@ def start_tracking(cfg: PipelineConfig) -> str:
             extra["prefect.deployment_id"] = str(deployment.id)
             extra["prefect.deployment_name"] = str(deployment.name)
     tracker = MlflowTracker.from_config(cfg.tracking)
-    return tracker.start_run(pipeline.run_params(cfg), pipeline.run_tags(extra))
+    params = pipeline.run_params(cfg)
+    if cfg.tracking.resume_run_id:
+        # the resume key itself is the only param allowed to differ from the first attempt
+        params.pop("tracking.resume_run_id")
+        return tracker.resume_run(cfg.tracking.resume_run_id, params, pipeline.run_tags(extra))
+    return tracker.start_run(params, pipeline.run_tags(extra))
 
 
 @task(name="ingest", cache_key_fn=_ingest_key, persist_result=True, **_IO)

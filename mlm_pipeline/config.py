@@ -226,6 +226,9 @@ class TrackingConfig(StrictModel):
     """MLflow run name; None lets MLflow pick one."""
     log_checkpoint: bool = True
     """Log the final checkpoint directory as run artifacts."""
+    resume_run_id: str | None = None
+    """Continue this MLflow run (e.g. after a cancelled or crashed flow run): training
+    resumes from the newest checkpoint of that run; the config must be unchanged."""
 
 
 class PipelineConfig(StrictModel):

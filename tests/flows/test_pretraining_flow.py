@@ -160,3 +160,41 @@ def test_flow_run_publishes_prefect_artifacts(tmp_path):
     for reason, n in manifest["dropped"].items():
         assert counts[("dropped", reason)] == n
     assert float(by_key["training-progress"].data) == 100.0
+
+
+def test_resume_a_crashed_run(tmp_path, caplog):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    base = _overrides(tmp_path, uri) + ["train.checkpoint_every=2", "eval.probes=[]"]
+    first = mlm_pretraining(PretrainParams(config="tiny", overrides=base), return_state=True)
+    run_id = first.result()["mlflow_run_id"]
+    # What a crash after step 4's checkpoint leaves: no final checkpoint, a FAILED run.
+    run_dir = tmp_path / "work" / "train" / run_id
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
+    (run_dir / "manifest.json").unlink()
+    client = MlflowClient(tracking_uri=uri)
+    client.set_terminated(run_id, "FAILED")
+
+    caplog.set_level("INFO", logger="mlm_pipeline")
+    second = mlm_pretraining(
+        PretrainParams(config="tiny", overrides=base + [f"tracking.resume_run_id={run_id}"]),
+        return_state=True,
+    )
+    summary = second.result()
+    assert summary["mlflow_run_id"] == run_id
+    assert "resuming at step 4" in caplog.text
+    assert client.get_run(run_id).info.status == "FINISHED"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+
+
+def test_resume_refuses_a_changed_config(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    base = _overrides(tmp_path, uri) + ["eval.probes=[]"]
+    run_id = mlm_pretraining(PretrainParams(config="tiny", overrides=base)).get("mlflow_run_id")
+    state = mlm_pretraining(
+        PretrainParams(config="tiny", overrides=base + ["train.lr=0.5",
+                                                        f"tracking.resume_run_id={run_id}"]),
+        return_state=True,
+    )
+    assert state.is_failed()
+    assert "train.lr" in str(state.message)
