@@ -138,6 +138,7 @@ class _Apt:
         self.available = all(shutil.which(t) for t in ("apt-get", "apt-cache", "dpkg-deb"))
 
     def run(self, *cmd: str, cwd: Path | None = None) -> str:
+        """Run an apt/dpkg command in the C locale; returns stdout (raises RuntimeError on failure)."""
         env = dict(os.environ, LC_ALL="C", DEBIAN_FRONTEND="noninteractive")
         r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
         if r.returncode:
@@ -400,6 +401,7 @@ class _HTMLText(html.parser.HTMLParser):
         return self.stack[-1][1:] if self.stack else (False, self.root is None, False)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        """HTMLParser callback: open an element (skip, root and <pre> state; block separator)."""
         skipping, in_root, in_pre = self._state()
         ad = dict(attrs)
         classes = set((ad.get("class") or "").split())
@@ -417,11 +419,13 @@ class _HTMLText(html.parser.HTMLParser):
             self.stack.append((tag, skipping, in_root, in_pre))
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        """HTMLParser callback for a self-closing element: only its separator counts."""
         skipping, in_root, _ = self._state()
         if not skipping and in_root:
             self._sep(tag)
 
     def handle_endtag(self, tag: str) -> None:
+        """HTMLParser callback: close up to the matching element (tolerates unclosed tags)."""
         # Pop to the matching tag: tolerates unclosed <p>, <li>, ...
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i][0] == tag:
@@ -440,6 +444,7 @@ class _HTMLText(html.parser.HTMLParser):
             self.out.append(" ")
 
     def handle_data(self, data: str) -> None:
+        """HTMLParser callback: keep visible text (whitespace kept inside <pre>)."""
         skipping, in_root, in_pre = self._state()
         if skipping or not in_root:
             return
@@ -449,6 +454,7 @@ class _HTMLText(html.parser.HTMLParser):
             self.out.append(re.sub(r"\s+", " ", data))
 
     def text(self) -> str:
+        """The collected text, cleaned: paragraphs separated by blank lines."""
         t = clean_text(re.sub(r" *\n *", "\n", "".join(self.out)).replace(_PRE_NL, "\n"))
         lines = (line.rstrip() for line in t.replace(_PRE_SP, " ").split("\n"))
         return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")

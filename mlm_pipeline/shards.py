@@ -216,6 +216,7 @@ class _ShardWriter:
         self.tmp: Path | None = None
 
     def add(self, rows: np.ndarray) -> None:
+        """Append rows (n, seq_len) of the storage dtype; writes a shard each time one fills."""
         while len(rows):
             take = min(len(rows), self.rows_per_shard - self.filled)
             self._reserve(self.filled + take)
@@ -226,11 +227,13 @@ class _ShardWriter:
                 self._flush()
 
     def close(self) -> list[FileEntry]:
+        """Write the last, partial shard; returns every shard written, in order."""
         if self.filled:
             self._flush()
         return self.entries
 
     def discard(self) -> None:
+        """Remove the temporary file of a shard being written (after an error)."""
         if self.tmp is not None:
             self.tmp.unlink(missing_ok=True)
 
