@@ -138,7 +138,11 @@ class _Apt:
         self.available = all(shutil.which(t) for t in ("apt-get", "apt-cache", "dpkg-deb"))
 
     def run(self, *cmd: str, cwd: Path | None = None) -> str:
-        """Run an apt/dpkg command in the C locale; returns stdout (raises RuntimeError on failure)."""
+        """Run an apt/dpkg command in the C locale; returns stdout.
+
+        Raises:
+            subprocess.CalledProcessError: the command exits non-zero.
+        """
         env = dict(os.environ, LC_ALL="C", DEBIAN_FRONTEND="noninteractive")
         r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
         if r.returncode:
