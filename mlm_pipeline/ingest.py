@@ -39,6 +39,7 @@ import glob
 import gzip
 import hashlib
 import json
+import functools
 import logging
 import os
 import re
@@ -104,7 +105,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     """
     watch = Stopwatch()
     files = resolve_sources(cfg)
-    hashes = [sha256_file(f) for f in files]
+    hashes = [_content_hash(f) for f in files]
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
     if (cached := load_if_complete(out_dir, CorpusManifest, digest)) is not None:
@@ -180,7 +181,22 @@ def ingest_digest(cfg: IngestConfig) -> str:
         The errors of `resolve_sources`.
     """
     files = resolve_sources(cfg)
-    return _digest(cfg, files, [sha256_file(f) for f in files])
+    return _digest(cfg, files, [_content_hash(f) for f in files])
+
+
+def _content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, computed once per process for an unchanged file: the
+    orchestrator's cache key (`ingest_digest`) and `ingest` itself both need it, and a
+    large corpus should be read once, not twice."""
+    st = path.stat()
+    return _sha256_memo(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_memo(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    # (size, mtime, inode) only decide whether to reuse a hash taken in this process; the
+    # digest itself is always the content's sha256.
+    return sha256_file(path)
 
 
 def _inputs(files: list[Path], hashes: list[str]) -> dict[str, str]:
