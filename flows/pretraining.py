@@ -79,7 +79,10 @@ def _shards_key(context, parameters) -> str:
     from mlm_pipeline.shards import shards_digest
 
     p = parameters
-    return "shards-" + shards_digest(p["cfg"].shards, p["corpus"], p["tokenizer"])
+    cfg = p["cfg"]
+    return "shards-" + shards_digest(
+        cfg.shards, p["corpus"], p["tokenizer"], cfg.masking, cfg.train.seed
+    )
 
 
 @task(name="start-tracking", **_NOT_CACHED, **_IO)
@@ -121,10 +124,11 @@ def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerMani
 def shards_task(
     cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
 ) -> ShardManifest:
-    """Encode and pack both splits into Arrow shards."""
+    """Encode and pack both splits into Arrow shards (plus the masked copies of the
+    training split with precomputed masking, keyed by the training seed)."""
     from mlm_pipeline.shards import write_shards
 
-    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir)
+    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking, cfg.train.seed)
 
 
 @task(name="record-data", **_NOT_CACHED, **_IO)

@@ -36,9 +36,11 @@ class IngestConfig(StrictModel):
     sources: list[str] = Field(default_factory=lambda: ["debian:fr"], min_length=1)
     """Inputs, in order. `debian:NAME` fetches a built-in French corpus from Debian packages
     (names: see `mlm_pipeline.corpora.DEBIAN_CORPORA`, `debian:fr` = the default set); any
-    other entry is a path, directory or glob of `.txt` / `.jsonl` files, optionally `.gz`."""
+    other entry is a path, directory, glob or fsspec URL (`s3://`, `https://`, `file://`)
+    of `.txt`, `.jsonl`, `.json`, `.parquet` or `.csv` files, optionally compressed
+    (`.gz`, `.zst`, `.bz2`, `.xz`)."""
     text_field: str = "text"
-    """JSONL field that holds the document text."""
+    """JSON field or Parquet/CSV column that holds the document text."""
     txt_document: Literal["paragraph", "file"] = "paragraph"
     """`.txt` files: one document per blank-line-separated block (`paragraph`) or per file."""
     normalization: Literal["NFC", "NFKC"] = "NFC"
@@ -47,6 +49,18 @@ class IngestConfig(StrictModel):
     """Documents shorter than this many characters (after cleaning) are dropped and counted."""
     max_documents: int | None = Field(default=None, ge=1)
     """Stop after this many documents read (a slice for quick runs); None reads everything."""
+    max_document_chars: int = Field(default=1_000_000, ge=1000)
+    """Documents longer than this many characters are split (at paragraph, then sentence,
+    then whitespace boundaries, never dropped or truncated) into parts of at most this size."""
+    min_letter_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Documents whose share of letters (Unicode category L*) among non-space characters is
+    below this are dropped (`few_letters`); 0 disables the filter."""
+    languages: list[str] | None = None
+    """Keep only records whose `lang` field (JSONL/Parquet/CSV) is in this list (dropped:
+    `language`); records without a `lang` field are kept. None disables the filter."""
+    near_dedup_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Drop near-duplicates whose estimated Jaccard similarity of word 5-gram shingles with
+    a kept document is at least this (MinHash LSH, Broder 1997); None disables it."""
     validation_fraction: float = Field(default=0.02, ge=0.0, lt=1.0)
     """Share of documents (by hash of the normalized text) held out for evaluation."""
     cache_dir: str | None = None
@@ -87,8 +101,12 @@ class ShardConfig(StrictModel):
 class MaskingConfig(StrictModel):
     """Masked-language-model corruption (Devlin et al. 2019, §3.1)."""
 
-    mode: Literal["dynamic"] = "dynamic"
-    """`dynamic`: a new mask per epoch, computed on the training device."""
+    mode: Literal["dynamic", "precomputed"] = "dynamic"
+    """`dynamic`: a new mask per epoch, computed on the training device. `precomputed`: the
+    shards stage writes `dupe_factor` masked copies of every row (the same masking
+    function, keyed by (seed, copy, row)) and training cycles through them by epoch."""
+    dupe_factor: int = Field(default=1, ge=1, le=100)
+    """Masked copies of each row written in `precomputed` mode (BERT used 10)."""
     mlm_probability: float = Field(default=0.15, gt=0.0, lt=1.0)
     """Share of maskable tokens selected for prediction."""
     mask_replace_prob: float = Field(default=0.8, ge=0.0, le=1.0)

@@ -1,23 +1,31 @@
 """Stage 1, ingestion: raw text files -> cleaned, deduplicated Parquet documents per split.
 
 Inputs (`IngestConfig.sources`, in order): `debian:NAME` (a built-in corpus, see
-`mlm_pipeline.corpora`), a file, a directory (recursively: `*.txt`, `*.jsonl`, optionally
-`.gz`) or a glob. Records are read as bytes and repaired or dropped, and every repair and
-drop is counted in the manifest:
+`mlm_pipeline.corpora`), a file, a directory (recursively: every supported suffix), a
+glob, or an fsspec URL of any of these (`mlm_pipeline.sources`: resolution, content
+hashes, decompression, UTF-16/32). Formats (`.txt`, `.jsonl`, `.json`, `.csv`,
+`.parquet`) are `mlm_pipeline.readers`'s. Every record read is repaired or dropped, and
+every repair and drop is counted in the manifest:
 
-* `.txt`: records end at `\\n`, `\\r\\n` or `\\r` only. U+2028, U+2029, U+0085 and form
-  feed never split a record (unlike `str.splitlines`). A document is a run of non-blank
-  lines (`txt_document="paragraph"`) or the whole file (`"file"`), its lines joined
-  with `\\n`. Its id is `<basename>:<first line number>`.
-* `.jsonl`: one JSON object per `\\n`-terminated line (a trailing `\\r` is tolerated, blank
-  lines are skipped); the text is `cfg.text_field`; `id` and `source` fields are used
-  when present.
-* Repairs (counted once per document read, kept or dropped): a UTF-8 BOM at the start of
-  a file (`bom`), invalid UTF-8 bytes or lone surrogates replaced by U+FFFD
-  (`invalid_utf8`), NUL characters removed (`nul`).
-* Drops: `bad_json`, `missing_text` (field absent or not a string), `empty`, `too_short`,
-  `duplicate` (exact match on the normalized text; memory: one 16-byte digest per kept
-  document).
+* Repairs (counted once per record read, kept or dropped): `bom`, `invalid_utf8`, `nul`
+  (see `sources`), and `split`: a document longer than `max_document_chars` is cut into
+  parts of at most that many characters, at the last blank line (paragraph) before the
+  limit, else the last whitespace after `.`, `!` or `?` (sentence), else the last
+  whitespace, else hard at the limit. The whitespace run cut at is removed (parts are
+  stripped), no other character is lost. Parts get ids `<id>#<k>` (k from 1) and are then
+  deduplicated and assigned to splits like any document.
+* Drops (in this order): `bad_json`, `missing_text` (field absent or not a string),
+  `language` (a `lang` field not in `languages`), `empty`, `too_short`, `few_letters`
+  (letter share below `min_letter_share`), `duplicate` (exact match on the normalized
+  text; memory: one 16-byte digest per kept document), `near_duplicate` (MinHash LSH,
+  optional, see `cleaning.NearDuplicateFilter`).
+
+Counts: `documents_read` counts records read (one per source record, bad ones included);
+`documents_kept` counts documents written, each part of a split document counting as one;
+drops count records before splitting and parts after it (`duplicate`, `near_duplicate`).
+So `documents_read + extra parts = documents_kept + sum(dropped)`, where extra parts are
+the parts beyond the first of each split document (`repaired["split"]` counts the split
+documents).
 
 Split: a document goes to validation iff the first 8 bytes of sha256(normalized text),
 read as a big-endian integer and divided by 2**64, are below `validation_fraction`. The
@@ -30,28 +38,21 @@ Output: `train-NNNNN.parquet` and `validation-NNNNN.parquet` (string columns `id
 `text`, `source`; zstd; a new file every `DOCS_PER_FILE` documents) written streaming in
 batches of `BATCH_DOCS`, in reading order.
 
-This module imports neither torch nor prefect.
+This module imports neither torch nor prefect (nor `datasketch`, unless near-dedup is on).
 """
 
 from __future__ import annotations
 
-import glob
-import gzip
 import hashlib
-import json
-import functools
 import logging
 import os
-import re
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mlm_pipeline import corpora
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.manifest import (
     CorpusManifest,
@@ -61,10 +62,12 @@ from mlm_pipeline.manifest import (
     compute_digest,
     file_entry,
     load_if_complete,
-    sha256_file,
     stage_dir,
     write_manifest,
 )
+from mlm_pipeline.cleaning import NearDuplicateFilter, letter_share, split_text
+from mlm_pipeline.readers import read_records
+from mlm_pipeline.sources import Source, content_hash, resolve_sources, source_name, source_size
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +75,11 @@ logger = logging.getLogger(__name__)
 DOCS_PER_FILE = 50_000
 #: Documents buffered per Parquet write (one row group each).
 BATCH_DOCS = 1_000
-#: Input file name endings read from directories and accepted from globs and paths.
-SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
-DROP_REASONS = ("bad_json", "missing_text", "empty", "too_short", "duplicate")
-REPAIR_REASONS = ("bom", "invalid_utf8", "nul")
+DROP_REASONS = ("bad_json", "missing_text", "language", "empty", "too_short", "few_letters",
+                "duplicate", "near_duplicate")
+REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "split")
 _SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string())])
-_EOL = re.compile(rb"\r\n|\r|\n")
-_BOM = b"\xef\xbb\xbf"
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_WARN_FIRST = 5  # bad lines named individually per reason and file, then only counted
-# A record read from an input: id, raw text, source, repairs made, drop reason (bad JSONL).
-_Record = tuple[str, str, str, set[str], str | None]
+
 
 
 def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
@@ -99,13 +96,16 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
 
     Raises:
         FileNotFoundError: a source matches no file.
-        ValueError: a file has an unsupported extension; the training split would be
-            empty; an unknown `debian:` corpus name.
+        ValueError: a file has an unsupported extension, is a `.json` file that is not
+            an array, or lacks the `text_field` column (CSV/Parquet); the training split
+            would be empty; an unknown `debian:` corpus name.
+        ImportError: `near_dedup_threshold` is set but `datasketch` is not installed; a
+            URL source needs a missing fsspec backend (e.g. `s3fs`).
         RuntimeError: a `debian:` corpus cannot be fetched (see `corpora.fetch_debian_corpus`).
     """
     watch = Stopwatch()
     files = resolve_sources(cfg)
-    hashes = [_content_hash(f) for f in files]
+    hashes = [content_hash(f) for f in files]
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
     if (cached := load_if_complete(out_dir, CorpusManifest, digest)) is not None:
@@ -118,6 +118,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     writers = {"train": _SplitWriter(out_dir, "train"),
                "validation": _SplitWriter(out_dir, "validation")}
     seen: set[bytes] = set()
+    near = NearDuplicateFilter(cfg.near_dedup_threshold) if cfg.near_dedup_threshold else None
     smallest: tuple[bytes, int, int] | None = None  # train doc with the smallest split hash
     kept = characters = 0
     threshold = cfg.validation_fraction
@@ -129,6 +130,9 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
                 reader.dropped["duplicate"] += 1
                 continue
             seen.add(key)
+            if near is not None and near.is_duplicate(text):
+                reader.dropped["near_duplicate"] += 1
+                continue
             kept += 1
             characters += len(text)
             h = hashlib.sha256(data).digest()[:8]
@@ -155,7 +159,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
         stage="ingest", digest=digest, output_dir=str(out_dir),
         config=cfg.model_dump(mode="json"), inputs=_inputs(files, hashes),
         created_at=watch.created_at, wall_time_s=watch.elapsed,
-        sources=[SourceEntry(path=str(f), sha256=h, bytes=f.stat().st_size,
+        sources=[SourceEntry(path=str(f), sha256=h, bytes=source_size(f),
                              documents=reader.per_file.get(i, 0))
                  for i, (f, h) in enumerate(zip(files, hashes))],
         train=train, validation=validation,
@@ -181,72 +185,20 @@ def ingest_digest(cfg: IngestConfig) -> str:
         The errors of `resolve_sources`.
     """
     files = resolve_sources(cfg)
-    return _digest(cfg, files, [_content_hash(f) for f in files])
+    return _digest(cfg, files, [content_hash(f) for f in files])
 
 
-def _content_hash(path: Path) -> str:
-    """sha256 of a file's bytes, computed once per process for an unchanged file: the
-    orchestrator's cache key (`ingest_digest`) and `ingest` itself both need it, and a
-    large corpus should be read once, not twice."""
-    st = path.stat()
-    return _sha256_memo(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sha256_memo(path: str, size: int, mtime_ns: int, inode: int) -> str:
-    # (size, mtime, inode) only decide whether to reuse a hash taken in this process; the
-    # digest itself is always the content's sha256.
-    return sha256_file(path)
-
-
-def _inputs(files: list[Path], hashes: list[str]) -> dict[str, str]:
+def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
     # Content only: the same bytes under another directory give the same digest. The
     # basename stays in the key because document ids contain it.
-    return {f"{i:05d}:{f.name}": h for i, (f, h) in enumerate(zip(files, hashes))}
+    return {f"{i:05d}:{source_name(f)}": h for i, (f, h) in enumerate(zip(files, hashes))}
 
 
-def _digest(cfg: IngestConfig, files: list[Path], hashes: list[str]) -> str:
+def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str]) -> str:
     return compute_digest(
         "ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources"}),
         _inputs(files, hashes),
     )
-
-
-def resolve_sources(cfg: IngestConfig) -> list[Path]:
-    """Expand `cfg.sources` into input files, in order (directories and globs sorted).
-
-    Raises:
-        FileNotFoundError: an entry matches no file (the entry is named).
-        ValueError: a file has an unsupported extension (the file is named), or an
-            unknown `debian:` name.
-        RuntimeError: a `debian:` corpus cannot be fetched.
-    """
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else corpora.default_cache_dir()
-    files: list[Path] = []
-    for entry in cfg.sources:
-        if entry.startswith("debian:"):
-            files += corpora.fetch_debian_corpus(entry.removeprefix("debian:"), cache_dir)
-            continue
-        p = Path(entry).expanduser()
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _supported(f))
-        elif p.is_file():
-            found = [p]
-        else:
-            matches = glob.glob(os.path.expanduser(entry), recursive=True)
-            found = sorted(Path(g) for g in matches if Path(g).is_file())
-        if not found:
-            raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
-        for f in found:
-            if not _supported(f):
-                raise ValueError(f"ingest.sources: {f}: unsupported file type; expected "
-                                 f"one of {', '.join(SUPPORTED_SUFFIXES)}")
-        files += [f.resolve() for f in found]
-    return files
-
-
-def _supported(path: Path) -> bool:
-    return path.name.endswith(SUPPORTED_SUFFIXES)
 
 
 def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
@@ -274,139 +226,61 @@ class _Reader:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.repaired = dict.fromkeys(REPAIR_REASONS, 0)
 
-    def documents(self, files: list[Path]) -> Iterator[tuple[str, str, str]]:
-        """`(id, normalized text, source)` of every document that survives cleaning
-        (deduplication is the caller's), stopping after `max_documents` records."""
-        limit = self.cfg.max_documents
+    def documents(self, files: list[Source]) -> Iterator[tuple[str, str, str]]:
+        """`(id, normalized text, source)` of every document (or part of a split one)
+        that survives cleaning and filtering (deduplication is the caller's), stopping
+        after `max_documents` records."""
+        cfg, limit = self.cfg, self.cfg.max_documents
+        langs = set(cfg.languages) if cfg.languages is not None else None
         for i, path in enumerate(files):
-            jsonl = path.name.endswith((".jsonl", ".jsonl.gz"))
-            records = self._jsonl(path) if jsonl else self._txt(path)
+            records = read_records(path, cfg.text_field, cfg.txt_document)
             while limit is None or self.read < limit:
                 # Pull a record only when it will be counted, so that nothing past
                 # `max_documents` is read, repaired or dropped.
                 if (rec := next(records, None)) is None:
                     break
-                doc_id, text, source, repairs, drop = rec
                 self.read += 1
                 self.per_file[i] = self.per_file.get(i, 0) + 1
-                for reason in repairs:
+                for reason in rec.repairs:
                     self.repaired[reason] += 1
-                if drop is not None:
-                    self.dropped[drop] += 1  # a bad JSONL record
+                if (drop := self._drop_reason(rec.drop, rec.lang, langs)) is not None:
+                    self.dropped[drop] += 1
                     continue
+                text = rec.text
                 if "\x00" in text:
                     text = text.replace("\x00", "")
-                    if "nul" not in repairs:
+                    if "nul" not in rec.repairs:
                         self.repaired["nul"] += 1
-                text = unicodedata.normalize(self.cfg.normalization, text).strip()
-                if not text:
-                    self.dropped["empty"] += 1
-                elif len(text) < self.cfg.min_chars:
-                    self.dropped["too_short"] += 1
+                text = unicodedata.normalize(cfg.normalization, text).strip()
+                if (drop := self._text_drop_reason(text)) is not None:
+                    self.dropped[drop] += 1
+                elif len(text) <= cfg.max_document_chars:
+                    yield rec.id, text, rec.source
                 else:
-                    yield doc_id, text, source
+                    self.repaired["split"] += 1
+                    for k, (part, _sep) in enumerate(split_text(text, cfg.max_document_chars), 1):
+                        yield f"{rec.id}#{k}", part, rec.source
             records.close()
             if limit is not None and self.read >= limit:
                 return
 
-    def _txt(self, path: Path) -> Iterator[_Record]:
-        name = path.name
-        by_file = self.cfg.txt_document == "file"
-        lines: list[str] = []
-        start, repairs = 0, set()
-        with _open(path) as f:
-            for lineno, raw in enumerate(_raw_lines(f), 1):
-                line, fixes = _decode(raw, lineno == 1)
-                if not by_file and not line.strip():
-                    if lines:
-                        yield f"{name}:{start}", "\n".join(lines), name, repairs, None
-                        lines, repairs = [], set()
-                    else:
-                        repairs |= fixes & {"bom"}  # a BOM on a blank line: next document
-                    continue
-                if not lines:
-                    start = lineno
-                lines.append(line)
-                repairs |= fixes
-        if lines:
-            yield f"{name}:{start}", "\n".join(lines), name, repairs, None
+    @staticmethod
+    def _drop_reason(drop: str | None, lang: str | None, langs: set[str] | None) -> str | None:
+        if drop is not None:
+            return drop  # a bad record
+        if langs is not None and lang is not None and lang not in langs:
+            return "language"
+        return None
 
-    def _jsonl(self, path: Path) -> Iterator[_Record]:
-        """Records of a JSONL file; a bad record carries its drop reason."""
-        name, field = path.name, self.cfg.text_field
-        bad = dict.fromkeys(("bad_json", "missing_text"), 0)
-        try:
-            with _open(path) as f:
-                for lineno, raw in enumerate(f, 1):  # binary files split on b"\n" only
-                    line, fixes = _decode(raw.rstrip(b"\n").removesuffix(b"\r"), lineno == 1)
-                    if not line.strip():
-                        continue  # a blank line is no record
-                    try:
-                        obj = json.loads(line)
-                        reason = None if isinstance(obj, dict) else "bad_json"
-                    except ValueError:
-                        obj, reason = None, "bad_json"
-                    if reason is None and not isinstance(obj.get(field), str):
-                        reason = "missing_text"
-                    if reason is not None:
-                        bad[reason] += 1
-                        if bad[reason] <= _WARN_FIRST:
-                            what = ("not a JSON object" if reason == "bad_json"
-                                    else f"field {field!r} missing or not a string")
-                            logger.warning("%s:%d: %s; dropped", path, lineno, what)
-                        yield f"{name}:{lineno}", "", name, fixes, reason
-                        continue
-                    text = obj[field]
-                    if _SURROGATE.search(text):  # "\ud800" escapes decode to lone surrogates
-                        text = _SURROGATE.sub("\ufffd", text)
-                        fixes.add("invalid_utf8")
-                    doc_id = obj.get("id")
-                    doc_id = str(doc_id) if isinstance(doc_id, (str, int)) else f"{name}:{lineno}"
-                    source = obj["source"] if isinstance(obj.get("source"), str) else name
-                    yield (_SURROGATE.sub("\ufffd", doc_id), text,
-                           _SURROGATE.sub("\ufffd", source), fixes, None)
-        finally:  # also when the caller stops early (max_documents)
-            for reason, n in bad.items():
-                if n:
-                    logger.warning("%s: %d lines dropped as %s", path, n, reason)
-
-
-def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
-
-
-def _raw_lines(f: IO[bytes], chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
-    """Lines of a binary stream split on `\\r\\n`, `\\r` or `\\n` only, terminators
-    removed; memory holds one chunk plus the current line."""
-    buf = b""
-    while chunk := f.read(chunk_bytes):
-        buf += chunk
-        # A final "\r" may be the first half of "\r\n": keep it for the next chunk.
-        end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
-        cut = max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end))
-        if cut < 0:
-            continue
-        yield from _EOL.split(buf[:cut + 1])[:-1]
-        buf = buf[cut + 1:]
-    if buf:
-        yield from _EOL.split(buf)[:-1] if _EOL.search(buf[-1:]) else _EOL.split(buf)
-
-
-def _decode(raw: bytes, first: bool) -> tuple[str, set[str]]:
-    """Decode one line; returns the text and the repairs made (BOM, invalid UTF-8, NUL)."""
-    fixes = set()
-    if first and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-        fixes.add("bom")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        fixes.add("invalid_utf8")
-    if "\x00" in text:
-        text = text.replace("\x00", "")
-        fixes.add("nul")
-    return text, fixes
+    def _text_drop_reason(self, text: str) -> str | None:
+        if not text:
+            return "empty"
+        if len(text) < self.cfg.min_chars:
+            return "too_short"
+        if self.cfg.min_letter_share > 0:
+            if letter_share(text) < self.cfg.min_letter_share:
+                return "few_letters"
+        return None
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -54,12 +54,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from mlm_pipeline.config import MASK_ID, NUM_SPECIAL, MaskingConfig
+from mlm_pipeline.manifest import ShardManifest
+
+if TYPE_CHECKING:
+    from mlm_pipeline.train.data import PrecomputedShardDataset
 
 logger = logging.getLogger(__name__)
 
@@ -361,20 +365,100 @@ class DynamicMasker:
         self.seed = int(state["seed"])
 
 
-def build_masker(cfg: MaskingConfig, vocab_size: int, seed: int) -> Masker:
+class PrecomputedMasker:
+    """Precomputed (static) masking (BERT, Devlin et al. 2019): reads the masked copies the
+    shards stage wrote with `mask_tokens` keyed by (seed, copy, row); epoch `e` gets copy
+    `e % dupe_factor`. With `dupe_factor` > the epochs trained, the masks equal dynamic
+    masking's; the position is the data cursor's epoch, so there is no state to restore.
+
+    Args:
+        cfg: masking config (must be the one the copies were written with).
+        vocab_size: number of ids, the special tokens included.
+        seed: masking seed (must be the one the copies were written with).
+        source: the masked copies of the training split.
+    """
+
+    mode = "precomputed"
+
+    def __init__(
+        self, cfg: MaskingConfig, vocab_size: int, seed: int, source: PrecomputedShardDataset
+    ) -> None:
+        self.cfg, self.vocab_size, self.seed, self.source = cfg, vocab_size, seed, source
+
+    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
+        """The precomputed corruption of rows `row_index` in `epoch`.
+
+        Args:
+            input_ids: the unmasked rows (B, L); only their shape and device are used (the
+                copies were made from the same rows by the shards stage).
+            row_index: int64 (B,) global training row ids.
+            epoch: epoch number; copy `epoch % dupe_factor` is read.
+
+        Returns:
+            `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
+
+        Raises:
+            ValueError: the copies' rows are not shaped like `input_ids`.
+        """
+        ids, labels = self.source.get(row_index.cpu().numpy(), epoch)
+        if ids.shape != input_ids.shape:
+            raise ValueError(
+                f"masking: precomputed rows {tuple(ids.shape)} differ from the batch "
+                f"{tuple(input_ids.shape)}"
+            )
+        device = input_ids.device
+        return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        """Return `{"mode", "seed", "vocab_size", "dupe_factor"}` (plain Python values)."""
+        return {"mode": self.mode, "seed": self.seed, "vocab_size": self.vocab_size,
+                "dupe_factor": self.source.dupe_factor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check that a checkpoint's masking matches these copies (nothing else to restore).
+
+        Raises:
+            ValueError: the state comes from another mode, vocabulary, seed or dupe_factor.
+        """
+        if state != self.state_dict():
+            raise ValueError(
+                f"masking: checkpoint state {state} does not match {self.state_dict()}"
+            )
+
+
+def build_masker(
+    cfg: MaskingConfig, vocab_size: int, seed: int, shards: ShardManifest | None = None
+) -> Masker:
     """Build the masker selected by `cfg.mode` (the single dispatch point, STYLE rule 6).
 
     Args:
         cfg: masking config.
         vocab_size: number of ids, the special tokens included.
         seed: masking seed (usually `TrainConfig.seed`).
+        shards: the training shards; required by `precomputed` mode, whose copies they hold.
 
     Returns:
         A `Masker`.
 
     Raises:
-        ValueError: unknown `cfg.mode`, or `vocab_size <= NUM_SPECIAL`.
+        ValueError: unknown `cfg.mode`, `vocab_size <= NUM_SPECIAL`, or in `precomputed`
+            mode: no `shards`, shards without masked copies, or copies written with another
+            masking config or seed than `cfg` and `seed`.
     """
     if cfg.mode == "dynamic":
         return DynamicMasker(cfg, vocab_size, seed)
+    if cfg.mode == "precomputed":
+        if shards is None:
+            raise ValueError("masking: precomputed mode needs the shard manifest")
+        want = {"masking": cfg.model_dump(mode="json"), "masking_seed": seed}
+        have = {k: shards.config.get(k) for k in want}
+        if have != want:
+            raise ValueError(
+                f"masking: the shards in {shards.output_dir} were written with {have}, but "
+                f"training asks for {want}; rewrite them with this masking config and "
+                "train.seed"
+            )
+        from mlm_pipeline.train.data import PrecomputedShardDataset  # avoids an import cycle
+
+        return PrecomputedMasker(cfg, vocab_size, seed, PrecomputedShardDataset(shards))
     raise ValueError(f"masking: unknown mode {cfg.mode!r}")

@@ -20,7 +20,22 @@ as a single record batch: record batches in an IPC file are separated by metadat
 one contiguous buffer lets `open_shard` return a zero-copy memory-mapped `(rows, seq_len)`
 array. Memory while writing is one encode batch plus one shard, never the whole split.
 
-This module may import numpy and pyarrow; it does not import torch.
+Precomputed masking (`masking.mode: precomputed`). The unmasked shards above are written
+as always (evaluation baselines and the reference for the copies read them); in addition,
+the training split gets `dupe_factor` masked copies, copy `c` of shard `i` named
+`train-copy{c}-{i:05d}.arrow`, with the same rows, in the same order, as `train-{i:05d}.arrow`.
+Each holds two columns: `input_ids`, `fixed_size_list<uint16|uint32>[seq_len]` (the
+corrupted ids, storage dtype of the split), and `labels`, `fixed_size_list<int32>[seq_len]`
+(the original id where the position is predicted, -100 elsewhere). They are made by
+`mlm_pipeline.masking.mask_tokens` keyed by `(seed, epoch=c, row_index=global train row)`,
+so a copy equals what dynamic masking gives in epoch `c`. The copies' entries follow the
+unmasked ones in `ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one
+copy); `masked_copies` and `split_shards` tell the two apart by name. The validation split
+is never masked here: evaluation masks it with its own fixed seed. Torch is imported only
+when copies are written.
+
+This module may import numpy and pyarrow; it imports torch only inside the precomputed
+path (never at import time).
 """
 
 from __future__ import annotations
@@ -28,13 +43,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from mlm_pipeline.config import CLS_ID, SEP_ID, ShardConfig
+from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -61,11 +77,48 @@ UINT16_VOCAB = 1 << 16
 _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
 
 
+#: Name of a masked copy's shard: copy index, shard index (see the module docstring).
+MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
+#: Rows masked per `mask_tokens` call: bounds the (3, rows, seq_len) int64 hash buffer.
+_MASK_CHUNK_ROWS = 4096
+
+
+def _precomputed(masking: MaskingConfig | None) -> bool:
+    return masking is not None and masking.mode == "precomputed"
+
+
 def shards_digest(
-    cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
+    cfg: ShardConfig,
+    corpus: CorpusManifest,
+    tokenizer: TokenizerManifest,
+    masking: MaskingConfig | None = None,
+    seed: int = 0,
 ) -> str:
-    """Identity of the shards `write_shards(cfg, corpus, tokenizer, ...)` writes."""
-    return compute_digest(STAGE, cfg, {"corpus": corpus.digest, "tokenizer": tokenizer.digest})
+    """Identity of the shards `write_shards(cfg, corpus, tokenizer, work_dir, masking, seed)`
+    writes. Without precomputed masking it depends on neither `masking` nor `seed` (and is
+    the digest of earlier versions); with it, on both."""
+    inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
+    if not _precomputed(masking):
+        return compute_digest(STAGE, cfg, inputs)
+    return compute_digest(STAGE, {"shards": cfg, "masking": masking, "seed": seed}, inputs)
+
+
+def masked_copies(manifest: ShardManifest) -> int:
+    """Masked copies of the training split the manifest lists (0 without precomputed
+    masking), derived from the shard names (`train-copy{c}-{i:05d}.arrow`)."""
+    found = {int(m.group(1)) for e in manifest.train.shards
+             if (m := MASKED_COPY_NAME.fullmatch(e.path))}
+    return len(found)
+
+
+def split_shards(manifest: ShardManifest, split: str, copy: int | None = None) -> list[FileEntry]:
+    """The shard entries of `split`: the unmasked ones (`copy=None`), or those of masked
+    copy `copy` of the training split, in row order."""
+    entries = getattr(manifest, split).shards
+    if copy is None:
+        return [e for e in entries if not MASKED_COPY_NAME.fullmatch(e.path)]
+    return [e for e in entries if (m := MASKED_COPY_NAME.fullmatch(e.path))
+            and int(m.group(1)) == copy]
 
 
 def write_shards(
@@ -73,6 +126,8 @@ def write_shards(
     corpus: CorpusManifest,
     tokenizer: TokenizerManifest,
     work_dir: str | os.PathLike[str],
+    masking: MaskingConfig | None = None,
+    seed: int = 0,
 ) -> ShardManifest:
     """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
 
@@ -82,17 +137,21 @@ def write_shards(
         corpus: the ingested corpus (`train` and `validation` Parquet files).
         tokenizer: the trained tokenizer.
         work_dir: pipeline work directory; output goes to `<work_dir>/shards/<digest[:16]>`.
+        masking: with `mode="precomputed"`, also write `dupe_factor` masked copies of the
+            training split (module docstring); None or `dynamic` writes only token rows.
+        seed: masking seed of the copies (the training seed, `TrainConfig.seed`); unused
+            without precomputed masking.
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
-        rows, documents, `tokens_in` and `remainder_tokens`.
+        rows (of one copy), documents, `tokens_in` and `remainder_tokens`.
 
     Raises:
         ValueError: the training split yields no full row (the corpus is smaller than one
             row of `seq_len` tokens), the tokenizer model differs from its manifest, or a
             Parquet file is malformed (the file is named).
     """
-    digest = shards_digest(cfg, corpus, tokenizer)
+    digest = shards_digest(cfg, corpus, tokenizer, masking, seed)
     out_dir = stage_dir(work_dir, STAGE, digest)
     cached = load_if_complete(out_dir, ShardManifest, digest)
     if cached is not None:
@@ -122,11 +181,19 @@ def write_shards(
                 cfg.seq_len,
             )
         splits[name] = split
+    config = cfg.model_dump(mode="json")
+    if _precomputed(masking):
+        train = splits["train"]
+        copies = _write_masked_copies(train.shards, out_dir, masking, seed,
+                                      tokenizer.vocab_size, cfg.seq_len)
+        splits["train"] = train.model_copy(update={"shards": train.shards + copies})
+        # Recorded beside the shard config so a trainer can check its masking matches.
+        config |= {"masking": masking.model_dump(mode="json"), "masking_seed": seed}
     manifest = ShardManifest(
         stage=STAGE,
         digest=digest,
         output_dir=str(out_dir),
-        config=cfg.model_dump(mode="json"),
+        config=config,
         inputs={"corpus": corpus.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
@@ -183,6 +250,62 @@ def _write_split(
     )
 
 
+def _write_masked_copies(
+    shards: list[FileEntry], out_dir: Path, masking: MaskingConfig, seed: int,
+    vocab_size: int, seq_len: int,
+) -> list[FileEntry]:
+    """Write the `dupe_factor` masked copies of the training shards; returns their entries
+    (copy-major, then shard order)."""
+    import torch  # only here: this module stays torch-free at import (STYLE rule 3)
+
+    from mlm_pipeline.masking import mask_tokens
+
+    entries: list[FileEntry] = []
+    for c in range(masking.dupe_factor):
+        first_row = 0
+        for i, entry in enumerate(shards):
+            rows = open_shard(out_dir / entry.path)
+            ids_out = np.empty_like(rows)
+            labels_out = np.empty(rows.shape, np.int32)
+            for start in range(0, len(rows), _MASK_CHUNK_ROWS):
+                chunk = torch.from_numpy(rows[start : start + _MASK_CHUNK_ROWS].astype(np.int64))
+                row_index = torch.arange(first_row + start, first_row + start + len(chunk))
+                ids, labels = mask_tokens(
+                    chunk, vocab_size=vocab_size, row_index=row_index, seed=seed, epoch=c,
+                    mlm_probability=masking.mlm_probability,
+                    mask_replace_prob=masking.mask_replace_prob,
+                    random_replace_prob=masking.random_replace_prob,
+                )
+                ids_out[start : start + len(chunk)] = ids.numpy()
+                labels_out[start : start + len(chunk)] = labels.numpy()
+            path = out_dir / f"train-copy{c}-{i:05d}.arrow"
+            _write_arrow(path, {"input_ids": ids_out, "labels": labels_out}, seq_len)
+            entries.append(file_entry(out_dir, path, rows=len(rows), tokens=rows.size))
+            first_row += len(rows)
+        logger.info("shards: masked copy %d of %d written (%d rows)", c + 1,
+                    masking.dupe_factor, first_row)
+    return entries
+
+
+def _write_arrow(path: Path, columns: dict[str, np.ndarray], seq_len: int) -> None:
+    """Write (rows, seq_len) arrays as fixed-size-list columns in one record batch,
+    atomically (temporary name, fsync, rename)."""
+    arrays = [pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), seq_len)
+              for a in columns.values()]
+    schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            with ipc.new_file(f, schema) as w:
+                w.write_batch(pa.record_batch(arrays, schema=schema))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _join_documents(encoded: list[list[int]], dtype: type) -> np.ndarray:
     """`doc1 [SEP] doc2 [SEP] ...` as a flat array, built without a Python loop per token."""
     lengths = np.fromiter((len(ids) for ids in encoded), np.int64, count=len(encoded))
@@ -205,10 +328,7 @@ class _ShardWriter:
     ) -> None:
         self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
         self.rows_per_shard = rows_per_shard
-        self.np_dtype, pa_type = _DTYPES[dtype]
-        self.schema = pa.schema(
-            [pa.field("input_ids", pa.list_(pa_type, seq_len), nullable=False)]
-        )
+        self.np_dtype = _DTYPES[dtype][0]
         # Grown by doubling up to rows_per_shard, so a small split does not reserve a shard.
         self.buf = np.empty((0, seq_len), self.np_dtype)
         self.filled = 0
@@ -248,20 +368,58 @@ class _ShardWriter:
     def _flush(self) -> None:
         path = self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
         self.tmp = path.with_name(f".{path.name}.tmp")
-        values = pa.array(self.buf[: self.filled].reshape(-1))
-        column = pa.FixedSizeListArray.from_arrays(values, self.seq_len)
-        batch = pa.record_batch([column], schema=self.schema)
-        with open(self.tmp, "wb") as f:
-            with ipc.new_file(f, self.schema) as w:
-                w.write_batch(batch)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(self.tmp, path)
+        _write_arrow(path, {"input_ids": self.buf[: self.filled]}, self.seq_len)
         self.tmp = None
         self.entries.append(
             file_entry(self.out_dir, path, rows=self.filled, tokens=self.filled * self.seq_len)
         )
         self.filled = 0
+
+
+_IDS = (pa.uint16(), pa.uint32())
+
+
+def _map_columns(path: str | os.PathLike[str], kinds: dict[str, tuple]) -> list[np.ndarray]:
+    """Memory-map the fixed-size-list columns `kinds` (name -> allowed value types) of an
+    Arrow IPC file as `(rows, seq_len)` arrays: zero-copy views for one record batch,
+    a read-only copy otherwise. Errors name the file (see `open_shard`)."""
+    path = Path(path)
+    try:
+        reader = ipc.open_file(pa.memory_map(str(path), "r"))
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{path}: not an Arrow IPC file: {exc}") from exc
+    schema = reader.schema
+    types = [f.type for f in schema]
+    if (
+        schema.names != list(kinds)
+        or not all(pa.types.is_fixed_size_list(t) for t in types)
+        or any(t.value_type not in k for t, k in zip(types, kinds.values()))
+        or len({t.list_size for t in types}) != 1
+    ):
+        wanted = ", ".join(f"{n!r}: fixed_size_list<{'|'.join(map(str, k))}>"
+                           for n, k in kinds.items())
+        raise ValueError(f"{path}: expected columns {wanted} of one length, got schema {schema}")
+    seq_len = types[0].list_size
+    out = []
+    for j, name in enumerate(kinds):
+        parts = []
+        for i in range(reader.num_record_batches):
+            column = reader.get_batch(i).column(j)
+            if column.null_count or column.values.null_count:
+                raise ValueError(f"{path}: record batch {i} of {name!r} holds nulls")
+            start = column.offset * seq_len
+            values = column.values.to_numpy(zero_copy_only=True)
+            parts.append(values[start : start + len(column) * seq_len].reshape(-1, seq_len))
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        if parts:
+            logger.debug("%s: %d record batches, copied into one array", path, len(parts))
+        array = (np.concatenate(parts) if parts
+                 else np.empty((0, seq_len), types[j].value_type.to_pandas_dtype()))
+        array.flags.writeable = False
+        out.append(array)
+    return out
 
 
 def open_shard(path: str | os.PathLike[str]) -> np.ndarray:
@@ -281,40 +439,26 @@ def open_shard(path: str | os.PathLike[str]) -> np.ndarray:
         ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
             holds nulls (the file is named).
     """
-    path = Path(path)
-    try:
-        reader = ipc.open_file(pa.memory_map(str(path), "r"))
-    except pa.ArrowInvalid as exc:
-        raise ValueError(f"{path}: not an Arrow IPC file: {exc}") from exc
-    schema = reader.schema
-    kind = schema.field(0).type if len(schema) == 1 else None
-    if (
-        schema.names != ["input_ids"]
-        or not pa.types.is_fixed_size_list(kind)
-        or kind.value_type not in (pa.uint16(), pa.uint32())
-    ):
-        raise ValueError(
-            f"{path}: expected one column 'input_ids' of fixed_size_list<uint16|uint32>, "
-            f"got schema {schema}"
-        )
-    seq_len = kind.list_size
-    np_dtype = _DTYPES[str(kind.value_type)][0]
-    parts = []
-    for i in range(reader.num_record_batches):
-        column = reader.get_batch(i).column(0)
-        if column.null_count or column.values.null_count:
-            raise ValueError(f"{path}: record batch {i} of 'input_ids' holds nulls")
-        start = column.offset * seq_len
-        values = column.values.to_numpy(zero_copy_only=True)
-        parts.append(values[start : start + len(column) * seq_len].reshape(-1, seq_len))
-    if len(parts) == 1:
-        return parts[0]
-    if not parts:
-        return np.empty((0, seq_len), np_dtype)
-    logger.debug("%s: %d record batches, copied into one array", path, len(parts))
-    out = np.concatenate(parts)
-    out.flags.writeable = False
-    return out
+    return _map_columns(path, {"input_ids": _IDS})[0]
+
+
+def open_masked_shard(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map a masked copy's shard (`train-copy{c}-{i:05d}.arrow`), zero-copy.
+
+    Args:
+        path: an Arrow IPC file with columns `input_ids` (`fixed_size_list<uint16|uint32>`)
+            and `labels` (`fixed_size_list<int32>`) of one length, as `write_shards` writes.
+
+    Returns:
+        `(input_ids, labels)`, read-only `(rows, seq_len)` arrays: the corrupted ids
+        (stored dtype) and int32 labels (-100 where not predicted).
+
+    Raises:
+        ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
+            holds nulls (the file is named).
+    """
+    ids, labels = _map_columns(path, {"input_ids": _IDS, "labels": (pa.int32(),)})
+    return ids, labels
 
 
 def verify_shards(manifest: ShardManifest) -> None:

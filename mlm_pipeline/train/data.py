@@ -4,7 +4,9 @@
 gathers rows by global index. `RowCursor` walks a shuffled order that depends only on
 (seed, epoch), so the position `(epoch, offset)` is the whole state: a resumed run sees
 exactly the batches an uninterrupted run would have seen, and ranks of a distributed run
-take disjoint strided slices of the same order.
+take disjoint strided slices of the same order. `PrecomputedShardDataset` maps the masked
+copies of the training split (`masking.mode: precomputed`) and returns copy
+`epoch % dupe_factor` of the requested rows, already masked.
 
 An epoch's last incomplete batch is skipped (`drop_last`, as in PyTorch's DataLoader); each
 epoch has its own permutation, so the rows skipped differ from epoch to epoch and no row is
@@ -21,11 +23,12 @@ import numpy as np
 import torch
 
 from mlm_pipeline.manifest import ShardManifest
-from mlm_pipeline.shards import open_shard
+from mlm_pipeline.shards import masked_copies, open_masked_shard, open_shard, split_shards
 
 
 class ShardDataset:
-    """The rows of one split, memory-mapped from its Arrow IPC shards.
+    """The unmasked rows of one split, memory-mapped from its Arrow IPC shards (masked
+    copies of a precomputed training split are left out: see `PrecomputedShardDataset`).
 
     Args:
         manifest: the shard manifest.
@@ -44,7 +47,8 @@ class ShardDataset:
         self.split = split
         self.seq_len = manifest.seq_len
         self.arrays: list[np.ndarray] = [
-            open_shard(Path(manifest.output_dir) / entry.path) for entry in info.shards
+            open_shard(Path(manifest.output_dir) / entry.path)
+            for entry in split_shards(manifest, split)
         ]
         sizes = [a.shape[0] for a in self.arrays]
         #: offsets[i] = global index of the first row of shard i; offsets[-1] = total rows.
@@ -84,6 +88,72 @@ class ShardDataset:
                 block = np.asarray(a[start : start + 65536]).ravel()
                 counts += np.bincount(block, minlength=vocab_size)[:vocab_size]
         return counts
+
+
+class PrecomputedShardDataset:
+    """The precomputed masked copies of the training split, memory-mapped.
+
+    Row `i` of copy `c` is `mask_tokens(row i, seed, epoch=c, row_index=i)` (written by
+    `write_shards` with precomputed masking); epoch `e` reads copy `e % dupe_factor`, so
+    training cycles through the copies (BERT's `dupe_factor`, Devlin et al. 2019).
+
+    Args:
+        manifest: a shard manifest written with `masking.mode="precomputed"`.
+
+    Raises:
+        ValueError: the manifest lists no masked copies, or a copy's row count differs from
+            the training split's.
+    """
+
+    def __init__(self, manifest: ShardManifest) -> None:
+        self.dupe_factor = masked_copies(manifest)
+        if self.dupe_factor == 0:
+            raise ValueError(
+                f"{manifest.output_dir}: the shards hold no precomputed masked copies; write "
+                "them with masking.mode=precomputed or train with masking.mode=dynamic"
+            )
+        self.seq_len = manifest.seq_len
+        self.copies: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        for c in range(self.dupe_factor):
+            entries = split_shards(manifest, "train", copy=c)
+            self.copies.append([open_masked_shard(manifest.file(e.path)) for e in entries])
+            rows = sum(ids.shape[0] for ids, _ in self.copies[-1])
+            if rows != manifest.train.rows:
+                raise ValueError(
+                    f"{manifest.output_dir}: masked copy {c} holds {rows} rows, the training "
+                    f"split {manifest.train.rows}"
+                )
+        sizes = [ids.shape[0] for ids, _ in self.copies[0]]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(
+        self, indices: Sequence[int] | np.ndarray, epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked rows at global `indices` for `epoch` (copy `epoch % dupe_factor`).
+
+        Returns:
+            `(input_ids, labels)`, int64 tensors (len(indices), seq_len); labels are -100
+            where not predicted.
+
+        Raises:
+            IndexError: when an index is outside [0, len).
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"row index out of range [0, {len(self)})")
+        shards = self.copies[epoch % self.dupe_factor]
+        ids = np.empty((idx.size, self.seq_len), dtype=np.int64)
+        labels = np.empty((idx.size, self.seq_len), dtype=np.int64)
+        shard_of = np.searchsorted(self.offsets, idx, side="right") - 1
+        for s in np.unique(shard_of):
+            sel = shard_of == s
+            local = idx[sel] - self.offsets[s]
+            ids[sel] = shards[s][0][local]
+            labels[sel] = shards[s][1][local]
+        return torch.from_numpy(ids), torch.from_numpy(labels)
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:

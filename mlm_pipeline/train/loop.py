@@ -124,7 +124,7 @@ def train(
     out_dir: str | Path,
     sink: MetricsSink | None = None,
 ) -> TrainManifest:
-    """Pretrain a `BertMLM` on the training shards with dynamic masking.
+    """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
     Args:
         cfg: the pipeline config (`model`, `train`, `masking` are used).
@@ -138,7 +138,8 @@ def train(
         The `TrainManifest` (also written as `out_dir/manifest.json`).
 
     Raises:
-        ValueError: when the training split has fewer rows than one micro-batch.
+        ValueError: when the training split has fewer rows than one micro-batch, or with
+            precomputed masking, the shards hold no copies made with this masking and seed.
         RuntimeError: when CUDA or bf16 is requested but unavailable, or the loss becomes
             non-finite (the step is named).
     """
@@ -172,7 +173,7 @@ def train(
         ),
     )
     cursor = RowCursor(len(dataset), tc.micro_batch_size, tc.seed)
-    masker = build_masker(cfg.masking, shards.vocab_size, tc.seed)
+    masker = build_masker(cfg.masking, shards.vocab_size, tc.seed, shards)
 
     ckpt_root = out / "checkpoints"
     step, tokens_seen = 0, 0

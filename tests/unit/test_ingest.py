@@ -10,11 +10,13 @@ import re
 import shutil
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from mlm_pipeline import cleaning, sources
 from mlm_pipeline import ingest as ingest_mod
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import ingest, read_documents
@@ -23,7 +25,9 @@ from mlm_pipeline.ingest import ingest, read_documents
 # invalid UTF-8 byte, a NUL.
 ISSUE_LINES = [b"\xef\xbb\xbfab\r\n", b"cd\r", b"ef\n", "g\u2028h\n".encode(), b"i\xffj\n",
                b"k\x00l\n"]
-ZERO_DROPS = {"bad_json": 0, "missing_text": 0, "empty": 0, "too_short": 0, "duplicate": 0}
+ZERO_DROPS = {"bad_json": 0, "missing_text": 0, "language": 0, "empty": 0, "too_short": 0,
+              "few_letters": 0, "duplicate": 0, "near_duplicate": 0}
+NO_REPAIRS = {"bom": 0, "invalid_utf8": 0, "nul": 0, "split": 0}
 
 
 def records(m) -> list[tuple[str, str, str]]:
@@ -41,14 +45,16 @@ def run(tmp_path: Path, sources, **kw):
     return ingest(IngestConfig(sources=[str(s) for s in sources], **kw), tmp_path / "work")
 
 
-def check_accounting(m) -> None:
-    assert m.documents_read == m.documents_kept + sum(m.dropped.values())
+def check_accounting(m, extra_parts: int = 0) -> None:
+    """The manifest's counts add up; `extra_parts`: parts beyond the first of each split
+    document (split parts count as kept documents, see the ingest module docstring)."""
+    assert m.documents_read + extra_parts == m.documents_kept + sum(m.dropped.values())
     assert m.documents_kept == m.documents_train + m.documents_validation
     assert sum(e.rows for e in m.train) == m.documents_train
     assert sum(e.rows for e in m.validation) == m.documents_validation
     assert sum(s.documents for s in m.sources) == m.documents_read
     assert set(m.dropped) == set(ZERO_DROPS)
-    assert set(m.repaired) == {"bom", "invalid_utf8", "nul"}
+    assert set(m.repaired) == set(NO_REPAIRS)
 
 
 def test_issue_case_one_document_per_line(tmp_path):
@@ -64,7 +70,7 @@ def test_issue_case_one_document_per_line(tmp_path):
         ("a.txt:7", "g\u2028h", "a.txt"), ("a.txt:9", "i\ufffdj", "a.txt"),
         ("a.txt:11", "kl", "a.txt"),
     ])
-    assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+    assert m.repaired == {**NO_REPAIRS, "bom": 1, "invalid_utf8": 1, "nul": 1}
     assert m.dropped == ZERO_DROPS
     assert m.documents_read == 6 and m.characters == 4 * 2 + 3 + 3
     check_accounting(m)
@@ -77,7 +83,7 @@ def test_issue_case_lone_cr_blank_lines(tmp_path):
     m = run(tmp_path, [f])
     assert sorted(t for _, t, _ in records(m)) == sorted(["ab", "cd", "ef", "g\u2028h",
                                                           "i\ufffdj", "kl"])
-    assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+    assert m.repaired == {**NO_REPAIRS, "bom": 1, "invalid_utf8": 1, "nul": 1}
 
 
 def test_issue_case_paragraph_and_file(tmp_path):
@@ -87,7 +93,7 @@ def test_issue_case_paragraph_and_file(tmp_path):
     for mode in ("paragraph", "file"):
         m = run(tmp_path / mode, [f], txt_document=mode)
         assert records(m) == [("a.txt:1", want, "a.txt")]
-        assert m.repaired == {"bom": 1, "invalid_utf8": 1, "nul": 1}
+        assert m.repaired == {**NO_REPAIRS, "bom": 1, "invalid_utf8": 1, "nul": 1}
         assert m.documents_read == 1
     g = tmp_path / "g.txt"
     g.write_bytes(b"  \none\n\n\ntwo\n")
@@ -110,7 +116,7 @@ def test_nfkc_and_bom_on_blank_first_line(tmp_path):
     (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "x\u00b2"}).encode())
     m = run(tmp_path, [tmp_path / "a.txt", tmp_path / "b.jsonl"], normalization="NFKC")
     assert records(m) == [("a.txt:3", "fin", "a.txt"), ("b.jsonl:1", "x2", "b.jsonl")]
-    assert m.repaired == {"bom": 2, "invalid_utf8": 0, "nul": 0}
+    assert m.repaired == {**NO_REPAIRS, "bom": 2, "invalid_utf8": 0, "nul": 0}
     m = run(tmp_path / "nfc", [tmp_path / "a.txt"])
     assert records(m) == [("a.txt:3", "\ufb01n", "a.txt")]
 
@@ -121,8 +127,8 @@ def test_raw_lines_chunk_boundaries(chunk):
 
     data = b"a\r\nb\rc\n\r\n\rd\r\r\ne" + b"x\r" * 5 + b"\r\n"
     want = re.split(rb"\r\n|\r|\n", data)[:-1]  # reference: split the whole buffer
-    assert list(ingest_mod._raw_lines(io.BytesIO(data), chunk)) == want
-    assert list(ingest_mod._raw_lines(io.BytesIO(b"no end"), chunk)) == [b"no end"]
+    assert list(sources.raw_lines(io.BytesIO(data), chunk)) == want
+    assert list(sources.raw_lines(io.BytesIO(b"no end"), chunk)) == [b"no end"]
 
 
 def write_jsonl(path: Path, lines: list[str | bytes]) -> None:
@@ -163,9 +169,9 @@ def test_jsonl_drops_repairs_and_gz(tmp_path):
         ("a.jsonl:14", "moiti\ufffd", "a.jsonl"),
         ("b.jsonl.gz:1", "compress\u00e9", "b.jsonl.gz"),
     ])
-    assert m.dropped == {"bad_json": 2, "missing_text": 2, "empty": 1, "too_short": 1,
-                         "duplicate": 3}
-    assert m.repaired == {"bom": 0, "invalid_utf8": 2, "nul": 1}
+    assert m.dropped == {**ZERO_DROPS, "bad_json": 2, "missing_text": 2, "empty": 1,
+                         "too_short": 1, "duplicate": 3}
+    assert m.repaired == {**NO_REPAIRS, "bom": 0, "invalid_utf8": 2, "nul": 1}
     assert m.documents_read == 15
     check_accounting(m)
 
@@ -289,6 +295,115 @@ def test_rerun_is_cached(tmp_path, caplog):
 
 
 def test_cheap_modules_import_neither_torch_nor_prefect():
-    code = ("import sys, mlm_pipeline.ingest, mlm_pipeline.corpora; "
-            "bad = {'torch', 'prefect'} & set(sys.modules); assert not bad, bad")
+    code = ("import sys, mlm_pipeline.ingest, mlm_pipeline.corpora, mlm_pipeline.readers, "
+            "mlm_pipeline.sources, mlm_pipeline.cleaning; "
+            "bad = {'torch', 'prefect', 'datasketch', 'fsspec'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------- oversized documents
+def check_parts(text: str, pairs, limit: int) -> None:
+    assert "".join(p + s for p, s in pairs) == text  # all text kept, in order
+    assert all(len(p) <= limit for p, _ in pairs)
+    assert all(s.strip() == "" for _, s in pairs)  # only whitespace is a separator
+
+
+def test_split_text_prefers_paragraph_then_sentence_then_space():
+    para, sent = "Un deux. Trois", "quatre cinq. Six sept"
+    pairs = cleaning.split_text(para + "\n \n" + sent, 25)
+    assert pairs == [(para, "\n \n"), (sent, "")]  # a sentence end came later, unused
+    pairs = cleaning.split_text("Aaa bb. Ccc dd ee ff", 14)
+    assert pairs == [("Aaa bb.", " "), ("Ccc dd ee ff", "")]  # sentence before space
+    pairs = cleaning.split_text("aaa bbb ccc ddd", 9)
+    assert pairs == [("aaa bbb", " "), ("ccc ddd", "")]
+    assert cleaning.split_text("x" * 25, 10) == [("x" * 10, ""), ("x" * 10, ""), ("x" * 5, "")]
+    assert cleaning.split_text("short", 10) == [("short", "")]
+
+
+def test_split_text_random_texts_keep_everything():
+    rng = random.Random(1)
+    for _ in range(500):
+        text = "".join(rng.choice("ab.!? \n\t") for _ in range(rng.randrange(1, 200))).strip() or "a"
+        limit = rng.randrange(1, 30)
+        pairs = cleaning.split_text(text, limit)
+        check_parts(text, pairs, limit)
+        # A cut falls inside no whitespace run: the part ends and the next starts visible.
+        assert all(p and not p[-1].isspace() and not p[0].isspace() for p, _ in pairs)
+
+
+def test_oversized_document_split_and_counted(tmp_path):
+    limit = 1000
+    sents = [f"Phrase {i} du long document." for i in range(120)]  # about 3300 chars
+    long = " ".join(sents)
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"id": "long", "text": long}) + "\n" + json.dumps({"text": "court"}) + "\n")
+    m = run(tmp_path, [tmp_path / "a.jsonl"], max_document_chars=limit)
+    got = dict((i, t) for i, t, _ in records(m))
+    parts = [got[f"long#{k}"] for k in range(1, len(got))]
+    assert " ".join(parts) == long  # separators were single spaces
+    assert all(len(p) <= limit and p.endswith(".") for p in parts)  # cut at sentence ends
+    assert got["a.jsonl:2"] == "court"
+    assert m.repaired["split"] == 1 and m.documents_read == 2
+    assert m.documents_kept == len(parts) + 1
+    check_accounting(m, extra_parts=len(parts) - 1)
+
+
+def test_30mb_single_line_document_is_kept(tmp_path):
+    # Words w0 w1 ...: never periodic, so no part is a duplicate of another.
+    text = " ".join(f"w{i}" for i in range(3_700_000))
+    assert len(text) > 30_000_000
+    (tmp_path / "big.txt").write_text(text + "\n")
+    m = run(tmp_path, [tmp_path / "big.txt"])  # default max_document_chars = 1_000_000
+    parts = list(read_documents([m.file(e.path) for e in m.train]))
+    assert [i for i, _ in parts] == [f"big.txt:1#{k}" for k in range(1, len(parts) + 1)]
+    assert all(len(t) <= 1_000_000 for _, t in parts)
+    assert " ".join(t for _, t in parts) == text
+    assert m.characters == len(text) - (len(parts) - 1)  # only the cut spaces removed
+    assert m.repaired["split"] == 1
+    check_accounting(m, extra_parts=len(parts) - 1)
+
+
+# -------------------------------------------------------------------------------- filters
+def test_letter_share_and_language_filters(tmp_path):
+    rows = [{"text": "abc def", "lang": "fr"}, {"text": "12345 678"}, {"text": "ab 1234"},
+            {"text": "é1"}, {"text": "hello world", "lang": "en"}, {"text": "sans langue"},
+            {"text": "ok", "lang": "de"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = run(tmp_path, [tmp_path / "a.jsonl"], min_letter_share=0.5, languages=["fr", "de"])
+
+    def share(t):  # reference: letters / non-space characters
+        vis = [c for c in t if not c.isspace()]
+        return sum(unicodedata.category(c).startswith("L") for c in vis) / len(vis)
+
+    want = [r["text"] for r in rows if r.get("lang", "fr") in ("fr", "de")
+            and share(r["text"]) >= 0.5]
+    assert want == ["abc def", "é1", "sans langue", "ok"]
+    assert sorted(t for _, t, _ in records(m)) == sorted(want)
+    assert m.dropped == {**ZERO_DROPS, "few_letters": 2, "language": 1}
+    check_accounting(m)
+
+
+# ----------------------------------------------------------------------------- near-dedup
+def test_near_duplicates_dropped(tmp_path):
+    pytest.importorskip("datasketch")
+    rng = random.Random(3)
+    vocab = [f"mot{i}" for i in range(5000)]
+    base = [rng.choice(vocab) for _ in range(80)]
+    near = base[:]
+    near[40] = "changé"  # 5 of 76 shingles differ: Jaccard 71/81 = 0.88
+    other = [rng.choice(vocab) for _ in range(80)]
+    texts = [" ".join(base), " ".join(other), " ".join(near)]
+    (tmp_path / "a.txt").write_text("\n\n".join(texts))
+    m = run(tmp_path, [tmp_path / "a.txt"], near_dedup_threshold=0.7)
+    assert [t for _, t, _ in records(m)] == texts[:2]  # the first seen is kept
+    assert m.dropped == {**ZERO_DROPS, "near_duplicate": 1}
+    check_accounting(m)
+    m = run(tmp_path / "off", [tmp_path / "a.txt"])
+    assert m.documents_kept == 3
+
+
+def test_near_dedup_without_datasketch_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasketch", None)  # import fails
+    (tmp_path / "a.txt").write_text("un texte\n")
+    with pytest.raises(ImportError, match=r"near-dedup"):
+        run(tmp_path, [tmp_path / "a.txt"], near_dedup_threshold=0.8)

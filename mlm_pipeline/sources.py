@@ -1,0 +1,289 @@
+"""Input sources of the ingestion stage: resolution, content hashes and byte streams.
+
+A source is a local path or an fsspec URL (`s3://`, `https://`, `file://`; fsspec is
+imported only for URLs). This module expands `IngestConfig.sources` into files, hashes
+their bytes (the stage's cache key), and opens them as streams: decompressed by suffix
+(`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst` with pyarrow's zstd codec, so no extra
+dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
+present (not a repair). Lines are split and UTF-8 decoded here, with the repairs counted
+by `mlm_pipeline.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone surrogates
+(`invalid_utf8`), NUL (`nul`).
+
+This module imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import functools
+import glob
+import gzip
+import hashlib
+import io
+import lzma
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import pyarrow as pa
+
+from mlm_pipeline import corpora
+from mlm_pipeline.config import IngestConfig
+from mlm_pipeline.manifest import sha256_file
+
+FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+#: Input file name endings read from directories and accepted from globs and paths.
+SUPPORTED_SUFFIXES = FORMATS + tuple(
+    f + c for f in FORMATS if f != ".parquet" for c in COMPRESSIONS)
+#: An input: a local path, or an fsspec URL string (`s3://b/k.jsonl`, `file:///d/a.txt`).
+Source = Path | str
+_CHUNK = 1 << 20  # bytes read at a time  # bytes read at a time
+_EOL = re.compile(rb"\r\n|\r|\n")
+_BOM = b"\xef\xbb\xbf"
+# Longest BOM first: the UTF-32-LE BOM begins with the UTF-16-LE one.
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+              (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def supported(name: str) -> bool:
+    """Whether a file name ends with one of `SUPPORTED_SUFFIXES`."""
+    return name.endswith(SUPPORTED_SUFFIXES)
+
+
+def resolve_sources(cfg: IngestConfig) -> list[Source]:
+    """Expand `cfg.sources` into input files, in order (directories and globs sorted):
+    local paths, or URLs (`s3://`, `file://`...) resolved with fsspec.
+
+    Raises:
+        FileNotFoundError: an entry matches no file (the entry is named).
+        ValueError: a file has an unsupported extension (the file is named), or an
+            unknown `debian:` name.
+        RuntimeError: a `debian:` corpus cannot be fetched.
+        ImportError: a URL's protocol needs a package that is missing (`fsspec`, or
+            e.g. `s3fs` for `s3://`; fsspec's message names it).
+    """
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else corpora.default_cache_dir()
+    files: list[Source] = []
+    for entry in cfg.sources:
+        if entry.startswith("debian:"):
+            files += corpora.fetch_debian_corpus(entry.removeprefix("debian:"), cache_dir)
+            continue
+        p = Path(entry).expanduser()
+        if is_url(entry):
+            found: list[Source] = resolve_url(entry)
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and supported(f.name))
+        elif p.is_file():
+            found = [p]
+        else:
+            matches = glob.glob(os.path.expanduser(entry), recursive=True)
+            found = sorted(Path(g) for g in matches if Path(g).is_file())
+        if not found:
+            raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
+        for f in found:
+            if not supported(source_name(f)):
+                raise ValueError(f"ingest.sources: {f}: unsupported file type; expected "
+                                 f"one of {', '.join(SUPPORTED_SUFFIXES)}")
+        files += [f if is_url(f) else f.resolve() for f in found]
+    return files
+
+
+def content_hash(path: Source) -> str:
+    """sha256 of a file's bytes, computed once per process for an unchanged file: the
+    orchestrator's cache key (`ingest_digest`) and `ingest` itself both need it, and a
+    large corpus should be read once, not twice. A URL's bytes are streamed."""
+    if is_url(path):
+        return url_size_and_sha256(path)[1]
+    st = path.stat()
+    return _sha256_memo(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_memo(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    # (size, mtime, inode) only decide whether to reuse a hash taken in this process; the
+    # digest itself is always the content's sha256.
+    return sha256_file(path)
+
+
+def source_size(path: Source) -> int:
+    """Bytes of a source file (local or URL)."""
+    return url_size_and_sha256(path)[0] if is_url(path) else path.stat().st_size
+
+
+def is_url(source: Source) -> bool:
+    """Whether a source is an fsspec URL (`s3://...`, `file://...`), not a local path."""
+    return isinstance(source, str) and "://" in source
+
+
+def source_name(source: Source) -> str:
+    """The basename of a local path or URL (document ids and manifests use it)."""
+    return source.rstrip("/").rsplit("/", 1)[-1] if is_url(source) else Path(source).name
+
+
+def open_raw(source: Source) -> IO[bytes]:
+    """Open a local file or URL for binary reading (no decompression)."""
+    if is_url(source):
+        import fsspec  # only for URL sources: keeps local reading free of it
+
+        return fsspec.open(source, "rb").open()
+    return open(source, "rb")
+
+
+def resolve_url(entry: str) -> list[str]:
+    """The files of an fsspec URL (a file, a directory searched recursively for
+    supported suffixes, or a glob), sorted, as URLs with their protocol."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(entry)
+    if fs.isdir(path):
+        found = [p for p in fs.find(path) if supported(p)]
+    elif fs.isfile(path):
+        found = [path]
+    else:
+        found = [p for p in fs.glob(path) if fs.isfile(p)]
+    return [fs.unstrip_protocol(p) for p in sorted(found)]
+
+
+def url_size_and_sha256(url: str) -> tuple[int, str]:
+    """(bytes, sha256 of the bytes) of a URL's file, streamed; memoized per process by
+    the file system's unique key of the file (e.g. ETag or mtime and size)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return _url_hash_memo(url, fs.ukey(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _url_hash_memo(url: str, ukey: str) -> tuple[int, str]:
+    h, n = hashlib.sha256(), 0
+    with open_raw(url) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def open_compressed(path: Source) -> tuple[IO[bytes], list[IO[bytes]]]:
+    """Open a file for binary reading, decompressing by its suffix (streaming).
+
+    Returns:
+        The stream and every handle to close when done (the stream and the raw file).
+    """
+    name, raw = source_name(path), open_raw(path)
+    if name.endswith(".gz"):
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif name.endswith(".bz2"):
+        stream = bz2.BZ2File(raw)
+    elif name.endswith(".xz"):
+        stream = lzma.LZMAFile(raw)
+    elif name.endswith(".zst"):
+        stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
+    else:
+        return raw, [raw]
+    return stream, [stream, raw]
+
+
+class _Chunks(io.RawIOBase):
+    """A readable raw stream over an iterator of byte chunks (closes `owners` on close)."""
+
+    def __init__(self, chunks: Iterator[bytes], owners: list[IO[bytes]]) -> None:
+        super().__init__()
+        self._chunks, self._owners, self._buf = chunks, owners, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # noqa: ANN001 (a writable buffer)
+        while not self._buf:
+            if (chunk := next(self._chunks, None)) is None:
+                return 0
+            self._buf = chunk
+        n = min(len(b), len(self._buf))
+        b[:n], self._buf = self._buf[:n], self._buf[n:]
+        return n
+
+    def close(self) -> None:
+        for owner in self._owners:
+            owner.close()
+        super().close()
+
+
+def open_utf8(path: Source) -> io.BufferedReader:
+    """Open a text file as a stream of UTF-8 bytes: decompressed, and transcoded from
+    UTF-16/UTF-32 when it starts with their byte-order mark (the BOM is removed).
+
+    Invalid UTF-16/32 (lone surrogates, a truncated last unit) becomes bytes that are
+    invalid UTF-8, so the UTF-8 decoder downstream replaces and counts them.
+    """
+    raw, owners = open_compressed(path)
+    head = b""
+    while len(head) < 4 and (more := raw.read(4 - len(head))):
+        head += more
+    encoding = next((enc for bom, enc in _WIDE_BOMS if head.startswith(bom)), None)
+
+    def passthrough() -> Iterator[bytes]:
+        yield head
+        while chunk := raw.read(_CHUNK):
+            yield chunk
+
+    def transcode() -> Iterator[bytes]:
+        dec = codecs.getincrementaldecoder(encoding)(errors="surrogatepass")
+        chunk = head
+        while chunk:
+            yield dec.decode(chunk).encode("utf-8", "surrogatepass")
+            chunk = raw.read(_CHUNK)
+        try:
+            yield dec.decode(b"", final=True).encode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:  # a truncated last code unit
+            yield b"\xff"
+
+    chunks = passthrough() if encoding is None else transcode()
+    return io.BufferedReader(_Chunks(chunks, owners), buffer_size=_CHUNK)
+
+
+def raw_lines(f: IO[bytes], chunk_bytes: int = _CHUNK, eol: re.Pattern = _EOL) -> Iterator[bytes]:
+    """Lines of a binary stream split on `eol` (default `\\r\\n`, `\\r` or `\\n`; the
+    only alternative used is `\\n`), terminators removed; memory holds one chunk plus the
+    current line, and a long line is joined once, not re-concatenated per chunk."""
+    cr = eol is _EOL
+    parts: list[bytes] = []  # pieces of the current, unfinished line
+    while chunk := f.read(chunk_bytes):
+        if b"\n" not in chunk and not (cr and b"\r" in chunk):
+            parts.append(chunk)
+            continue
+        buf = b"".join(parts) + chunk if parts else chunk
+        parts = []
+        # A final "\r" may be the first half of "\r\n": keep it for the next chunk.
+        end = len(buf) - 1 if cr and buf.endswith(b"\r") else len(buf)
+        cut = max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end) if cr else -1)
+        if cut < 0:
+            parts = [buf]
+            continue
+        yield from eol.split(buf[:cut + 1])[:-1]
+        if cut + 1 < len(buf):
+            parts = [buf[cut + 1:]]
+    buf = b"".join(parts)
+    if buf:
+        yield from eol.split(buf)[:-1] if eol.search(buf[-1:]) else eol.split(buf)
+
+
+def decode(raw: bytes, first: bool) -> tuple[str, set[str]]:
+    """Decode one UTF-8 line; returns the text and the repairs made (BOM, invalid
+    UTF-8, NUL)."""
+    fixes = set()
+    if first and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+        fixes.add("bom")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        fixes.add("invalid_utf8")
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+        fixes.add("nul")
+    return text, fixes
