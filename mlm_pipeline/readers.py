@@ -142,6 +142,7 @@ class _BadCounter:
             logger.warning("%s:%d: %s; dropped", self.path, where, what)
 
     def summary(self) -> None:
+        """Log one warning per drop reason with the file's total (after the first few)."""
         for reason, n in self.n.items():
             if n:
                 logger.warning("%s: %d records dropped as %s", self.path, n, reason)

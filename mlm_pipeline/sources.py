@@ -195,9 +195,11 @@ class _Chunks(io.RawIOBase):
         self._chunks, self._owners, self._buf = chunks, owners, b""
 
     def readable(self) -> bool:
+        """Always True: this stream is read-only."""
         return True
 
     def readinto(self, b) -> int:  # noqa: ANN001 (a writable buffer)
+        """Fill `b` from the next chunks; returns the bytes copied (0 at the end)."""
         while not self._buf:
             if (chunk := next(self._chunks, None)) is None:
                 return 0
@@ -207,6 +209,7 @@ class _Chunks(io.RawIOBase):
         return n
 
     def close(self) -> None:
+        """Close the underlying streams."""
         for owner in self._owners:
             owner.close()
         super().close()
