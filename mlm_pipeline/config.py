@@ -83,6 +83,9 @@ class TokenizerConfig(StrictModel):
     """Longest training sentence in bytes; longer lines are split, not skipped."""
     num_threads: int = Field(default=2, ge=1)
     """SentencePiece trainer threads."""
+    byte_fallback: bool = False
+    """Decompose characters outside the vocabulary into UTF-8 byte pieces (`<0x41>`) instead
+    of [UNK]; adds 256 byte pieces to the vocabulary (SentencePiece `byte_fallback`)."""
 
 
 class ShardConfig(StrictModel):
@@ -113,6 +116,14 @@ class MaskingConfig(StrictModel):
     """Share of selected tokens replaced by [MASK]."""
     random_replace_prob: float = Field(default=0.1, ge=0.0, le=1.0)
     """Share of selected tokens replaced by a random ordinary token; the rest stay unchanged."""
+    selection: Literal["bernoulli", "exact_k"] = "bernoulli"
+    """`bernoulli`: each maskable token is selected independently with `mlm_probability`
+    (Devlin et al. 2019). `exact_k`: exactly round(mlm_probability * n) distinct maskable
+    positions per row (n = maskable tokens in the row), so every row of a full batch predicts
+    the same number of tokens (static shapes for compiled code)."""
+    whole_word: bool = False
+    """Select whole words (a piece starting with "▁" plus its continuation pieces), the rate
+    still measured in tokens (whole-word masking, Devlin et al. 2019, google-research/bert)."""
 
     @model_validator(mode="after")
     def _check_split(self) -> MaskingConfig:
@@ -124,8 +135,25 @@ class MaskingConfig(StrictModel):
         return self
 
 
+#: Field values a `ModelConfig.preset` fills in when the config does not set them.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # BERT (Devlin et al. 2019): weight-compatible with Hugging Face `BertForMaskedLM`.
+    "bert": {"norm": "post", "position": "learned", "activation": "gelu", "bias": True,
+             "layer_norm_eps": 1e-12, "dropout": 0.1},
+    # In the spirit of ModernBERT (Warner et al. 2024): pre-LN, rotary, GeGLU, no biases,
+    # LayerNorm eps 1e-5, no dropout for pretraining.
+    "modern": {"norm": "pre", "position": "rope", "activation": "geglu", "bias": False,
+               "layer_norm_eps": 1e-5, "dropout": 0.0},
+}
+
+
 class ModelConfig(StrictModel):
     """BERT-style encoder shape."""
+
+    preset: Literal["bert", "modern"] | None = None
+    """Architecture recipe (`MODEL_PRESETS`): `bert` = post-LN, learned positions, GELU,
+    biases (Hugging Face `BertForMaskedLM` compatible); `modern` = pre-LN, rotary positions,
+    GeGLU, no biases (ModernBERT-like). Fields set explicitly in the config win."""
 
     hidden_size: int = Field(default=128, ge=8)
     """Width of the residual stream."""
@@ -145,12 +173,26 @@ class ModelConfig(StrictModel):
     apart and so leave the early loss plateau sooner."""
     rope_base: float = Field(default=10000.0, gt=1.0)
     """RoPE frequency base (Su et al. 2021 use 10,000)."""
+    activation: Literal["gelu", "geglu"] = "gelu"
+    """Feed-forward: `gelu` (BERT: `W2 gelu(W1 x)`) or `geglu` (Shazeer 2020:
+    `W2 (gelu(W1 x) * (V x))`, `intermediate_size` = width of the gated product)."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorms (BERT: yes; ModernBERT: none)."""
     dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
     """Dropout on embeddings, attention probabilities and residual branches."""
     layer_norm_eps: float = Field(default=1e-12, gt=0.0)
     """LayerNorm epsilon (BERT uses 1e-12)."""
     initializer_range: float = Field(default=0.02, gt=0.0)
     """Std of the truncated-normal weight init (BERT: 0.02)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            preset = MODEL_PRESETS.get(data["preset"])
+            if preset is not None:  # an unknown name fails on the `preset` field itself
+                data = {**preset, **data}
+        return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -179,8 +221,12 @@ class TrainConfig(StrictModel):
     """Final LR as a share of the peak."""
     warmup_steps: int = Field(default=100, ge=0)
     """Steps of linear warm-up from 0 to `lr`."""
-    decay: Literal["linear", "cosine"] = "linear"
-    """Shape of the decay after warm-up."""
+    decay: Literal["linear", "cosine", "wsd"] = "linear"
+    """Shape of the decay after warm-up: `linear`, `cosine` (Loshchilov & Hutter 2017), or
+    `wsd` warmup-stable-decay (Hu et al. 2024, MiniCPM): constant peak LR, then a linear
+    decay over the last `decay_fraction` of the steps."""
+    decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0)
+    """`wsd` only: share of `max_steps` spent decaying at the end."""
     weight_decay: float = Field(default=0.01, ge=0.0)
     """AdamW decoupled weight decay (not applied to biases, LayerNorm, embeddings' norms)."""
     betas: tuple[float, float] = (0.9, 0.98)
@@ -196,7 +242,14 @@ class TrainConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` picks CUDA when available."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """`auto`: bf16 autocast on CUDA, fp32 on CPU."""
+    """`auto`: bf16 autocast on CUDA and on CPUs with native bf16 instructions (AVX-512 BF16
+    or AMX), fp32 otherwise."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`torch.compile` the model: `auto` = on CUDA only (compilation takes tens of seconds
+    and needs a C++ compiler on CPU)."""
+    document_attention: bool = False
+    """Let tokens attend only within their own document of a packed row (boundaries are
+    the [SEP] tokens the shards keep in-band); disables the fastest SDPA kernels."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads on CPU; None keeps torch's default."""
     checkpoint_every: int | None = Field(default=None, ge=1)

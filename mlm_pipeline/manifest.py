@@ -273,6 +273,9 @@ class CorpusManifest(Manifest):
     """Documents dropped, by reason (`empty`, `too_short`, `duplicate`, `bad_json`, ...)."""
     repaired: dict[str, int]
     """Documents kept after a repair, by reason (`invalid_utf8`, `nul`, `bom`, ...)."""
+    split_parts_extra: int = 0
+    """Extra documents made by splitting oversized ones (a document cut into k parts adds
+    k - 1), so that `documents_read + split_parts_extra == documents_kept + sum(dropped)`."""
 
 
 class TokenizerManifest(Manifest):
@@ -290,6 +293,11 @@ class TokenizerManifest(Manifest):
     """Special token -> fixed id (`[PAD]`=0 ... `[MASK]`=4)."""
     training_sentences: int
     """Sentences the trainer read (after sampling)."""
+    byte_fallback: bool = False
+    """Whether unknown characters decompose into UTF-8 byte pieces instead of [UNK]."""
+    sample_digest: str | None = None
+    """sha256 of the training text the trainer was given (one sentence per line, before
+    SentencePiece's own `input_sentence_size` sampling)."""
 
 
 class ShardSplit(BaseModel):
@@ -307,6 +315,8 @@ class ShardSplit(BaseModel):
     """Tokens entering packing: every document's pieces plus one [SEP] per document."""
     remainder_tokens: int
     """Stream tokens left after the last full row (fewer than `seq_len - 1`), not written."""
+    masked_copies: int = 0
+    """Precomputed masked copies of every row among `shards` (0 = unmasked rows only)."""
 
 
 class ShardManifest(Manifest):
@@ -324,6 +334,8 @@ class ShardManifest(Manifest):
     """Training rows."""
     validation: ShardSplit
     """Validation rows."""
+    masking: dict[str, Any] | None = None
+    """The masking config and seed the precomputed copies were made with (None = none)."""
 
 
 class TrainManifest(Manifest):
