@@ -4,6 +4,7 @@
     mlm-pipeline config CONFIG [--set key=value ...]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
     mlm-pipeline fill-mask CHECKPOINT_DIR TOKENIZER_MODEL TEXT [TEXT ...]
+    mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. Without
 `PREFECT_API_URL` Prefect starts a temporary local API, so no server is needed; with it,
@@ -18,10 +19,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
-from mlm_pipeline.config import ConfigError, load_config
+from mlm_pipeline.config import ConfigError, PipelineConfig, load_config
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -107,7 +109,6 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from mlm_pipeline.corpora import default_cache_dir, fetch_debian_corpus
 
@@ -119,7 +120,6 @@ def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
 
 
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from mlm_pipeline.evaluate import fill_mask
     from mlm_pipeline.tokenizer import Tokenizer
@@ -135,9 +135,79 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     return 0
 
 
+class StageMissingError(RuntimeError):
+    """A stage output the command needs has not been produced for this config yet."""
+
+
+def find_tokenizer(cfg: PipelineConfig) -> Path:
+    """The `spm.model` that `mlm-pipeline run` trained for `cfg`, found by stage digests.
+
+    Follows the flow's own chain: the ingest digest of `cfg.ingest` (source contents +
+    config) names the corpus directory under `cfg.work_dir`; the tokenizer digest of
+    `cfg.tokenizer` and that corpus names the tokenizer directory. Nothing is computed.
+
+    Args:
+        cfg: the resolved `PipelineConfig`.
+
+    Returns:
+        Path of the model file.
+
+    Raises:
+        StageMissingError: the ingest or tokenizer output for this config is not complete
+            in `cfg.work_dir` (the message says to run `mlm-pipeline run` first).
+        FileNotFoundError: a source of `cfg.ingest.sources` matches no file.
+    """
+    from mlm_pipeline.ingest import ingest_digest
+    from mlm_pipeline.manifest import (
+        CorpusManifest, TokenizerManifest, load_if_complete, stage_dir,
+    )
+    from mlm_pipeline.tokenizer import STAGE, tokenizer_digest
+
+    digest = ingest_digest(cfg.ingest)
+    corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), CorpusManifest, digest)
+    if corpus is not None:
+        digest = tokenizer_digest(cfg.tokenizer, corpus)
+        out = stage_dir(cfg.work_dir, STAGE, digest)
+        if (tok := load_if_complete(out, TokenizerManifest, digest)) is not None:
+            return tok.file(tok.model.path)
+    stage = "ingest" if corpus is None else "tokenizer"
+    raise StageMissingError(
+        f"no {stage} output for config {cfg.name!r} in work_dir {cfg.work_dir!r} "
+        f"(digest {digest[:16]}); run `mlm-pipeline run` with this config first, "
+        "or pass --tokenizer PATH/TO/spm.model"
+    )
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    if (args.config is None) == (args.tokenizer is None):
+        print("mlm-pipeline tokenize: give either CONFIG or --tokenizer", file=sys.stderr)
+        return 2
+    try:
+        tok = Tokenizer.load(args.tokenizer or find_tokenizer(load_config(args.config, args.set)))
+    except (StageMissingError, FileNotFoundError) as exc:
+        print(f"mlm-pipeline tokenize: {exc}", file=sys.stderr)
+        return 1
+    texts = args.text if args.text else [line.rstrip("\n") for line in sys.stdin]
+    results = []
+    for text, ids in zip(texts, tok.encode(texts)):
+        results.append({"text": text, "pieces": [tok.id_to_piece(i) for i in ids], "ids": ids})
+    if args.json:
+        print(json.dumps({"tokenizer": str(tok.path), "vocab_size": tok.vocab_size,
+                          "results": results}, ensure_ascii=False, indent=2))
+        return 0
+    for i, r in enumerate(results):
+        if i:
+            print()
+        print("pieces: " + " ".join(r["pieces"]))
+        print("ids: " + " ".join(str(x) for x in r["ids"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `mlm-pipeline` (sub-commands run, config, fetch-corpus,
-    fill-mask)."""
+    """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
+    fetch-corpus, fill-mask, tokenize)."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
     )
@@ -172,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="+", help="texts containing [MASK]")
     p.add_argument("--top-k", type=int, default=5)
     p.set_defaults(func=_cmd_fill_mask)
+
+    p = sub.add_parser("tokenize", help="show how the tokenizer segments a text")
+    p.add_argument("config", nargs="?",
+                   help="config whose trained tokenizer to use (tiny -> configs/tiny.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override of the config, repeatable")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="SentencePiece .model file or tokenizer stage directory instead")
+    p.add_argument("--text", action="append", metavar="TEXT",
+                   help="text to segment, repeatable (default: each line of stdin)")
+    p.add_argument("--json", action="store_true", help="print JSON (text, pieces, ids)")
+    p.set_defaults(func=_cmd_tokenize)
     return parser
 
 

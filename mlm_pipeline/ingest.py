@@ -23,9 +23,9 @@ every repair and drop is counted in the manifest:
 Counts: `documents_read` counts records read (one per source record, bad ones included);
 `documents_kept` counts documents written, each part of a split document counting as one;
 drops count records before splitting and parts after it (`duplicate`, `near_duplicate`).
-So `documents_read + extra parts = documents_kept + sum(dropped)`, where extra parts are
-the parts beyond the first of each split document (`repaired["split"]` counts the split
-documents).
+So `documents_read + split_parts_extra = documents_kept + sum(dropped)`, where
+`split_parts_extra` (in the manifest) counts the parts beyond the first of each split
+document (`repaired["split"]` counts the split documents).
 
 Split: a document goes to validation iff the first 8 bytes of sha256(normalized text),
 read as a big-endian integer and divided by 2**64, are below `validation_fraction`. The
@@ -166,6 +166,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
         documents_read=reader.read, documents_kept=kept, documents_train=kept - n_val,
         documents_validation=n_val, characters=characters,
         dropped=dict(reader.dropped), repaired=dict(reader.repaired),
+        split_parts_extra=reader.split_parts_extra,
     )
     write_manifest(m)
     drops = ", ".join(f"{k} {v}" for k, v in m.dropped.items() if v) or "none"
@@ -222,6 +223,7 @@ class _Reader:
     def __init__(self, cfg: IngestConfig) -> None:
         self.cfg = cfg
         self.read = 0
+        self.split_parts_extra = 0
         self.per_file: dict[int, int] = {}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.repaired = dict.fromkeys(REPAIR_REASONS, 0)
@@ -259,6 +261,7 @@ class _Reader:
                 else:
                     self.repaired["split"] += 1
                     for k, (part, _sep) in enumerate(split_text(text, cfg.max_document_chars), 1):
+                        self.split_parts_extra += k > 1  # parts beyond the first are new docs
                         yield f"{rec.id}#{k}", part, rec.source
             records.close()
             if limit is not None and self.read >= limit:

@@ -32,15 +32,18 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
-from mlm_pipeline.config import CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_TOKENS, UNK_ID
+from mlm_pipeline.config import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, SPECIAL_TOKENS
+from mlm_pipeline.config import UNK_ID
 from mlm_pipeline.config import TokenizerConfig
 from mlm_pipeline.manifest import CorpusManifest, Stopwatch, TokenizerManifest, compute_digest
 from mlm_pipeline.manifest import file_entry, load_if_complete, read_manifest, stage_dir
@@ -59,6 +62,8 @@ _MIN_INPUT_SENTENCE_SIZE = 101
 _SAMPLING_SEED = 1
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+#: Pieces `<0x00>` ... `<0xFF>` that `byte_fallback` adds, at ids 5-260 (after the specials).
+_BYTE_PIECES = 256
 _SEVERE = re.compile(r"[WEF]\d{4} ")  # absl log prefix of warnings, errors, fatals
 _READ = re.compile(r"Loaded all (\d+) sentences|Sampled (\d+) sentences from \d+ sentences")
 
@@ -79,18 +84,23 @@ def train_tokenizer(
     samples at most `cfg.input_sentence_size` lines (reservoir sampling with a fixed seed),
     which bounds its memory.
 
+    With `cfg.byte_fallback` the vocabulary holds the 256 byte pieces `<0x00>`...`<0xFF>` at
+    ids 5-260, right after the fixed special ids, and they count in `cfg.vocab_size`.
+
     Args:
         cfg: tokenizer settings (`vocab_size` counts the five special tokens).
         corpus: the ingested corpus; only its `train` Parquet files are read.
         work_dir: pipeline work directory; output goes to `<work_dir>/tokenizer/<digest[:16]>`.
 
     Returns:
-        The manifest of `spm.model` and `spm.vocab`, with the actual `vocab_size` and the
-        number of sentences (lines) the trainer read.
+        The manifest of `spm.model` and `spm.vocab`, with the actual `vocab_size`, the
+        number of sentences (lines) the trainer read, `byte_fallback`, and `sample_digest`
+        (sha256 of the training text file given to the trainer).
 
     Raises:
         ValueError: `cfg.vocab_size` is more than the corpus supports or fewer than its
-            required characters (the message names both numbers), `cfg.input_sentence_size`
+            required characters, plus the 256 byte pieces with `byte_fallback` (the
+            message names both numbers), `cfg.input_sentence_size`
             is below SentencePiece's minimum of 101, the training split has no text, or a
             Parquet file lacks a string `text` column (the file is named).
         RuntimeError: the trained model does not have the fixed special-token ids.
@@ -112,7 +122,9 @@ def train_tokenizer(
     try:
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp-") as tmp_name:
             tmp = Path(tmp_name)
-            lines = _write_training_text(corpus, tmp / "train.txt", cfg.max_sentence_length)
+            lines, sample_digest = _write_training_text(
+                corpus, tmp / "train.txt", cfg.max_sentence_length
+            )
             if lines == 0:
                 raise ValueError(
                     f"tokenizer: the training split of corpus {corpus.output_dir} has no text"
@@ -140,6 +152,8 @@ def train_tokenizer(
         model_type=cfg.model_type,
         special_tokens=dict(SPECIAL_TOKENS),
         training_sentences=read,
+        byte_fallback=cfg.byte_fallback,
+        sample_digest=sample_digest,
     )
     write_manifest(manifest)
     logger.info(
@@ -235,20 +249,29 @@ def iter_text_batches(
         yield pending
 
 
-def _write_training_text(corpus: CorpusManifest, path: Path, max_bytes: int) -> int:
-    """Write one training sentence per line; returns the number of lines written."""
+def _write_training_text(
+    corpus: CorpusManifest, path: Path, max_bytes: int
+) -> tuple[int, str]:
+    """Write one training sentence per line (UTF-8, "\\n" after each).
+
+    Returns:
+        The number of lines written and the hex sha256 of the file's bytes, hashed while
+        writing (the file is never read back).
+    """
     written = 0
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
+    sha = hashlib.sha256()
+    with open(path, "wb") as f:
         paths = [corpus.file(e.path) for e in corpus.train]
         for text in (t for batch in iter_text_batches(paths, 1024) for t in batch):
             for line in text.split("\n"):
                 if not line.strip():
                     continue
                 for piece in split_long_line(line, max_bytes):
-                    f.write(piece)
-                    f.write("\n")
+                    data = (piece + "\n").encode("utf-8")
+                    f.write(data)
+                    sha.update(data)
                     written += 1
-    return written
+    return written, sha.hexdigest()
 
 
 def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
@@ -268,8 +291,11 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
     error: RuntimeError | None = None
     try:
         # `logstream` redirects the process's stderr (fd 2) into the file while training:
-        # the only way to read how many sentences the trainer loaded.
+        # the only way to read how many sentences the trainer loaded. It calls
+        # `sys.stderr.fileno()`, which fails where stderr is replaced (pytest's capsys,
+        # notebooks): then the log stays on fd 2 and the count is estimated.
         with open(log_path, "w", encoding="utf-8") as log:
+            stream = log if _has_fileno(sys.stderr) else None
             spm.SentencePieceTrainer.train(
                 input=str(tmp / "train.txt"),
                 model_prefix=str(tmp / Path(MODEL_FILE).stem),
@@ -280,13 +306,14 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
                 shuffle_input_sentence=True,
                 max_sentence_length=cfg.max_sentence_length,
                 num_threads=cfg.num_threads,
+                byte_fallback=cfg.byte_fallback,
                 normalization_rule_tsv=str(rules),
                 pad_id=PAD_ID, pad_piece="[PAD]",
                 unk_id=UNK_ID, unk_piece="[UNK]",
                 bos_id=CLS_ID, bos_piece="[CLS]",
                 eos_id=SEP_ID, eos_piece="[SEP]",
                 control_symbols=[MASK_MARKER],
-                logstream=log,
+                logstream=stream,
             )
     except RuntimeError as exc:
         error = exc
@@ -295,12 +322,13 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
         if m := _TOO_HIGH.search(str(error)):
             raise ValueError(_too_high_message(cfg, int(m.group(2)), read)) from error
         if m := _TOO_SMALL.search(str(error)):
+            bytes_note = f" and {_BYTE_PIECES} byte pieces" if cfg.byte_fallback else ""
             raise ValueError(
                 f"tokenizer.vocab_size={cfg.vocab_size} is less than this corpus needs: "
                 f"SentencePiece ({cfg.model_type}) needs at least {m.group(2)} pieces (the "
                 f"characters kept by character_coverage={cfg.character_coverage:g} plus the "
-                f"special tokens) for {read} training sentences; raise tokenizer.vocab_size "
-                "or lower tokenizer.character_coverage"
+                f"special tokens{bytes_note}) for {read} training sentences; raise "
+                "tokenizer.vocab_size or lower tokenizer.character_coverage"
             ) from error
         raise error
     sp = spm.SentencePieceProcessor(model_file=str(tmp / MODEL_FILE))
@@ -308,6 +336,14 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
         raise ValueError(_too_high_message(cfg, sp.get_piece_size(), read))
     _check_special(sp, tmp / MODEL_FILE, RuntimeError)
     return read
+
+
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+    return True
 
 
 def _too_high_message(cfg: TokenizerConfig, supported: int, read: int) -> str:
@@ -386,6 +422,7 @@ class Tokenizer:
         proto = self.path.read_bytes()
         self.model_sha256 = hashlib.sha256(proto).hexdigest()
         self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        self._word_starts: np.ndarray | None = None
         _check_special(self._sp, self.path, ValueError)
 
     @classmethod
@@ -410,6 +447,29 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Pieces in the vocabulary, special tokens included."""
         return self._sp.get_piece_size()
+
+    def word_starts(self) -> np.ndarray:
+        """Which ids begin a word, for whole-word masking.
+
+        Whole-word masking (Devlin et al. 2019, BERT repository README, "Whole Word
+        Masking" update; Cui et al. 2021 for Chinese) selects words, then masks all their
+        pieces. A word is an id flagged True followed by every following id flagged False.
+        An id is True when its piece starts with SentencePiece's word-boundary marker
+        "\u2581" (U+2581) or is one of the special ids 0-4 ([PAD], [UNK], [CLS], [SEP],
+        [MASK]: each is a word on its own); continuation pieces, byte-fallback pieces
+        `<0x..>` included, are False (the bytes of an unknown character continue the word
+        their "\u2581" or previous piece started).
+
+        Returns:
+            Bool array of shape `(vocab_size,)`, indexed by id (a fresh copy).
+        """
+        if self._word_starts is None:
+            pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+            starts = np.fromiter((p.startswith("\u2581") for p in pieces), dtype=bool,
+                                 count=self.vocab_size)
+            starts[:NUM_SPECIAL] = True
+            self._word_starts = starts
+        return self._word_starts.copy()
 
     def encode(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
         """Encode a batch of texts to piece ids (no [CLS] / [SEP] added).
