@@ -1,20 +1,39 @@
 """Masked-language-model corruption as pure, vectorized tensor ops with keyed randomness.
 
-The corruption follows Devlin et al. 2019 (BERT), §3.1: each maskable token is selected
-for prediction with probability `mlm_probability`; a selected token is replaced by [MASK]
-with probability `mask_replace_prob`, by a random ordinary token with probability
-`random_replace_prob`, and otherwise left unchanged (80/10/10 by default). Selection is an
-independent Bernoulli draw per token (as in Hugging Face `DataCollatorForLanguageModeling`),
-so the number of selected tokens per row varies.
+The corruption follows Devlin et al. 2019 (BERT), §3.1: maskable tokens (ids
+`>= NUM_SPECIAL`) are selected for prediction at a rate `mlm_probability`; a selected token
+is replaced by a random ordinary token with probability `random_replace_prob`, by [MASK]
+with probability `mask_replace_prob`, and otherwise left unchanged (80/10/10 by default).
+
+Selection (`selection`, and whole words when `word_starts` is given)
+--------------------------------------------------------------------
+- `bernoulli`: each maskable token independently (as Hugging Face
+  `DataCollatorForLanguageModeling`); the count per row varies.
+- `exact_k`: exactly `k = floor(mlm_probability * n + 0.5)` distinct maskable positions of
+  a row with `n` maskable tokens (round half up; Python's `round` would round half to
+  even), uniform among the `n choose k` subsets. Rows with equal `n` (e.g. full packed
+  rows with the same number of [SEP]) predict equally many tokens: static shapes
+  (not so with whole words, below).
+- whole words (Devlin et al. 2019, google-research/bert `create_pretraining_data.py`,
+  "Whole Word Masking"): a word is a maskable position that begins one (its id has
+  `word_starts[id]`, or it is position 0, or the previous position is not maskable)
+  plus the maskable positions after it that do not. Whole words are selected and every
+  token of a selected word is predicted. With `bernoulli` each word is selected with
+  probability `mlm_probability` (so the expected share of selected *tokens* is
+  `mlm_probability`); with `exact_k` words are taken in keyed random order while their
+  cumulative token count stays `<= k` (the first word that would exceed `k` stops the
+  selection; google-research skips it and tries the next, which is sequential), so at
+  most `k` tokens are selected. The 80/10/10 decision stays per token, as in
+  google-research (its loop decides per index of the selected word).
 
 Keyed randomness
 ----------------
 No random generator state is used. Every random number is a counter-based hash
 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", the idea behind
-Philox) of `(seed, epoch, row index, position, stream)`:
+Philox) of `(seed, epoch, row index, position)`, one 64-bit draw per token:
 
     key     = mix64(mix64(seed) + (epoch + 1) * GAMMA)          (Python ints, mod 2**64)
-    counter = (row << 22) | (position << 2) | stream             (stream 0, 1, 2)
+    counter = (row << 20) | position
     bits    = mix64(key + counter * GAMMA)                       (int64 tensor ops)
 
 `mix64` is the SplitMix64 output finalizer and `GAMMA = 0x9E3779B97F4A7C15` its
@@ -27,35 +46,49 @@ which is Stafford's "Mix13" variant of the MurmurHash3 finalizer):
     z =  z ^ (z >>> 31)
 
 `bits` is therefore exactly the `counter`-th output of a SplitMix64 generator seeded with
-`key`. The counter is injective for `0 <= row < 2**42` and `position < 2**20`, and `mix64`
-is a bijection, so distinct (row, position, stream) never share a draw within a key.
+`key`. The counter is injective for `0 <= row < 2**44` and `position < 2**20`, and `mix64`
+is a bijection, so distinct (row, position) never share a draw within a key.
 
-Torch has no unsigned 64-bit arithmetic on every device, so the hash runs on int64 with
-two precautions: `>>` on int64 is an *arithmetic* shift, so every shift is followed by a
-mask of the low `64 - s` bits to make it logical; and int64 multiplication wraps modulo
-2**64 in practice on CPU and CUDA (two's complement; `tests/unit/test_masking.py` checks
-CPU against a pure-Python reference and, marked `gpu`, CUDA against CPU). Thresholds are
-compared on the signed value, which is uniform on [-2**63, 2**63).
+Torch has no unsigned 64-bit shifts on every device, so the hash runs on int64: `>>` on
+int64 is an *arithmetic* shift, so every shift is followed by a mask of the low `64 - s`
+bits to make it logical; int64 multiplication wraps modulo 2**64 on CPU and CUDA (two's
+complement; `tests/unit/test_masking.py` checks CPU against a pure-Python reference and,
+marked `gpu`, CUDA against CPU).
 
-With `s(x)` the signed reading of 64 bits and `T(q) = -2**63 + floor(q * 2**64)`, token
-(row, position) with a maskable id is selected iff `s(bits_0) < T(mlm_probability)`; a
-selected token becomes [MASK] iff `s(bits_1) < T(mask_replace_prob)`, else a random id iff
-`s(bits_1) < T(mask_replace_prob + random_replace_prob)` (a probability of 1 is always
-true); the random id is `NUM_SPECIAL + s(bits_2) mod (vocab_size - NUM_SPECIAL)` (floored
-modulo, uniform up to a bias of vocab_size / 2**64).
+The draw is split in two halves used for independent decisions. With `s(x)` the signed
+reading of 64 bits, `h = floor(s(bits) / 2**32)` (the signed high half, uniform on
+[-2**31, 2**31)) drives selection and `c = bits mod 2**32` (the low half, uniform on
+[0, 2**32) and independent of `h`) drives replacement; `t(q) = floor(q * 2**32)`:
 
-Consequences: a row receives the same mask after a resume, in any batch composition and
-on any device; a new epoch gives a new mask; evaluation masks with a fixed
-`(seed, epoch=0)` so its positions never move. The three streams are independent draws:
-stream 0 selects, stream 1 picks [MASK] / random / unchanged, stream 2 is the random id.
+- `bernoulli` selects a token iff `h < -2**31 + t(mlm_probability)`; `exact_k` selects the
+  `k` maskable positions with the smallest `(h, position)`; whole words use `h` of the
+  word's first position, compared the same way (`bernoulli`) or ordered by
+  `(h, first position)` (`exact_k`).
+- a selected token becomes a random ordinary id iff `c < t(random_replace_prob)`, else
+  [MASK] iff `c < t(random_replace_prob + mask_replace_prob)` (a sum of 1 is always
+  true), else stays. The random id is `NUM_SPECIAL + ((c * M) >> S)` with
+  `m = vocab_size - NUM_SPECIAL`, `t = t(random_replace_prob)`,
+  `S = 63 - bit_length(m)` and `M = floor(m * 2**S / t)`: a fixed-point
+  `floor(c * m / t)` (no int64 overflow, always below m) of `c`, which is uniform on the
+  `t` values of its bucket. Each id then has probability within a relative
+  `m / t + 2**(32 - S)` of `1 / m` (below 1e-4 for m = 32000, random_replace_prob = 0.1),
+  provided `t >= m`.
+
+Probabilities are thus resolved to 2**-32 (selection needs about 24 bits); one hash per
+token instead of one per decision is what makes the function fast (`benchmarks/
+bench_masking.py`). Consequences: a row receives the same mask after a resume, in any
+batch composition and on any device; a new epoch gives a new mask; evaluation masks with
+a fixed `(seed, epoch=0)` so its positions never move.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,17 +107,26 @@ GAMMA = 0x9E3779B97F4A7C15
 _MIX_MUL1 = 0xBF58476D1CE4E5B9
 _MIX_MUL2 = 0x94D049BB133111EB
 _POSITION_BITS = 20
-_STREAM_BITS = 2
-_NUM_STREAMS = 3
 #: Longest supported row: positions must fit in the counter's position field.
 MAX_SEQ_LEN = 1 << _POSITION_BITS
+#: Row ids must lie in [0, MAX_ROWS): the counter's row field.
+MAX_ROWS = 1 << (64 - _POSITION_BITS)
 IGNORE_INDEX = -100
+#: Version of the algorithm in the module docstring; a checkpoint whose masker state
+#: carries another version is refused (its masks would not be reproduced).
+MASKING_ALGORITHM = 2
+SELECTIONS = ("bernoulli", "exact_k")
+_LOW32 = (1 << 32) - 1
+_INT64_MAX = (1 << 63) - 1
 
 
 def _signed(x: int) -> int:
     """Reinterpret the low 64 bits of a Python int as a signed int64 value."""
     x &= _M64
     return x - (1 << 64) if x >> 63 else x
+
+
+_HIGH32 = _signed(_M64 ^ _LOW32)  # as int64: keeps the high half of a draw
 
 
 def mix64_int(z: int) -> int:
@@ -138,34 +180,129 @@ def masking_key(seed: int, epoch: int) -> int:
     return mix64_int(mix64_int(seed) + (epoch + 1) * GAMMA)
 
 
-def _threshold(prob: float) -> int:
-    """Signed threshold T with P(u < T) = floor(prob * 2**64) / 2**64 for u uniform on int64.
+def _t32(prob: float) -> int:
+    """`t(q) = floor(q * 2**32)` (exact: a power-of-two scaling of a float64)."""
+    return int(prob * 2.0**32)
 
-    `prob * 2.0**64` is exact in float64 (a power-of-two scaling), so for prob in [0, 1)
-    the probability is `prob` to within 2**-64.
+
+def exact_k(n: int, mlm_probability: float) -> int:
+    """Tokens `exact_k` selects in a row of `n` maskable tokens: `floor(p * n + 0.5)`.
+
+    Round half up, computed in float64 (Python's `round` rounds half to even).
+
+    Args:
+        n: maskable tokens in the row.
+        mlm_probability: selection rate p.
+
+    Returns:
+        k, in [0, n] for p in [0, 1].
     """
-    return -(1 << 63) + int(prob * 2.0**64)
+    return math.floor(mlm_probability * n + 0.5)
 
 
-def _below(u: Tensor, prob: float, complement: bool = False) -> Tensor:
-    """Bool tensor, True with probability `prob` per element of the uniform int64 `u`.
+@functools.lru_cache(maxsize=64)
+def _random_id_scale(m: int, t: int) -> tuple[int, int]:
+    """`(M, S)` with `(c * M) >> S` = floor(c * m / t) in fixed point, for c in [0, t).
 
-    With `complement`, the exact negation (probability `1 - prob`) in one pass.
+    `S = 63 - bit_length(m)` keeps `c * M < m * 2**S < 2**63` (no int64 overflow) and
+    `M = floor(m * 2**S / t)` keeps every result below m (module docstring).
     """
-    if prob >= 1.0:
-        return torch.full_like(u, not complement, dtype=torch.bool)
-    threshold = _threshold(prob)
-    return u >= threshold if complement else u < threshold
+    shift = 63 - m.bit_length()
+    return (m << shift) // t, shift
+
+
+@functools.lru_cache(maxsize=64)
+def _position_term(seq_len: int, key: int, device: torch.device) -> Tensor:
+    """The (1, L) int64 term `key + position * GAMMA`, cached per (L, key, device)."""
+    # Built outside inference mode so the cached tensor is usable in every mode.
+    with torch.inference_mode(False):
+        pos = torch.arange(seq_len, device=device, dtype=torch.int64)
+        return pos.mul_(_signed(GAMMA)).add_(_signed(key)).view(1, -1)
 
 
 @functools.lru_cache(maxsize=32)
-def _position_stream_term(seq_len: int, device: torch.device) -> Tensor:
-    """The (3, 1, L) int64 term `((l << 2) | s) * GAMMA`, cached per (L, device)."""
-    # Built outside inference mode so the cached tensor is usable in every mode.
+def _positions(seq_len: int, device: torch.device) -> Tensor:
+    """The (1, L) int64 positions 0..L-1, cached per (L, device)."""
     with torch.inference_mode(False):
-        stream = torch.arange(_NUM_STREAMS, device=device, dtype=torch.int64).view(-1, 1, 1)
-        pos = torch.arange(seq_len, device=device, dtype=torch.int64).view(1, 1, -1)
-        return stream * _signed(GAMMA) + pos * _signed(GAMMA << _STREAM_BITS)
+        return torch.arange(seq_len, device=device, dtype=torch.int64).view(1, -1)
+
+
+def _draws(seq_len: int, row_index: Tensor, key: int) -> Tensor:
+    """`bits` of the module docstring: int64 (B, L) for rows `row_index` (int64 (B,))."""
+    # key + ((row << 20) | l) * GAMMA = (key + l * GAMMA) + row * (GAMMA << 20) (mod 2**64):
+    # the cached position term plus the row term in one `add` (its integer `alpha`
+    # product wraps like `mul`), then mixed in place.
+    term = _position_term(seq_len, key, row_index.device)
+    bits = torch.add(term, row_index.view(-1, 1), alpha=_signed(GAMMA << _POSITION_BITS))
+    return mix64_(bits)
+
+
+@functools.lru_cache(maxsize=32)
+def _exact_k_table(seq_len: int, mlm_probability: float, device: torch.device) -> Tensor:
+    """int64 (L + 1,): `exact_k(n, p)` for n = 0..L, cached per (L, p, device)."""
+    with torch.inference_mode(False):
+        k = [exact_k(n, mlm_probability) for n in range(seq_len + 1)]
+        return torch.tensor(k, dtype=torch.int64, device=device)
+
+
+def _exact_k_tensor(special: Tensor, mlm_probability: float) -> Tensor:
+    """`exact_k` per row: int64 (B, 1) from the (B, L) bool special-position mask."""
+    table = _exact_k_table(special.size(1), mlm_probability, special.device)
+    return table[special.size(1) - special.sum(1, keepdim=True)]
+
+
+def _unselected_tokens(bits: Tensor, special: Tensor, p: float, selection: str) -> Tensor:
+    """Bool (B, L), True where a token is *not* selected (specials included)."""
+    if selection == "bernoulli":
+        if p >= 1.0:
+            return special.clone()
+        # s(bits) < (-2**31 + t(p)) * 2**32  <=>  h < -2**31 + t(p)
+        return torch.ge(bits, (_t32(p) - (1 << 31)) << 32).logical_or_(special)
+    seq_len = bits.size(1)
+    k_cap = exact_k(seq_len, p)  # k <= k_cap for every row: a static topk size
+    if k_cap == 0:
+        return torch.ones_like(special)
+    # Score (h, position) as one int64: the high half of `bits`, the position in the low
+    # half; unique within a row, so "score <= k-th smallest" selects exactly k positions.
+    score = (bits & _HIGH32).bitwise_or_(_positions(seq_len, bits.device))
+    score.masked_fill_(special, _INT64_MAX)
+    k = _exact_k_tensor(special, p)
+    kth = score.topk(k_cap, dim=1, largest=False).values.gather(1, (k - 1).clamp_(min=0))
+    return torch.gt(score, kth).logical_or_(k == 0)
+
+
+def _unselected_words(
+    bits: Tensor, ids: Tensor, special: Tensor, word_starts: Tensor, p: float, selection: str
+) -> Tensor:
+    """Like `_unselected_tokens`, selecting whole words (see the module docstring)."""
+    seq_len = bits.size(1)
+    positions = _positions(seq_len, bits.device)
+    first = torch.take(word_starts, ids)
+    first[:, 1:].logical_or_(special[:, :-1])
+    first[:, 0] = True
+    # The first position of the word at each position (for maskable positions).
+    word_start = first.to(torch.int64).mul_(positions).cummax(1).values
+    if selection == "bernoulli":
+        if p >= 1.0:
+            return special.clone()
+        return torch.ge(bits.gather(1, word_start), (_t32(p) - (1 << 31)) << 32).logical_or_(
+            special
+        )
+    k_cap = exact_k(seq_len, p)
+    if k_cap == 0:
+        return torch.ones_like(special)
+    maskable = ~special
+    score = (bits & _HIGH32).bitwise_or_(positions)
+    score = torch.where(first.logical_and_(maskable), score, _INT64_MAX)  # words' first tokens
+    lengths = torch.zeros_like(bits).scatter_add_(1, word_start, maskable.to(torch.int64))
+    # At most k <= k_cap words are taken (each has >= 1 token): the k_cap first words in
+    # keyed order suffice; `cum` is the token count of each prefix of that order.
+    first_scores, order = score.topk(k_cap, dim=1, largest=False)
+    cum = lengths.gather(1, order).cumsum_(1)
+    taken = (cum <= _exact_k_tensor(special, p)).sum(1, keepdim=True)
+    last = first_scores.gather(1, (taken - 1).clamp_(min=0))
+    unselected_first = torch.gt(score, last).logical_or_(taken == 0)
+    return unselected_first.gather(1, word_start).logical_or_(special)
 
 
 def special_tokens_mask(input_ids: Tensor) -> Tensor:
@@ -195,26 +332,36 @@ def mask_tokens(
     mlm_probability: float = 0.15,
     mask_replace_prob: float = 0.8,
     random_replace_prob: float = 0.1,
+    selection: str = "bernoulli",
+    word_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Corrupt a batch for masked-language modelling (Devlin et al. 2019, §3.1: 80/10/10).
 
-    Ids `>= NUM_SPECIAL` are maskable; special tokens and [PAD] are never selected. Each
-    maskable token is selected independently with probability `mlm_probability`. Of the
-    selected, a share `mask_replace_prob` becomes [MASK], a share `random_replace_prob` a
-    random ordinary id uniform on [NUM_SPECIAL, vocab_size) (which may equal the original
-    id, probability 1 / (vocab_size - NUM_SPECIAL)), the rest stay unchanged. The random
-    choices depend only on (seed, epoch, row_index[b], position); see the module docstring.
+    Ids `>= NUM_SPECIAL` are maskable; special tokens and [PAD] are never selected. Tokens
+    (or whole words, with `word_starts`) are selected at the rate `mlm_probability` as
+    `selection` says. Of the selected tokens, a share `mask_replace_prob` becomes [MASK],
+    a share `random_replace_prob` a random ordinary id uniform on [NUM_SPECIAL, vocab_size)
+    (which may equal the original id, probability 1 / (vocab_size - NUM_SPECIAL)), the rest
+    stay unchanged. Every choice depends only on (seed, epoch, row_index[b], position) and,
+    for `exact_k` and whole words, the row's ids; the module docstring gives the algorithm.
 
     Args:
         input_ids: token ids (B, L), int64, int32 or uint16, on any device; not modified.
         vocab_size: number of ids in the vocabulary, the special tokens included.
-        row_index: int64 (B,) global row ids in [0, 2**42), on any device; defaults to
-            `arange(B)`. The same row id gets the same mask wherever it sits in a batch.
+        row_index: int64 (B,) global row ids in [0, MAX_ROWS = 2**44), on any device;
+            defaults to `arange(B)`. The same row id gets the same mask wherever it sits
+            in a batch.
         seed: masking seed (taken modulo 2**64).
         epoch: epoch number; a new epoch gives an independent mask.
         mlm_probability: share of maskable tokens selected for prediction.
         mask_replace_prob: share of selected tokens replaced by [MASK].
         random_replace_prob: share of selected tokens replaced by a random ordinary id.
+        selection: `bernoulli` (independent per token or word) or `exact_k`
+            (`floor(mlm_probability * n + 0.5)` tokens of a row with n maskable tokens;
+            at most that many with whole words).
+        word_starts: bool (vocab_size,), True where an id begins a word (e.g.
+            `Tokenizer.word_starts()`, as a tensor), on any device; given, whole words
+            are selected. None selects tokens.
 
     Returns:
         `(input_ids, labels)`, both int64 (B, L) on the device of `input_ids`: the corrupted
@@ -223,8 +370,9 @@ def mask_tokens(
     Raises:
         TypeError: `input_ids` is not an integer tensor.
         ValueError: `input_ids` is not 2-D, L exceeds `MAX_SEQ_LEN`, `row_index` is not
-            shaped (B,), `vocab_size <= NUM_SPECIAL`, a probability lies outside [0, 1], or
-            `mask_replace_prob + random_replace_prob > 1`.
+            shaped (B,), `vocab_size <= NUM_SPECIAL`, a probability lies outside [0, 1],
+            `mask_replace_prob + random_replace_prob > 1`, `selection` is unknown, or
+            `word_starts` is not a bool tensor of shape (vocab_size,).
     """
     dtype = input_ids.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
@@ -241,10 +389,19 @@ def mask_tokens(
     _check_prob("mlm_probability", mlm_probability)
     _check_prob("mask_replace_prob", mask_replace_prob)
     _check_prob("random_replace_prob", random_replace_prob)
-    if mask_replace_prob + random_replace_prob > 1.0 + 1e-9:
+    change_prob = mask_replace_prob + random_replace_prob
+    if change_prob > 1.0 + 1e-9:
         raise ValueError(
-            f"masking: mask_replace_prob + random_replace_prob = "
-            f"{mask_replace_prob + random_replace_prob:g} must be <= 1"
+            f"masking: mask_replace_prob + random_replace_prob = {change_prob:g} must be <= 1"
+        )
+    if selection not in SELECTIONS:
+        raise ValueError(f"masking: selection {selection!r} must be one of {SELECTIONS}")
+    if word_starts is not None and (
+        word_starts.dtype != torch.bool or word_starts.shape != (vocab_size,)
+    ):
+        raise ValueError(
+            f"masking: word_starts must be a bool tensor of shape ({vocab_size},), got "
+            f"{word_starts.dtype} {tuple(word_starts.shape)}"
         )
     device = input_ids.device
     if row_index is None:
@@ -255,29 +412,35 @@ def mask_tokens(
         )
     # Python-side dtype checks skip a dispatch each (this function is dispatch-bound at
     # training batch sizes); outputs below are always new tensors.
-    ids = input_ids if input_ids.dtype == torch.int64 else input_ids.to(torch.int64)
+    ids = input_ids if dtype == torch.int64 else input_ids.to(torch.int64)
     if row_index.device != device or row_index.dtype != torch.int64:
         row_index = row_index.to(device=device, dtype=torch.int64)
 
-    # bits[s, b, l] = key + ((row << 22) | (l << 2) | s) * GAMMA (mod 2**64): the cached
-    # (3, 1, L) position/stream term plus the key, plus row * (GAMMA << 22) broadcast over
-    # (3, B, L) in one `add` (its integer `alpha` product wraps like `mul`), mixed in place.
-    base = _position_stream_term(seq_len, device) + _signed(masking_key(seed, epoch))
-    row_gamma = _signed(GAMMA << (_POSITION_BITS + _STREAM_BITS))
-    bits = mix64_(torch.add(base, row_index.view(1, batch, 1), alpha=row_gamma))
-    select_bits, choice_bits, random_bits = bits.unbind(0)
+    if ids.numel() == 0:
+        return ids.clone(), torch.full_like(ids, IGNORE_INDEX)
+    bits = _draws(seq_len, row_index, masking_key(seed, epoch))
+    special = ids < NUM_SPECIAL
+    if word_starts is None:
+        unselected = _unselected_tokens(bits, special, mlm_probability, selection)
+    else:
+        word_starts = word_starts.to(device)
+        unselected = _unselected_words(
+            bits, ids, special, word_starts, mlm_probability, selection
+        )
+    labels = torch.where(unselected, IGNORE_INDEX, ids)
 
-    # Each line is one or two (B, L) passes; `a > b` on bools is `a & ~b` in one op.
-    unselected = _below(select_bits, mlm_probability, complement=True).logical_or_(
-        ids < NUM_SPECIAL
-    )
-    labels = ids.masked_fill(unselected, IGNORE_INDEX)
-    # Stream 1 in [0, pm) -> [MASK]; [pm, pm + pr) -> random id; the rest unchanged.
-    # `remainder` of a uniform 64-bit value is uniform up to a bias of vocab_size / 2**64.
-    changed = torch.gt(_below(choice_bits, mask_replace_prob + random_replace_prob), unselected)
-    replacement = torch.remainder(random_bits, vocab_size - NUM_SPECIAL).add_(NUM_SPECIAL)
-    replacement.masked_fill_(_below(choice_bits, mask_replace_prob), MASK_ID)
-    corrupted = torch.where(changed, replacement, ids)
+    # c = bits mod 2**32: [0, t(pr)) -> random id, [t(pr), t(pr + pm)) -> [MASK], the rest
+    # unchanged. `a > b` on bools is `a & ~b` in one op.
+    low = bits & _LOW32
+    changed = torch.gt(low < _t32(change_prob), unselected)
+    if random_replace_prob > 0.0:
+        multiplier, shift = _random_id_scale(vocab_size - NUM_SPECIAL, _t32(random_replace_prob))
+        drawn = torch.mul(low, multiplier).bitwise_right_shift_(shift).add_(NUM_SPECIAL)
+        # `where` rather than `masked_fill`: the faster of the two on CPU (both branch).
+        replacement = torch.where(low < _t32(random_replace_prob), drawn, MASK_ID)
+        corrupted = torch.where(changed, replacement, ids)
+    else:
+        corrupted = ids.masked_fill(changed, MASK_ID)
     return corrupted, labels
 
 
@@ -298,31 +461,68 @@ class Masker(Protocol):
         ...
 
 
+def _as_word_starts(word_starts: Tensor | np.ndarray, vocab_size: int) -> Tensor:
+    """`word_starts` as a CPU bool tensor (vocab_size,).
+
+    Raises:
+        ValueError: it is not shaped (vocab_size,).
+    """
+    starts = torch.as_tensor(word_starts).to("cpu", torch.bool)
+    if starts.shape != (vocab_size,):
+        raise ValueError(
+            f"masking: word_starts has shape {tuple(starts.shape)}, expected ({vocab_size},)"
+        )
+    return starts
+
+
 class DynamicMasker:
     """Dynamic masking (RoBERTa, Liu et al. 2019, §4.1): a fresh mask per epoch, keyed.
 
     Stateless apart from the seed: the mask of a row is a pure function of
-    (seed, epoch, row index), so a resume reproduces it without any RNG state.
+    (seed, epoch, row index, row ids), so a resume reproduces it without any RNG state.
 
     Args:
-        cfg: masking probabilities.
+        cfg: masking probabilities, `selection` and `whole_word`.
         vocab_size: number of ids, the special tokens included.
         seed: masking seed.
+        word_starts: bool (vocab_size,) tensor or array, True where an id begins a word
+            (`Tokenizer.word_starts()`); required when `cfg.whole_word`, ignored otherwise.
 
     Raises:
-        ValueError: `vocab_size <= NUM_SPECIAL`.
+        ValueError: `vocab_size <= NUM_SPECIAL`, `cfg.whole_word` without `word_starts`, or
+            `word_starts` not shaped (vocab_size,).
     """
 
     mode = "dynamic"
 
-    def __init__(self, cfg: MaskingConfig, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, cfg: MaskingConfig, vocab_size: int, seed: int,
+        word_starts: Tensor | np.ndarray | None = None,
+    ) -> None:
         if vocab_size <= NUM_SPECIAL:
             raise ValueError(
                 f"masking: vocab_size {vocab_size} must exceed NUM_SPECIAL={NUM_SPECIAL}"
             )
+        if cfg.whole_word and word_starts is None:
+            raise ValueError(
+                "masking: masking.whole_word is set but no word_starts were given "
+                "(pass Tokenizer.word_starts())"
+            )
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.seed = seed
+        self._word_starts: dict[torch.device, Tensor] = {}
+        if cfg.whole_word:
+            starts = _as_word_starts(word_starts, vocab_size)
+            self._word_starts[starts.device] = starts
+
+    def _starts_on(self, device: torch.device) -> Tensor | None:
+        """The word starts on `device` (copied once per device), or None for tokens."""
+        if not self._word_starts:
+            return None
+        if device not in self._word_starts:
+            self._word_starts[device] = next(iter(self._word_starts.values())).to(device)
+        return self._word_starts[device]
 
     def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
         """Corrupt a batch; see `mask_tokens` for shapes, dtypes and errors.
@@ -344,23 +544,30 @@ class DynamicMasker:
             mlm_probability=self.cfg.mlm_probability,
             mask_replace_prob=self.cfg.mask_replace_prob,
             random_replace_prob=self.cfg.random_replace_prob,
+            selection=self.cfg.selection,
+            word_starts=self._starts_on(input_ids.device),
         )
 
     def state_dict(self) -> dict:
-        """Return `{"mode", "seed", "vocab_size"}` (plain Python values)."""
-        return {"mode": self.mode, "seed": self.seed, "vocab_size": self.vocab_size}
+        """Return `{"mode", "seed", "vocab_size", "selection", "whole_word", "algorithm"}`
+        (plain Python values)."""
+        return {"mode": self.mode, "seed": self.seed, "vocab_size": self.vocab_size,
+                "selection": self.cfg.selection, "whole_word": self.cfg.whole_word,
+                "algorithm": MASKING_ALGORITHM}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the seed.
 
         Raises:
-            ValueError: the state comes from another masking mode or vocabulary size.
+            ValueError: the state comes from another masking mode, vocabulary size,
+                selection, whole-word setting or masking algorithm version.
         """
-        if state.get("mode") != self.mode or state.get("vocab_size") != self.vocab_size:
+        mine = self.state_dict()
+        differ = {k: state.get(k) for k in mine if k != "seed" and state.get(k) != mine[k]}
+        if differ:
             raise ValueError(
-                f"masking: checkpoint state mode={state.get('mode')!r} "
-                f"vocab_size={state.get('vocab_size')!r} does not match "
-                f"mode={self.mode!r} vocab_size={self.vocab_size}"
+                f"masking: checkpoint masking state {differ} does not match this run's "
+                f"{ {k: mine[k] for k in differ} }"
             )
         self.seed = int(state["seed"])
 
@@ -410,15 +617,18 @@ class PrecomputedMasker:
         return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
     def state_dict(self) -> dict:
-        """Return `{"mode", "seed", "vocab_size", "dupe_factor"}` (plain Python values)."""
+        """Return `{"mode", "seed", "vocab_size", "dupe_factor", "selection",
+        "whole_word"}` (plain Python values)."""
         return {"mode": self.mode, "seed": self.seed, "vocab_size": self.vocab_size,
-                "dupe_factor": self.source.dupe_factor}
+                "dupe_factor": self.source.dupe_factor, "selection": self.cfg.selection,
+                "whole_word": self.cfg.whole_word}
 
     def load_state_dict(self, state: dict) -> None:
         """Check that a checkpoint's masking matches these copies (nothing else to restore).
 
         Raises:
-            ValueError: the state comes from another mode, vocabulary, seed or dupe_factor.
+            ValueError: the state comes from another mode, vocabulary, seed, dupe_factor,
+                selection or whole-word setting.
         """
         if state != self.state_dict():
             raise ValueError(
@@ -427,7 +637,8 @@ class PrecomputedMasker:
 
 
 def build_masker(
-    cfg: MaskingConfig, vocab_size: int, seed: int, shards: ShardManifest | None = None
+    cfg: MaskingConfig, vocab_size: int, seed: int, shards: ShardManifest | None = None,
+    word_starts: Tensor | np.ndarray | None = None,
 ) -> Masker:
     """Build the masker selected by `cfg.mode` (the single dispatch point, STYLE rule 6).
 
@@ -436,17 +647,21 @@ def build_masker(
         vocab_size: number of ids, the special tokens included.
         seed: masking seed (usually `TrainConfig.seed`).
         shards: the training shards; required by `precomputed` mode, whose copies they hold.
+        word_starts: bool (vocab_size,), True where an id begins a word
+            (`Tokenizer.word_starts()`); required by `dynamic` mode with `cfg.whole_word`
+            (precomputed copies already hold their whole-word masks), ignored otherwise.
 
     Returns:
         A `Masker`.
 
     Raises:
-        ValueError: unknown `cfg.mode`, `vocab_size <= NUM_SPECIAL`, or in `precomputed`
-            mode: no `shards`, shards without masked copies, or copies written with another
-            masking config or seed than `cfg` and `seed`.
+        ValueError: unknown `cfg.mode`, `vocab_size <= NUM_SPECIAL`, in `dynamic` mode
+            `cfg.whole_word` without `word_starts`, or in `precomputed` mode: no `shards`,
+            shards without masked copies, or copies written with another masking config
+            or seed than `cfg` and `seed`.
     """
     if cfg.mode == "dynamic":
-        return DynamicMasker(cfg, vocab_size, seed)
+        return DynamicMasker(cfg, vocab_size, seed, word_starts if cfg.whole_word else None)
     if cfg.mode == "precomputed":
         if shards is None:
             raise ValueError("masking: precomputed mode needs the shard manifest")

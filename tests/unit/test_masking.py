@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -40,28 +42,64 @@ def to_int64(z: int) -> int:
     return as_signed(z & M64)
 
 
-def ref_mask_row(ids, row, *, seed, epoch, vocab_size, p, pm, pr):
+def ref_t(q: float) -> int:
+    """t(q) = floor(q * 2**32); exact for a float64 q (power-of-two scaling)."""
+    return math.floor(q * 2**32)
+
+
+def ref_words(ids, word_starts):
+    """Maskable positions grouped into selection units: single tokens when `word_starts` is
+    None, else whole words (a word begins at position 0, after a non-maskable position, or
+    at an id flagged in `word_starts`)."""
+    units = []
+    for pos, tok in enumerate(ids):
+        if tok < 5:
+            continue
+        if word_starts is None or pos == 0 or ids[pos - 1] < 5 or word_starts[tok]:
+            units.append([pos])
+        else:
+            units[-1].append(pos)
+    return units
+
+
+def ref_exact_k(n: int, p: float) -> int:
+    return math.floor(p * n + 0.5)
+
+
+def ref_mask_row(ids, row, *, seed, epoch, vocab_size, p, pm, pr, selection="bernoulli",
+                 word_starts=None):
+    """The documented algorithm for one row, one position at a time, on Python ints."""
     key = ref_mix64(ref_mix64(seed) + (epoch + 1) * GOLDEN)
-
-    def draw(pos, stream):
-        return as_signed(ref_mix64(key + ((row << 22) | (pos << 2) | stream) * GOLDEN))
-
-    def below(u, q):
-        return True if q >= 1 else u < -(1 << 63) + int(q * 2**64)
-
+    bits = [ref_mix64(key + ((row << 20) | pos) * GOLDEN) for pos in range(len(ids))]
+    high = [as_signed(b) >> 32 for b in bits]  # floor(s(bits) / 2**32): Python >> floors
+    low = [b % 2**32 for b in bits]
+    units = ref_words(ids, word_starts)
+    if selection == "bernoulli":
+        chosen = [u for u in units if high[u[0]] < -(2**31) + ref_t(p)]
+    else:
+        k = ref_exact_k(sum(tok >= 5 for tok in ids), p)
+        chosen, total = [], 0
+        for unit in sorted(units, key=lambda u: (high[u[0]], u[0])):
+            if total + len(unit) > k:
+                break
+            chosen.append(unit)
+            total += len(unit)
+    selected = {pos for unit in chosen for pos in unit}
+    m, t_random, t_change = vocab_size - 5, ref_t(pr), ref_t(pr + pm)
+    shift = 63 - m.bit_length()
+    multiplier = (m << shift) // t_random if t_random else 0
     out, labels = [], []
     for pos, tok in enumerate(ids):
-        if tok >= 5 and below(draw(pos, 0), p):
-            labels.append(tok)
-            u = draw(pos, 1)
-            if below(u, pm):
-                out.append(MASK)
-            elif below(u, pm + pr):
-                out.append(5 + draw(pos, 2) % (vocab_size - 5))  # Python % is floored
-            else:
-                out.append(tok)
-        else:
+        if pos not in selected:
+            out.append(tok)
             labels.append(-100)
+            continue
+        labels.append(tok)
+        if low[pos] < t_random:
+            out.append(5 + (low[pos] * multiplier >> shift))
+        elif low[pos] < t_change:
+            out.append(MASK)
+        else:
             out.append(tok)
     return out, labels
 
@@ -136,6 +174,22 @@ def test_mask_tokens_matches_reference_algorithm():
         )
         assert corrupted[b].tolist() == ref_out
         assert labels[b].tolist() == ref_labels
+
+
+@pytest.mark.parametrize("m", [1, 95, 31995, 249995])
+@pytest.mark.parametrize("pr", [0.01, 0.1, 0.5, 0.999999, 1.0])
+def test_random_id_formula_is_nearly_uniform(m, pr):
+    # The documented random id floor(c * M / 2**S) over the t values of c in the random
+    # bucket: id j comes from c in [ceil(j 2**S / M), ceil((j + 1) 2**S / M)) cut at t.
+    # Each count must be t / m within the documented relative m / t + 2**(32 - S).
+    t = ref_t(pr)
+    shift = 63 - m.bit_length()
+    multiplier = (m << shift) // t
+    first_c = [min(t, -(-(j << shift) // multiplier)) for j in range(m + 1)]
+    counts = [b - a for a, b in zip(first_c, first_c[1:])]
+    assert sum(counts) == t  # every c of the bucket lands in [0, m)
+    bound = m / t + 2.0 ** (32 - shift)
+    assert max(abs(n * m / t - 1) for n in counts) <= bound
 
 
 # --- Statistics (Devlin et al. 2019, §3.1)
@@ -275,11 +329,16 @@ def test_special_tokens_mask():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("selection", ["bernoulli", "exact_k"])
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_cuda_matches_cpu(selection, whole_word):
     ids = make_rows(512, 128, 8000)
     rows = torch.arange(10**9, 10**9 + 512)
-    a = mask_tokens(ids, vocab_size=8000, row_index=rows, seed=5, epoch=9)
-    b = mask_tokens(ids.cuda(), vocab_size=8000, row_index=rows.cuda(), seed=5, epoch=9)
+    starts = torch.rand(8000, generator=torch.Generator().manual_seed(0)) < 0.5
+    kw = dict(vocab_size=8000, seed=5, epoch=9, selection=selection)
+    a = mask_tokens(ids, row_index=rows, word_starts=starts if whole_word else None, **kw)
+    b = mask_tokens(ids.cuda(), row_index=rows.cuda(),
+                    word_starts=starts.cuda() if whole_word else None, **kw)
     assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
 
 
