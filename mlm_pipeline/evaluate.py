@@ -5,7 +5,10 @@ Masks come from the same keyed masking function as training, keyed by
 eval batch size sees the same masked positions and the same corrupted inputs, so two runs
 are compared on identical predictions. Metrics are token-weighted: sums over all masked
 tokens divided once by their count, never a mean of per-batch means (so they do not
-depend on how masked tokens fall into batches).
+depend on how masked tokens fall into batches). Evaluation masks with the training run's
+selection (`masking.selection`, `masking.whole_word`) at its `mlm_probability`, so it
+measures the task the model was trained on, and runs the model with document attention
+when `train.document_attention` is set.
 
 Besides the model's metrics, `eval/baseline_accuracy` is the accuracy of always predicting
 the most frequent ordinary token of the training split, on the same positions: a model
@@ -38,6 +41,7 @@ from mlm_pipeline.masking import mask_tokens
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import ShardDataset
+from mlm_pipeline.train.model import document_ids_from_sep
 from mlm_pipeline.train.perf import resolve_device, resolve_precision
 
 logger = logging.getLogger(__name__)
@@ -58,12 +62,15 @@ def masked_lm_metrics(
     baseline_token: int | None = None,
     device: torch.device | str = "cpu",
     precision: str = "fp32",
+    selection: str = "bernoulli",
+    word_starts: torch.Tensor | None = None,
+    document_attention: bool = False,
 ) -> dict[str, float]:
     """Token-weighted masked-LM metrics over the first `max_rows` rows of `dataset`.
 
     Args:
-        model: a `BertMLM` (its `forward(input_ids, labels=...)` returns logits (N, V) at the
-            N masked positions, in row-major order).
+        model: a `BertMLM` (its `forward(input_ids, labels=..., document_ids=...)` returns
+            logits (N, V) at the N masked positions, in row-major order).
         dataset: validation rows, (rows, seq_len).
         vocab_size: V, the real vocabulary size.
         seed: masking key; positions depend on (seed, row index) only.
@@ -72,6 +79,11 @@ def masked_lm_metrics(
         max_rows: evaluate on rows [0, max_rows); None for all.
         baseline_token: id whose constant prediction gives `eval/baseline_accuracy`.
         device, precision: where and how to run the model (`bf16` autocast or `fp32`).
+        selection: `bernoulli` or `exact_k` position selection (see `mask_tokens`).
+        word_starts: bool (V,), True where a piece begins a word: whole-word selection;
+            None selects tokens.
+        document_attention: run the model with `document_ids` from the [SEP] tokens of
+            the unmasked rows (tokens attend within their document only).
 
     Returns:
         `eval/loss` (mean cross-entropy, nats per masked token), `eval/mlm_accuracy`,
@@ -92,8 +104,9 @@ def masked_lm_metrics(
     loss_sum, correct, baseline_hits, masked = 0.0, 0, 0, 0
     for start in range(0, rows, batch_size):
         index = torch.arange(start, min(start + batch_size, rows), dtype=torch.long)
+        original = dataset.get(index.numpy())
         input_ids, labels = mask_tokens(
-            dataset.get(index.numpy()),
+            original,
             vocab_size=vocab_size,
             row_index=index,
             seed=seed,
@@ -101,13 +114,16 @@ def masked_lm_metrics(
             mlm_probability=mlm_probability,
             mask_replace_prob=mask_replace_prob,
             random_replace_prob=random_replace_prob,
+            selection=selection,
+            word_starts=word_starts,
         )
         input_ids, labels = input_ids.to(device), labels.to(device)
         targets = labels[labels != -100]
         if targets.numel() == 0:
             continue
+        document_ids = document_ids_from_sep(original).to(device) if document_attention else None
         with autocast:
-            logits = model(input_ids, labels=labels).logits
+            logits = model(input_ids, labels=labels, document_ids=document_ids).logits
         logits = logits.float()
         loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
         correct += (logits.argmax(dim=-1) == targets).sum().item()
@@ -205,7 +221,8 @@ def evaluate(
     """Evaluate a trained checkpoint on the validation split and run the fill-mask probes.
 
     Args:
-        cfg: pipeline config (`eval`, `masking`, `train.device`, `train.precision` are used).
+        cfg: pipeline config (`eval`, `masking`, `train.device`, `train.precision`,
+            `train.document_attention` are used).
         trained: the training run to evaluate (its final checkpoint).
         shards: the shards it was trained on (validation rows are evaluated).
         tokenizer: its tokenizer (for the probes).
@@ -220,7 +237,9 @@ def evaluate(
     watch = Stopwatch()
     digest = compute_digest(
         "evaluate",
-        {"eval": cfg.eval, "masking": cfg.masking},
+        # The key is added only when set, so digests of earlier evaluations still match.
+        {"eval": cfg.eval, "masking": cfg.masking,
+         **({"document_attention": True} if cfg.train.document_attention else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
     out = stage_dir(work_dir, "evaluate", digest)
@@ -229,6 +248,8 @@ def evaluate(
     precision = resolve_precision(cfg.train.precision, device)
     model = load_model(trained.file(trained.checkpoint_dir), device)
     mc = cfg.masking
+    tok = Tokenizer.load(tokenizer)
+    word_starts = torch.from_numpy(tok.word_starts()) if mc.whole_word else None
     metrics = masked_lm_metrics(
         model,
         ShardDataset(shards, "validation"),
@@ -242,8 +263,11 @@ def evaluate(
         baseline_token=most_frequent_token(shards),
         device=device,
         precision=precision,
+        selection=mc.selection,
+        word_starts=word_starts,
+        document_attention=cfg.train.document_attention,
     )
-    probes = _run_probes(model, Tokenizer.load(tokenizer), cfg, shards.seq_len, device)
+    probes = _run_probes(model, tok, cfg, shards.seq_len, device)
     for probe in probes:
         if "error" in probe:
             logger.warning("fill-mask probe skipped: %s", probe["error"])
@@ -261,7 +285,8 @@ def evaluate(
         digest=digest,
         output_dir=str(out),
         config={"eval": cfg.eval.model_dump(mode="json"),
-                "masking": mc.model_dump(mode="json")},
+                "masking": mc.model_dump(mode="json"),
+                "document_attention": cfg.train.document_attention},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,

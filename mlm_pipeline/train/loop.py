@@ -6,7 +6,14 @@ resumes from the newest checkpoint in its output directory if there is one, and 
 `train.log_every` steps it hands one metrics dict to the sink it was given (the loop never
 talks to MLflow itself): `train/loss` (masked-token-weighted mean over the interval),
 `train/lr`, `train/grad_norm`, `train/tokens_per_s`, `train/mfu_pct`, `train/epoch`,
-`train/tokens_seen` and, on CUDA, `memory/max_reserved_gib`.
+`train/tokens_seen`, `train/memory_mb` (peak, see `perf.peak_memory_mb`) and, on CUDA,
+`memory/max_reserved_gib`.
+
+The loop applies what the plain model leaves out (STYLE rule 4): bf16 autocast
+(`train.precision`), `torch.compile` (`train.compile`; checkpoints hold the uncompiled
+module's weights), whole-word masking (`masking.whole_word`, word starts from the
+tokenizer) and document attention (`train.document_attention`, document ids from the
+[SEP] tokens of the unmasked rows).
 
 Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
 so a step over k micro-batches computes the same gradient as one batch k times larger.
@@ -33,30 +40,54 @@ from mlm_pipeline.manifest import (
     compute_digest,
     write_manifest,
 )
-from mlm_pipeline.masking import build_masker
+from mlm_pipeline.masking import Masker, build_masker
+from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.tracking import JsonlSink, MetricsSink
 from mlm_pipeline.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mlm_pipeline.train.data import RowCursor, ShardDataset
-from mlm_pipeline.train.model import BertMLM
-from mlm_pipeline.train.perf import peak_flops, resolve_device, resolve_precision
+from mlm_pipeline.train.model import BertMLM, document_ids_from_sep
+from mlm_pipeline.train.perf import (
+    adamw_impl,
+    compile_model,
+    peak_flops,
+    peak_memory_mb,
+    resolve_compile,
+    resolve_device,
+    resolve_precision,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def lr_multiplier(
-    step: int, *, warmup_steps: int, max_steps: int, decay: str, min_lr_ratio: float
+    step: int, *, warmup_steps: int, max_steps: int, decay: str, min_lr_ratio: float,
+    decay_fraction: float = 0.2,
 ) -> float:
     """Learning-rate factor for the optimizer step that follows `step` completed steps.
 
     Linear warm-up from `1 / warmup_steps` to 1 over `warmup_steps` steps (Goyal et al.
-    2017; BERT uses 10k warm-up steps, Devlin et al. 2019 appendix A.2), then a linear or
-    cosine (Loshchilov & Hutter 2017) decay to `min_lr_ratio` at `max_steps`.
+    2017; BERT uses 10k warm-up steps, Devlin et al. 2019 appendix A.2), then a decay to
+    `min_lr_ratio` at `max_steps`:
+
+    - `linear` and `cosine` (Loshchilov & Hutter 2017) span all steps after warm-up;
+    - `wsd`, warmup-stable-decay (Hu et al. 2024, MiniCPM, §4): the factor stays 1 until
+      `max_steps - D`, D = round(`decay_fraction` * `max_steps`) (at least 1), then falls
+      linearly to `min_lr_ratio` at `max_steps` (a decay overlapping the warm-up starts
+      where the warm-up ends).
 
     Raises:
-        ValueError: for an unknown `decay`.
+        ValueError: for an unknown `decay`, or `decay_fraction` outside (0, 1] with `wsd`.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if decay == "wsd":
+        if not 0.0 < decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction {decay_fraction!r} must be in (0, 1]")
+        decay_start = max(warmup_steps, max_steps - max(1, round(decay_fraction * max_steps)))
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
     span = max(1, max_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     if decay == "linear":
@@ -70,31 +101,43 @@ def lr_multiplier(
 
 def accumulate_gradients(
     model: torch.nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[tuple[torch.Tensor, ...]],
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward every micro-batch, each weighted by its share of the step's
     masked tokens, so the accumulated gradient is that of one batch holding them all.
 
     Args:
-        model: a `BertMLM`; its loss is the mean cross-entropy over a micro-batch's
-            masked tokens.
-        micro_batches: `(input_ids, labels)` pairs, int64 (b, L) each.
+        model: a `BertMLM` (or its compiled wrapper); its loss is the mean cross-entropy
+            over a micro-batch's masked tokens.
+        micro_batches: `(input_ids, labels)` pairs, int64 (b, L) each, or
+            `(input_ids, labels, document_ids)` triples (document ids int32 (b, L), passed
+            as the model's `document_ids`).
         autocast: context entered around each forward pass.
 
     Returns:
         (sum of per-token losses, number of masked tokens) over all micro-batches, as
         0-dim tensors on the model's device (no host sync).
     """
-    total = sum((labels != -100).sum() for _, labels in micro_batches)
+    total = sum((batch[1] != -100).sum() for batch in micro_batches)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for input_ids, labels in micro_batches:
+    for input_ids, labels, *rest in micro_batches:
         with autocast:
-            output = model(input_ids, labels=labels)
+            output = model(input_ids, labels=labels, document_ids=rest[0] if rest else None)
         # mean_i * n_i / n_total summed over micro-batches = the mean over all n_total tokens.
         (output.loss * (output.num_masked / total.clamp(min=1))).backward()
         loss_sum += output.loss.detach().float() * output.num_masked
     return loss_sum, total
+
+
+def build_train_masker(cfg: PipelineConfig, shards: ShardManifest,
+                       tokenizer: TokenizerManifest, seed: int) -> Masker:
+    """`build_masker` for this run, with the tokenizer's word starts when
+    `masking.whole_word` is set (bool (V,), True where a piece begins a word)."""
+    if not cfg.masking.whole_word:
+        return build_masker(cfg.masking, shards.vocab_size, seed, shards)
+    word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
+    return build_masker(cfg.masking, shards.vocab_size, seed, shards, word_starts=word_starts)
 
 
 def _truncate_metrics_log(path: Path, step: int) -> None:
@@ -140,8 +183,10 @@ def train(
     Raises:
         ValueError: when the training split has fewer rows than one micro-batch, or with
             precomputed masking, the shards hold no copies made with this masking and seed.
-        RuntimeError: when CUDA or bf16 is requested but unavailable, or the loss becomes
-            non-finite (the step is named).
+        RuntimeError: when CUDA or bf16 is requested but unavailable, when
+            `train.compile=on` cannot compile (no C++ compiler on CPU, or the first
+            compiled step fails to build), or the loss becomes non-finite (the step is
+            named).
     """
     watch = Stopwatch()
     out = Path(out_dir).expanduser().resolve()
@@ -155,12 +200,19 @@ def train(
 
     dataset = ShardDataset(shards, "train")
     model = BertMLM(cfg.model, shards.vocab_size, shards.seq_len).to(device)
+    # Forward passes go through `forward_model`; checkpoints save `model`, whose
+    # state_dict keys carry no `_orig_mod.` prefix.
+    compiled = resolve_compile(tc.compile, device)
+    forward_model = compile_model(model, device) if compiled else model
+    # Inductor builds C++/Triton code at the first step; a missing or broken toolchain
+    # surfaces there, deep in a long traceback (empty tuple: nothing to catch).
+    compile_errors = (torch._dynamo.exc.BackendCompilerFailed,) if compiled else ()
     optimizer = torch.optim.AdamW(
         model.param_groups(tc.weight_decay),
         lr=tc.lr,
         betas=tc.betas,
         eps=tc.eps,
-        fused=device.type == "cuda",
+        **adamw_impl(device),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -170,10 +222,11 @@ def train(
             max_steps=tc.max_steps,
             decay=tc.decay,
             min_lr_ratio=tc.min_lr_ratio,
+            decay_fraction=tc.decay_fraction,
         ),
     )
     cursor = RowCursor(len(dataset), tc.micro_batch_size, tc.seed)
-    masker = build_masker(cfg.masking, shards.vocab_size, tc.seed, shards)
+    masker = build_train_masker(cfg, shards, tokenizer, tc.seed)
 
     ckpt_root = out / "checkpoints"
     step, tokens_seen = 0, 0
@@ -201,9 +254,10 @@ def train(
     tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * shards.seq_len
     clip = tc.grad_clip if tc.grad_clip is not None else float("inf")
     logger.info(
-        "training %s parameters on %s (%s): %d steps of %d tokens, %d training rows",
-        f"{model.num_parameters():,}", device, precision, tc.max_steps, tokens_per_step,
-        len(dataset),
+        "training %s parameters on %s (%s%s%s): %d steps of %d tokens, %d training rows",
+        f"{model.num_parameters():,}", device, precision, ", compiled" if compiled else "",
+        ", document attention" if tc.document_attention else "", tc.max_steps,
+        tokens_per_step, len(dataset),
     )
 
     def snapshot_state() -> dict[str, Any]:
@@ -232,8 +286,17 @@ def train(
             rows, epoch = cursor.next_batch()
             input_ids = dataset.get(rows).to(device, non_blocking=True)
             row_index = torch.from_numpy(rows).to(device)
-            micro.append(masker(input_ids, row_index, epoch))
-        step_loss_sum, step_masked = accumulate_gradients(model, micro, autocast)
+            masked = masker(input_ids, row_index, epoch)
+            if tc.document_attention:
+                masked = (*masked, document_ids_from_sep(input_ids))
+            micro.append(masked)
+        try:
+            step_loss_sum, step_masked = accumulate_gradients(forward_model, micro, autocast)
+        except compile_errors as exc:
+            raise RuntimeError(
+                f"train.compile={tc.compile}: torch.compile failed to build the model on "
+                f"{device.type} ({type(exc).__name__}); set train.compile: off"
+            ) from exc
         loss_sum += step_loss_sum
         masked_sum += step_masked
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -263,6 +326,7 @@ def train(
             }
             if peak:
                 last_metrics["train/mfu_pct"] = 100.0 * flops_per_token * tokens_per_s / peak
+            last_metrics["train/memory_mb"] = peak_memory_mb(device)
             if device.type == "cuda":
                 last_metrics["memory/max_reserved_gib"] = (
                     torch.cuda.max_memory_reserved(device) / 2**30

@@ -1,16 +1,27 @@
-"""Device selection, precision and peak FLOP/s for model-FLOPs utilization (MFU).
+"""Device selection, precision, compilation, peak FLOP/s (MFU) and peak memory.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the device (Chowdhery et al. 2022, PaLM,
 appendix B). The peak comes from a table of vendor figures for known GPUs (dense, no
 sparsity) and, on CPUs, from a short matmul measurement at the training dtype: CPU peaks
 depend on the core count, the vector units and the clock, so no constant would be right.
+
+Precision `auto` means bf16 autocast on CUDA devices with bf16 support and on CPUs with
+native bf16 instructions (x86 AVX-512 BF16 or AMX-BF16, read from `/proc/cpuinfo` on
+Linux), fp32 elsewhere: without native instructions bf16 matmuls are emulated and slower
+than fp32. Set `train.precision: fp32` in the config (or `--set train.precision=fp32`) to
+force fp32 on any machine.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import sys
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -48,19 +59,113 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+#: `/proc/cpuinfo` flags of native bf16 arithmetic (Linux kernel names): AVX-512 BF16
+#: (Cooper Lake and later, Zen 4) and AMX-BF16 (Sapphire Rapids and later).
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def native_bf16_from_flags(flags: Iterable[str], capability: str) -> bool:
+    """Whether a CPU with these `/proc/cpuinfo` flags runs bf16 natively under torch.
+
+    Args:
+        flags: the CPU's feature flags (`/proc/cpuinfo` `flags` line, split).
+        capability: `torch.backends.cpu.get_cpu_capability()`, e.g. `AVX512`, `AVX2`,
+            `DEFAULT`; torch's vectorized kernels only use the bf16 instructions from its
+            AVX-512 builds, so a lower capability (e.g. forced by `ATEN_CPU_CAPABILITY`)
+            counts as not native.
+
+    Returns:
+        True when a bf16 flag is present and the capability is an AVX-512 one.
+    """
+    return bool(CPU_BF16_FLAGS & set(flags)) and capability.upper().startswith("AVX512")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU has native bf16 instructions torch uses (cached).
+
+    Linux only (`/proc/cpuinfo`); macOS and other systems report False (fp32 is kept).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return native_bf16_from_flags(flags, torch.backends.cpu.get_cpu_capability())
+
+
 def resolve_precision(setting: str, device: torch.device) -> str:
-    """`auto` -> `bf16` autocast on CUDA devices that support it, `fp32` otherwise.
+    """`auto` -> `bf16` autocast on CUDA devices that support it and on CPUs with native
+    bf16 (`cpu_has_native_bf16`), `fp32` otherwise; an explicit setting is kept.
 
     Raises:
         RuntimeError: when `bf16` is requested on a CUDA device without bf16 support.
     """
     if setting == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return "bf16"
-        return "fp32"
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
     if setting == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RuntimeError("train.precision=bf16 but this GPU does not support bf16")
     return setting
+
+
+def resolve_compile(setting: str, device: torch.device) -> bool:
+    """`train.compile`: `auto` -> compile on CUDA only (on CPU, compiling takes tens of
+    seconds and needs a C++ compiler, which short CPU runs do not repay); `on`/`off` kept."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return setting == "on"
+
+
+def compile_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`torch.compile(model)` (inductor backend), after checking what it needs up front.
+
+    Compilation itself happens at the first forward pass; the loop turns a build failure
+    there into an error naming `train.compile`. The returned wrapper shares its parameters
+    with `model`; save `model`, whose state_dict keys have no `_orig_mod.` prefix.
+
+    Raises:
+        RuntimeError: on CPU when no C++ compiler is found (`$CXX`, `g++`, `clang++` or
+            `c++` on the PATH): inductor compiles generated C++ code.
+    """
+    if device.type == "cpu" and not (
+        os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
+    ):
+        raise RuntimeError(
+            "train.compile=on needs a C++ compiler on CPU (none of $CXX, g++, clang++, c++ "
+            "found): install one, or set train.compile: off"
+        )
+    return torch.compile(model)
+
+
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """AdamW keyword selecting its implementation: the fused kernel on CUDA and CPU.
+
+    On CPU (torch >= 2.4) the fused step was measured 4-8x faster than `foreach` for a
+    5.3M-parameter model on 2 cores (2.7 ms vs 10-22 ms per step), so it is used there too.
+    """
+    return {"fused": device.type in ("cuda", "cpu")}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB (2**20 bytes).
+
+    CUDA: `torch.cuda.max_memory_allocated` (tensors only). CPU: the peak resident set size
+    of the process (`getrusage` `ru_maxrss`: KiB on Linux, bytes on macOS), which includes
+    the Python interpreter and libraries.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource  # POSIX only; imported here so the module still loads elsewhere
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def gpu_peak_flops(name: str) -> float | None:

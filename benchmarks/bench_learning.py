@@ -1,0 +1,358 @@
+"""Learning per wall-clock second: ours against Hugging Face BERT and ModernBERT.
+
+    python benchmarks/bench_learning.py [--budget-s 300] [--threads 2] [--config tiny]
+                                        [--work DIR] [--eval-rows 1000] [--out FILE]
+
+Smoke test: `--budget-s 20`. Needs `transformers` (the `bench` extra).
+
+Data: the real French corpus of `configs/tiny.yaml`, run through our ingest, tokenizer and
+shard stages (`ingest`, `train_tokenizer`, `write_shards`, cached by digest under the
+config's `work_dir` or `--work`); every model trains on the same training rows of 128
+tokens and is evaluated on the same validation rows.
+
+Models, one shape (hidden 256, 4 layers, 4 heads, FFN 1024, vocab of the tokenizer,
+seq_len 128), micro-batch, peak lr, warm-up share, decay, grad clip and AdamW settings of
+the config, `--threads` torch threads, each for the same wall-clock budget:
+
+- `ours-bert`, `ours-modern`: our `train()` with `model.preset` `bert` / `modern` and the
+  config's masking recipe (tiny: mlm_probability 0.3, Bernoulli, 80/10/10).
+- `hf-bert`: `BertForMaskedLM` (SDPA, dropout 0.1, like our `bert` preset);
+  `hf-modernbert`: `ModernBertForMaskedLM` at our `modern` architecture (global attention
+  in every layer, rope theta 10,000, no dropout, `sparse_prediction=True`; the same
+  settings as `bench_train.py`). Both masked by `DataCollatorForLanguageModeling` at
+  mlm_probability 0.15 (the `run_mlm.py` recipe: rows as dicts with a precomputed
+  `special_tokens_mask`), trained by a plain loop: AdamW (no decay on biases and norms),
+  the same `lr_multiplier` schedule, clipping, bf16 autocast when ours uses it.
+
+Equal budget, complete schedules: each model first runs a few calibration steps; its
+step count is then `budget * measured steps/s` (warm-up the config's share of it), so every
+model ends its LR decay when its time is up; `--budget-s` is also a hard stop
+(`train.max_time_s` for ours). The time counts the training loop only (not model
+construction or calibration).
+
+Evaluation: one path for all four, `mlm_pipeline.evaluate.masked_lm_metrics` (fp32), on
+the first `--eval-rows` validation rows masked by `mask_tokens` with the config's
+`eval.seed` at mlm_probability 0.15 (80/10/10): the same positions and the same corrupted
+inputs for every model. Hugging Face models are wrapped to return logits at the masked
+positions. Reported per model: masked-token accuracy and loss, perplexity, steps, tokens
+seen, tokens/s, plus the most-frequent-token baseline. Timings are noisy when other jobs
+share the cores; rerun on a quiet machine for figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from mlm_pipeline.config import (
+    NUM_SPECIAL,
+    SPECIAL_TOKENS,
+    ModelConfig,
+    PipelineConfig,
+    TrainConfig,
+    load_config,
+)
+from mlm_pipeline.evaluate import masked_lm_metrics, most_frequent_token
+from mlm_pipeline.ingest import ingest
+from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
+from mlm_pipeline.shards import write_shards
+from mlm_pipeline.tokenizer import train_tokenizer
+from mlm_pipeline.train import train
+from mlm_pipeline.train.checkpoint import load_model
+from mlm_pipeline.train.data import RowCursor, ShardDataset
+from mlm_pipeline.train.loop import lr_multiplier
+from mlm_pipeline.train.perf import adamw_impl, resolve_precision
+
+SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
+MODELS = ("ours-bert", "ours-modern", "hf-bert", "hf-modernbert")
+HF_MLM_PROBABILITY = 0.15
+EVAL_MLM_PROBABILITY = 0.15
+CALIBRATION_STEPS = 8  # the first half warms up (allocator, caches); the second is timed
+
+
+class Result(NamedTuple):
+    """One trained model: where it is and what its training did."""
+
+    model: torch.nn.Module
+    steps: int
+    tokens_seen: int
+    train_s: float
+    stopped_early: bool
+
+
+# ----------------------------------------------------------------------------- data
+def prepare_data(cfg: PipelineConfig) -> tuple[TokenizerManifest, ShardManifest]:
+    """Our ingest, tokenizer and shard stages on the config's corpus (cached by digest)."""
+    corpus = ingest(cfg.ingest, cfg.work_dir)
+    tok = train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
+    shards = write_shards(cfg.shards, corpus, tok, cfg.work_dir)
+    return tok, shards
+
+
+def schedule(cfg: PipelineConfig, steps: int) -> dict[str, Any]:
+    """`lr_multiplier` keywords for a run of `steps` steps, warm-up the config's share."""
+    tc = cfg.train
+    warmup = max(1, round(steps * tc.warmup_steps / tc.max_steps))
+    return dict(warmup_steps=min(warmup, steps), max_steps=steps, decay=tc.decay,
+                min_lr_ratio=tc.min_lr_ratio, decay_fraction=tc.decay_fraction)
+
+
+# ----------------------------------------------------------------------------- ours
+def ours_config(cfg: PipelineConfig, preset: str, steps: int, budget_s: float, threads: int,
+                precision: str) -> PipelineConfig:
+    """The config with our `preset` at the benchmark shape and a `steps`-step schedule."""
+    sched = schedule(cfg, steps)
+    train_cfg = TrainConfig(**{
+        **cfg.train.model_dump(),
+        "max_steps": steps, "warmup_steps": sched["warmup_steps"], "max_time_s": budget_s,
+        "num_threads": threads, "precision": precision, "device": "cpu",
+        "checkpoint_every": None, "log_every": max(1, min(cfg.train.log_every, steps // 2)),
+    })
+    model_cfg = ModelConfig(preset=preset, **SHAPE)
+    return cfg.model_copy(update={"train": train_cfg, "model": model_cfg})
+
+
+def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: ShardManifest,
+             budget_s: float, threads: int, precision: str, work: Path) -> Result:
+    """Calibrate, then train with our `train()` for `budget_s` seconds."""
+    calib = ours_config(cfg, preset, CALIBRATION_STEPS, budget_s, threads, precision)
+    calib = calib.model_copy(update={"train": calib.train.model_copy(
+        update={"log_every": CALIBRATION_STEPS // 2})})
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        m = train(calib, shards, tok, Path(tmp) / "calibration")
+        lines = m.file(m.metrics_log).read_text().splitlines()
+        tokens_per_s = json.loads(lines[-1])["train/tokens_per_s"]
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * shards.seq_len
+    steps = max(2, int(budget_s * tokens_per_s / tokens_per_step))
+    run_cfg = ours_config(cfg, preset, steps, budget_s, threads, precision)
+    out = work / f"ours-{preset}-{int(time.time())}"
+    m = train(run_cfg, shards, tok, out)
+    # Loop time from the logged intervals (steps * tokens per step / tokens/s), leaving
+    # out model construction and the final checkpoint, like the Hugging Face loop's clock.
+    loop_s, last_step = 0.0, 0
+    for line in m.file(m.metrics_log).read_text().splitlines():
+        record = json.loads(line)
+        loop_s += (record["step"] - last_step) * tokens_per_step / record["train/tokens_per_s"]
+        last_step = record["step"]
+    return Result(load_model(m.file(m.checkpoint_dir)), m.steps, m.tokens_seen, loop_s,
+                  m.stopped_early)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+def hf_tokenizer(tok: TokenizerManifest):
+    """A `PreTrainedTokenizerFast` over our SentencePiece vocabulary (same ids), which
+    `DataCollatorForLanguageModeling` asks for [MASK], [PAD], special ids and the size."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = []
+    for line in tok.file(tok.vocab.path).read_text(encoding="utf-8").splitlines():
+        piece, score = line.rsplit("\t", 1)
+        vocab.append((piece, float(score)))
+    names = {i: name for name, i in SPECIAL_TOKENS.items()}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=HFTokenizer(models.Unigram(vocab, unk_id=SPECIAL_TOKENS["[UNK]"])),
+        pad_token=names[0], unk_token=names[1], cls_token=names[2], sep_token=names[3],
+        mask_token=names[4],
+    )
+
+
+def hf_model(kind: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    """`BertForMaskedLM` or `ModernBertForMaskedLM` at the benchmark shape."""
+    common = dict(vocab_size=vocab_size, hidden_size=SHAPE["hidden_size"],
+                  num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_heads"],
+                  intermediate_size=SHAPE["intermediate_size"], max_position_embeddings=seq_len,
+                  pad_token_id=0, attn_implementation="sdpa")
+    if kind == "hf-bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        return BertForMaskedLM(BertConfig(**common))
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    return ModernBertForMaskedLM(ModernBertConfig(
+        **common, layer_types=["full_attention"] * SHAPE["num_layers"],
+        global_rope_theta=10000.0, bos_token_id=2, cls_token_id=2, eos_token_id=3,
+        sep_token_id=3, embedding_dropout=0.0, attention_dropout=0.0, mlp_dropout=0.0,
+        sparse_prediction=True,
+    ))
+
+
+def hf_train(kind: str, cfg: PipelineConfig, dataset: ShardDataset, collator, steps: int,
+             max_time_s: float, precision: str) -> tuple[torch.nn.Module, int, float, list[float]]:
+    """A plain loop: collator masking, AdamW, our LR schedule, clipping.
+
+    Returns:
+        (model, steps done, training seconds, per-step seconds).
+    """
+    tc = cfg.train
+    torch.manual_seed(tc.seed)
+    model = hf_model(kind, len(collator.tokenizer), dataset.seq_len).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr, betas=tc.betas, eps=tc.eps, **adamw_impl(torch.device("cpu")))
+    sched_kw = schedule(cfg, steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, **sched_kw))
+    cursor = RowCursor(len(dataset), tc.micro_batch_size, tc.seed)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
+    clip = tc.grad_clip if tc.grad_clip is not None else float("inf")
+    step_times: list[float] = []
+    start = time.perf_counter()
+    step = 0
+    while step < steps and time.perf_counter() - start < max_time_s:
+        t0 = time.perf_counter()
+        rows, _ = cursor.next_batch()
+        ids = dataset.get(rows)
+        # run_mlm.py's rows: lists of ids with a precomputed special_tokens_mask.
+        examples = [{"input_ids": r, "attention_mask": [1] * len(r),
+                     "special_tokens_mask": [int(i < NUM_SPECIAL) for i in r]}
+                    for r in ids.tolist()]
+        batch = collator(examples)
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        step_times.append(time.perf_counter() - t0)
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"{kind}: loss became {loss.item()} at step {step}")
+    return model, step, time.perf_counter() - start, step_times
+
+
+def run_hf(kind: str, cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
+           budget_s: float, precision: str) -> Result:
+    """Calibrate, then train a Hugging Face model for `budget_s` seconds."""
+    from transformers import DataCollatorForLanguageModeling
+
+    collator = DataCollatorForLanguageModeling(
+        tokenizer=hf_tokenizer(tok), mlm_probability=HF_MLM_PROBABILITY, seed=cfg.train.seed)
+    dataset = ShardDataset(shards, "train")
+    _, _, _, times = hf_train(kind, cfg, dataset, collator, CALIBRATION_STEPS, budget_s,
+                              precision)
+    step_s = float(np.mean(times[CALIBRATION_STEPS // 2:]))
+    steps = max(2, int(budget_s / step_s))
+    model, done, seconds, _ = hf_train(kind, cfg, dataset, collator, steps, budget_s, precision)
+    tokens = done * cfg.train.micro_batch_size * shards.seq_len
+    return Result(HFLogitsAtLabels(model), done, tokens, seconds, done < steps)
+
+
+class HFLogitsAtLabels(torch.nn.Module):
+    """A Hugging Face MLM seen through `BertMLM`'s interface for `masked_lm_metrics`:
+    `forward(input_ids, labels=...)` returns an object whose `logits` are (N, V) at the
+    positions where `labels != -100`, in row-major order."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        """(B, L) int64 ids -> logits (N, V) at labelled positions, or (B, L, V).
+
+        Raises:
+            ValueError: when `document_ids` is given (not supported by these models here).
+        """
+        if document_ids is not None:
+            raise ValueError("document attention is not wired for Hugging Face models")
+        logits = self.model(input_ids=input_ids,
+                            attention_mask=torch.ones_like(input_ids)).logits
+        return _Logits(logits if labels is None else logits[labels != -100])
+
+
+class _Logits(NamedTuple):
+    logits: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; prints a table and writes JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--work", default=None, help="work_dir (default: the config's)")
+    parser.add_argument("--eval-rows", type=int, default=1000)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--out", default=None,
+                        help="JSON results (default: WORK/bench_learning/bench_learning.json)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    overrides = [f"work_dir={args.work}"] if args.work else []
+    cfg = load_config(args.config, overrides)
+    work = Path(cfg.work_dir).expanduser().resolve() / "bench_learning"
+    work.mkdir(parents=True, exist_ok=True)
+    precision = resolve_precision(args.precision, torch.device("cpu"))
+    t0 = time.perf_counter()
+    tok, shards = prepare_data(cfg)
+    print(f"data: {shards.train.rows:,} train rows, {shards.validation.rows:,} validation "
+          f"rows of {shards.seq_len} tokens, vocab {shards.vocab_size:,} "
+          f"({time.perf_counter() - t0:.0f} s); precision {precision}, {args.threads} threads, "
+          f"budget {args.budget_s:g} s per model", flush=True)
+
+    validation = ShardDataset(shards, "validation")
+    eval_kw = dict(vocab_size=shards.vocab_size, seed=cfg.eval.seed,
+                   mlm_probability=EVAL_MLM_PROBABILITY, mask_replace_prob=0.8,
+                   random_replace_prob=0.1, batch_size=cfg.eval.batch_size,
+                   max_rows=args.eval_rows, baseline_token=most_frequent_token(shards))
+    results: dict[str, dict[str, float]] = {}
+    for name in args.models.split(","):
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        if name.startswith("ours-"):
+            r = run_ours(cfg, name.removeprefix("ours-"), tok, shards, args.budget_s,
+                         args.threads, precision, work)
+        else:
+            r = run_hf(name, cfg, tok, shards, args.budget_s, precision)
+        metrics = masked_lm_metrics(r.model, validation, **eval_kw)
+        results[name] = {
+            "eval/mlm_accuracy": metrics["eval/mlm_accuracy"],
+            "eval/loss": metrics["eval/loss"],
+            "eval/perplexity": metrics["eval/perplexity"],
+            "eval/baseline_accuracy": metrics["eval/baseline_accuracy"],
+            "eval/masked_tokens": metrics["eval/masked_tokens"],
+            "steps": r.steps, "tokens_seen": r.tokens_seen, "train_s": r.train_s,
+            "tokens_per_s": r.tokens_seen / max(r.train_s, 1e-9),
+            "stopped_early": r.stopped_early,
+            "parameters": sum(p.numel() for p in r.model.parameters()),
+        }
+        print(f"{name}: accuracy {metrics['eval/mlm_accuracy']:.4f}, loss "
+              f"{metrics['eval/loss']:.4f}, {r.steps} steps, {r.tokens_seen:,} tokens in "
+              f"{r.train_s:.0f} s", flush=True)
+        del r
+
+    print("\n| model | mlm accuracy | loss | steps | tokens seen | tokens/s | params |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, m in results.items():
+        print(f"| {name} | {m['eval/mlm_accuracy']:.4f} | {m['eval/loss']:.4f} | {m['steps']} "
+              f"| {m['tokens_seen']:,} | {m['tokens_per_s']:,.0f} | {m['parameters']:,} |")
+    first = next(iter(results.values()))
+    print(f"most-frequent-token baseline accuracy {first['eval/baseline_accuracy']:.4f} on "
+          f"{int(first['eval/masked_tokens']):,} masked tokens")
+    out = Path(args.out) if args.out else work / "bench_learning.json"
+    out.write_text(json.dumps({"budget_s": args.budget_s, "threads": args.threads,
+                               "precision": precision, "results": results}, indent=2) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
