@@ -40,7 +40,7 @@ from mlm_pipeline.manifest import (
     compute_digest,
     write_manifest,
 )
-from mlm_pipeline.masking import Masker, build_masker
+from mlm_pipeline.maskers import Masker, build_masker
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.tracking import JsonlSink, MetricsSink
 from mlm_pipeline.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, TrainConfig
-from mlm_pipeline.masking import build_masker
+from mlm_pipeline.maskers import build_masker
 from mlm_pipeline.train import BertMLM, train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
 from mlm_pipeline.train.data import ShardDataset

@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig
-from mlm_pipeline.masking import (
-    DynamicMasker,
-    Masker,
-    build_masker,
-    mask_tokens,
-    mix64_,
-    special_tokens_mask,
-)
+from mlm_pipeline.maskers import DynamicMasker, Masker, build_masker
+from mlm_pipeline.masking import mask_tokens, mix64_, special_tokens_mask
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 M64 = (1 << 64) - 1

@@ -15,7 +15,8 @@ import torch
 from test_masking import MASK, make_rows, ref_exact_k, ref_mask_row, ref_words
 
 from mlm_pipeline.config import MaskingConfig
-from mlm_pipeline.masking import DynamicMasker, build_masker, mask_tokens
+from mlm_pipeline.maskers import DynamicMasker, build_masker
+from mlm_pipeline.masking import mask_tokens
 
 VOCAB = 300
 P, PM, PR = 0.15, 0.8, 0.1
