@@ -11,10 +11,15 @@ with ratios against the peer measured in the same run:
    ours (`write_shards` from the ingested Parquet documents) vs HF
    (`load_dataset("json")` -> `map` tokenize with `num_proc=2` -> `group_texts` ->
    `save_to_disk`, as in `run_mlm.py`). Ours is also shown with ingestion included.
+   Both are timed as child-process wall time (start-up and imports included) and
+   in-process (from the job's first data call to its last write). The encode-only floor
+   (SentencePiece alone on texts already in memory, 2 threads) shows how close each side
+   is to what no encoder of this model can beat.
 2. tokenizer training at the same vocabulary: SentencePiece unigram (our stage) vs HF
    `tokenizers` `UnigramTrainer`.
-3. scaling of ingest + shards at 1x, 4x, 16x the corpus (copies made distinct by a
-   suffix, so deduplication keeps them): time per character and peak RSS.
+3. scaling of the shards stage alone and of ingest + shards at 1x, 4x, 16x the corpus
+   (copies made distinct by a suffix, so deduplication keeps them): time per character
+   and peak RSS.
 """
 
 from __future__ import annotations
@@ -33,40 +38,62 @@ VOCAB = 8000
 
 
 # ----------------------------------------------------------------------------- jobs
+def _maxrss_mib() -> float:
+    """Peak resident memory of this process (Linux `ru_maxrss` is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def job_ingest_shards(corpus: str, out: str, model: str, mode: str) -> None:
     """mode `warm`: ingest only (into `out/pre`); `shards`: time `write_shards` from the
-    warm ingest; `all`: time ingest + shards into a fresh directory."""
+    warm ingest's manifest; `all`: time ingest + shards into a fresh directory."""
+    import glob
+    import shutil
+
     from mlm_pipeline.config import IngestConfig, ShardConfig
-    from mlm_pipeline.ingest import ingest
-    from mlm_pipeline.manifest import TokenizerManifest, read_manifest
+    from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest, read_manifest
     from mlm_pipeline.shards import write_shards
 
     tok = read_manifest(model, TokenizerManifest)
     cfg = IngestConfig(sources=[corpus], validation_fraction=0.0)
-    if mode in ("warm", "shards"):
-        corpus_m = ingest(cfg, out + "/pre")
-        if mode == "warm":
-            print(json.dumps({}))
-            return
+    shutil.rmtree(out + "/" + mode, ignore_errors=True)  # never time a cache hit
+    if mode == "warm":
+        from mlm_pipeline.ingest import ingest
+
+        ingest(cfg, out + "/pre")
+        print(json.dumps({}))
+        return
+    if mode == "shards":  # read the warm manifest: no ingest code, no input hashing
+        corpus_m = read_manifest(glob.glob(out + "/pre/ingest/*/manifest.json")[0],
+                                 CorpusManifest)
     start = time.perf_counter()
     if mode == "all":
+        from mlm_pipeline.ingest import ingest
+
         corpus_m = ingest(cfg, out + "/all")
     m = write_shards(ShardConfig(seq_len=SEQ_LEN), corpus_m, tok, out + "/" + mode)
     print(json.dumps({"rows": m.train.rows, "tokens": m.train.tokens_in,
-                      "inner_s": time.perf_counter() - start}))
+                      "inner_s": time.perf_counter() - start, "maxrss_mib": _maxrss_mib()}))
 
 
 def job_hf_shards(corpus: str, out: str, model_file: str) -> None:
+    import shutil
+
     import datasets
     import sentencepiece as spm
 
+    shutil.rmtree(out, ignore_errors=True)  # fresh Arrow cache: no reuse of earlier maps
     datasets.disable_progress_bars()
+    start = time.perf_counter()
     sp = spm.SentencePieceProcessor(model_file=model_file)
     ds = datasets.load_dataset("json", data_files=corpus, split="train",
                                cache_dir=out + "/hf-cache")
 
     def tokenize(batch):
-        # the same stream as ours: pieces of each document followed by [SEP]
+        # The same stream as ours: pieces of each document followed by [SEP]. The same
+        # SentencePiece model, batch-encoded (its default threads) to Python lists: what a
+        # `datasets` user writes (`run_mlm.py` calls a tokenizer the same way).
         return {"input_ids": [ids + [3] for ids in sp.encode(batch["text"])]}
 
     tokenized = ds.map(tokenize, batched=True, num_proc=2, remove_columns=ds.column_names)
@@ -79,14 +106,55 @@ def job_hf_shards(corpus: str, out: str, model_file: str) -> None:
 
     grouped = tokenized.map(group_texts, batched=True, num_proc=2)
     grouped.save_to_disk(out + "/hf-saved")
-    print(json.dumps({"rows": len(grouped)}))
+    print(json.dumps({"rows": len(grouped), "inner_s": time.perf_counter() - start,
+                      "maxrss_mib": _maxrss_mib()}))
+
+
+def job_encode_floor(corpus_manifest: str, model_file: str, threads: str) -> None:
+    """Pure SentencePiece encoding of the ingested documents, texts already in memory:
+    the floor under any encode + pack + write. Timed two ways: SentencePiece's own batch
+    threads (`num_threads`), and `threads` Python threads each encoding whole batches
+    single-threaded (how `write_shards` encodes); plus the single-thread CPU time."""
+    import resource
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.parquet as pq
+    import sentencepiece as spm
+
+    from mlm_pipeline.manifest import CorpusManifest, read_manifest
+
+    m = read_manifest(corpus_manifest, CorpusManifest)
+    texts = [t for e in m.train for t in pq.read_table(m.file(e.path), columns=["text"])
+             .column("text").to_pylist()]
+    batches = [texts[i:i + 1024] for i in range(0, len(texts), 1024)]
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    n = int(threads)
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    start, c0 = time.perf_counter(), cpu()
+    for b in batches:
+        sp.encode(b, out_type="numpy", num_threads=n)
+    spm_threads = time.perf_counter() - start
+    cpu_s = cpu() - c0
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda b: sp.encode(b, out_type="numpy", num_threads=1), batches))
+    py_threads = time.perf_counter() - start
+    print(json.dumps({"spm_threads_s": spm_threads, "py_threads_s": py_threads,
+                      "cpu_s": cpu_s, "threads": n}))
 
 
 def job_spm_train(corpus_manifest: str, out: str) -> None:
+    import shutil
+
     from mlm_pipeline.config import TokenizerConfig
     from mlm_pipeline.manifest import CorpusManifest, read_manifest
     from mlm_pipeline.tokenizer import train_tokenizer
 
+    shutil.rmtree(out + "/tokenizer", ignore_errors=True)  # never time a cache hit
     m = train_tokenizer(TokenizerConfig(vocab_size=VOCAB),
                         read_manifest(corpus_manifest, CorpusManifest), out)
     print(json.dumps({"vocab_size": m.vocab_size}))
@@ -115,14 +183,24 @@ def job_hf_train(corpus: str, out: str) -> None:
 
 
 JOBS = {"ours": job_ingest_shards, "hf": job_hf_shards, "spm": job_spm_train,
-        "hf-train": job_hf_train}
+        "hf-train": job_hf_train, "floor": job_encode_floor}
 
 
 # ------------------------------------------------------------------------- measuring
 def measure(job: str, *args: str) -> dict:
-    """Run one job in a child process; wall seconds and peak RSS (MiB) of its tree."""
+    """Run one job in a child process: wall seconds, CPU seconds of the whole tree (user +
+    system, workers included: Linux adds waited-for descendants to RUSAGE_CHILDREN) and
+    peak RSS (MiB) of the tree, sampled every 20 ms. CPU seconds barely change when other
+    processes share the cores; wall seconds do."""
+    import resource
+
     import psutil
 
+    def tree_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    cpu0 = tree_cpu()
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, "--job", job, *args],
                             stdout=subprocess.PIPE, text=True)
@@ -139,7 +217,8 @@ def measure(job: str, *args: str) -> dict:
     if proc.returncode:
         raise SystemExit(f"job {job} failed ({proc.returncode})")
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "wall_s": wall, "peak_mib": peak / 2**20}
+    return {**result, "wall_s": wall, "cpu_s_tree": tree_cpu() - cpu0,
+            "peak_mib": peak / 2**20}
 
 
 def make_corpus(work: Path, scale: int) -> Path:
@@ -169,6 +248,8 @@ def main() -> None:
                     help="corpus multiple for the encode+pack+write comparison (fixed "
                          "start-up costs dominate at 1x)")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--skip-tokenizer-peer", action="store_true",
+                    help="train our tokenizer but skip timing HF tokenizers against it")
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
     if a.job:
@@ -188,11 +269,13 @@ def main() -> None:
     corpus_m = ingest(IngestConfig(sources=[str(corpus)], validation_fraction=0.0),
                       work / "tok")
     spm_r = measure("spm", str(corpus_m.path), str(work / "tok"))
-    hft_r = measure("hf-train", str(corpus), str(work))
     print(f"\ntokenizer training, vocab {VOCAB}:")
     print(f"  SentencePiece (ours)   {spm_r['wall_s']:7.1f} s  {spm_r['peak_mib']:7.0f} MiB")
-    print(f"  HF tokenizers Unigram  {hft_r['wall_s']:7.1f} s  {hft_r['peak_mib']:7.0f} MiB")
-    print(f"  speed-up: {hft_r['wall_s'] / spm_r['wall_s']:.2f}x")
+    if not a.skip_tokenizer_peer:
+        hft_r = measure("hf-train", str(corpus), str(work))
+        print(f"  HF tokenizers Unigram  {hft_r['wall_s']:7.1f} s  "
+              f"{hft_r['peak_mib']:7.0f} MiB")
+        print(f"  speed-up: {hft_r['wall_s'] / spm_r['wall_s']:.2f}x")
 
     import glob
     model_manifest = glob.glob(str(work / "tok" / "tokenizer" / "*" / "manifest.json"))[0]
@@ -204,28 +287,54 @@ def main() -> None:
     ours = measure("ours", str(big), str(work / "o"), model_manifest, "shards")
     ours_all = measure("ours", str(big), str(work / "o"), model_manifest, "all")
     hf = measure("hf", str(big), str(work / "hf"), model_file)
+    pre = glob.glob(str(work / "o" / "pre" / "ingest" / "*" / "manifest.json"))[0]
+    floor = measure("floor", pre, model_file, "2")
     print(f"\nencode + pack + write, {a.compare_scale}x corpus, seq_len {SEQ_LEN} "
-          f"({ours['rows']:,} rows ours, {hf['rows']:,} HF):")
-    print(f"  ours, shards stage        {ours['wall_s']:7.1f} s  {ours['peak_mib']:7.0f} MiB")
-    print(f"  ours, ingest + shards     {ours_all['wall_s']:7.1f} s  "
-          f"{ours_all['peak_mib']:7.0f} MiB")
-    print(f"  HF datasets (num_proc=2)  {hf['wall_s']:7.1f} s  {hf['peak_mib']:7.0f} MiB")
-    print(f"  speed-up {hf['wall_s'] / ours['wall_s']:.2f}x (with ingest "
-          f"{hf['wall_s'] / ours_all['wall_s']:.2f}x); peak RSS ratio "
+          f"({ours['rows']:,} rows ours, {hf['rows']:,} HF); process wall (start-up and "
+          "imports included) / in-process time / CPU of the process tree / peak RSS of "
+          "the tree:")
+    for label, r in (("ours, shards stage      ", ours), ("ours, ingest + shards   ", ours_all),
+                     ("HF datasets (num_proc=2)", hf)):
+        print(f"  {label} {r['wall_s']:6.2f} s {r['inner_s']:6.2f} s {r['cpu_s_tree']:6.2f} "
+              f"cpu-s {r['peak_mib']:6.0f} MiB")
+    print(f"  speed-up: {hf['wall_s'] / ours['wall_s']:.2f}x process wall, "
+          f"{hf['inner_s'] / ours['inner_s']:.2f}x in-process, "
+          f"{hf['cpu_s_tree'] / ours['cpu_s_tree']:.2f}x CPU (with our ingest "
+          f"{hf['wall_s'] / ours_all['wall_s']:.2f}x wall); peak RSS ratio "
           f"{ours['peak_mib'] / hf['peak_mib']:.2f} (with ingest "
-          f"{ours_all['peak_mib'] / hf['peak_mib']:.2f})")
+          f"{ours_all['peak_mib'] / hf['peak_mib']:.2f}); target >= 5x at <= 0.6x RSS")
+    ideal = floor["cpu_s"] / 2
+    print(f"  encode-only floor (SentencePiece alone, texts in memory): "
+          f"{floor['spm_threads_s']:.2f} s with num_threads=2, {floor['py_threads_s']:.2f} s "
+          f"with 2 Python threads; {floor['cpu_s']:.2f} cpu-s, so >= {ideal:.2f} s on 2 cores")
+    print(f"  in-process time / ideal floor: ours {ours['inner_s'] / ideal:.2f}, HF "
+          f"{hf['inner_s'] / ideal:.2f}; an encode-only job would beat HF by at most "
+          f"{hf['inner_s'] / ideal:.2f}x in-process, "
+          f"{hf['wall_s'] / (ideal + ours['wall_s'] - ours['inner_s']):.2f}x process wall")
 
     # scaling
-    print("\nscaling, ingest + shards (child process wall time includes ~1-2 s start-up):")
-    base = None
+    print("\nscaling (in-process time; peak RSS of the process tree, its ru_maxrss in "
+          "brackets; 'marginal' = extra seconds per 1x corpus since the previous scale, "
+          "relative to the first step, so fixed costs do not count as non-linearity):")
+    base: dict[str, tuple[float, float]] = {}
+    last: dict[str, tuple[int, float]] = {}
+    first_step: dict[str, float] = {}
     for scale in [int(s) for s in a.scales.split(",")]:
         c = make_corpus(work, scale)
-        r = measure("ours", str(c), str(work / f"s{scale}"), model_manifest, "all")
-        inner = r["inner_s"]
-        base = base or (inner, r["peak_mib"])
-        print(f"  {scale:3d}x  {r['tokens']:12,} tokens  {inner:7.1f} s  "
-              f"({inner / scale / base[0]:.2f} of linear)  {r['peak_mib']:7.0f} MiB "
-              f"({r['peak_mib'] / base[1]:.2f} of 1x)")
+        d = str(work / f"s{scale}")
+        measure("ours", str(c), d, model_manifest, "warm")
+        for mode, label in (("shards", "shards stage   "), ("all", "ingest + shards")):
+            r = measure("ours", str(c), d, model_manifest, mode)
+            inner = r["inner_s"]
+            b = base.setdefault(mode, (inner / scale, r["maxrss_mib"]))
+            marginal = ""
+            if mode in last:
+                step = (inner - last[mode][1]) / (scale - last[mode][0])
+                marginal = f", marginal {step / first_step.setdefault(mode, step):.2f}"
+            last[mode] = (scale, inner)
+            print(f"  {scale:3d}x {label} {r['tokens']:12,} tokens  {inner:7.2f} s "
+                  f"({inner / scale / b[0]:.2f} of linear{marginal})  {r['peak_mib']:5.0f} MiB "
+                  f"[{r['maxrss_mib']:4.0f}] ({r['maxrss_mib'] / b[1]:.2f} of 1x)")
 
 
 if __name__ == "__main__":

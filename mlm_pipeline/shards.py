@@ -18,7 +18,16 @@ named `train-00000.arrow`, `validation-00000.arrow`, ...; one column `input_ids`
 `fixed_size_list<uint16>[seq_len]` (uint32 when `vocab_size > 65536`). Each shard is written
 as a single record batch: record batches in an IPC file are separated by metadata, and only
 one contiguous buffer lets `open_shard` return a zero-copy memory-mapped `(rows, seq_len)`
-array. Memory while writing is one encode batch plus one shard, never the whole split.
+array.
+
+Speed and memory. Documents are read from Parquet in record batches of at most
+`encode_batch_size` and encoded on `num_threads` worker threads, one batch per task with a
+single-threaded SentencePiece call (it releases the GIL), ids returned as numpy arrays;
+packing and writing run in the calling thread, in batch order, so the shards are
+byte-identical for any thread count. Each shard's sha256 is computed while it is written.
+Memory is a few batches in flight plus one shard buffer (`rows_per_shard` rows, reused),
+never the whole split; Arrow allocates from a pool that returns freed memory meanwhile
+(`_returning_memory_pool`).
 
 Precomputed masking (`masking.mode: precomputed`). The unmasked shards above are written
 as always (evaluation baselines and the reference for the copies read them); in addition,
@@ -30,9 +39,12 @@ corrupted ids, storage dtype of the split), and `labels`, `fixed_size_list<int32
 `mlm_pipeline.masking.mask_tokens` keyed by `(seed, epoch=c, row_index=global train row)`,
 so a copy equals what dynamic masking gives in epoch `c`. The copies' entries follow the
 unmasked ones in `ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one
-copy); `masked_copies` and `split_shards` tell the two apart by name. The validation split
-is never masked here: evaluation masks it with its own fixed seed. Torch is imported only
-when copies are written.
+copy; `ShardSplit.masked_copies` = `dupe_factor`, `ShardManifest.masking` = the masking
+config and seed); `masked_copies` and `split_shards` tell them apart by that count (by
+name for manifests written before it). The copies use the config's `selection` and
+`whole_word` (word starts from `Tokenizer.word_starts`). The validation split is never
+masked here: evaluation masks it with its own fixed seed. Torch is imported only when
+copies are written.
 
 This module may import numpy and pyarrow; it imports torch only inside the precomputed
 path (never at import time).
@@ -40,15 +52,22 @@ path (never at import time).
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import logging
 import os
 import re
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
 from mlm_pipeline.manifest import (
@@ -59,13 +78,12 @@ from mlm_pipeline.manifest import (
     Stopwatch,
     TokenizerManifest,
     compute_digest,
-    file_entry,
     load_if_complete,
     sha256_file,
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.tokenizer import Tokenizer, iter_text_batches
+from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +123,10 @@ def shards_digest(
 
 def masked_copies(manifest: ShardManifest) -> int:
     """Masked copies of the training split the manifest lists (0 without precomputed
-    masking), derived from the shard names (`train-copy{c}-{i:05d}.arrow`)."""
+    masking): `ShardSplit.masked_copies`, or, for manifests written before that field, the
+    copies named `train-copy{c}-{i:05d}.arrow` among the shards."""
+    if manifest.train.masked_copies:
+        return manifest.train.masked_copies
     found = {int(m.group(1)) for e in manifest.train.shards
              if (m := MASKED_COPY_NAME.fullmatch(e.path))}
     return len(found)
@@ -113,12 +134,58 @@ def masked_copies(manifest: ShardManifest) -> int:
 
 def split_shards(manifest: ShardManifest, split: str, copy: int | None = None) -> list[FileEntry]:
     """The shard entries of `split`: the unmasked ones (`copy=None`), or those of masked
-    copy `copy` of the training split, in row order."""
+    copy `copy` of the training split, in row order (empty when there is no such copy).
+
+    The entries are `k + 1` equal runs, the unmasked shards then copy 0, 1, ... (module
+    docstring), `k = masked_copies(manifest)` for the training split and 0 for validation.
+
+    Raises:
+        ValueError: the number of entries is not a multiple of `k + 1` (the manifest is
+            named).
+    """
     entries = getattr(manifest, split).shards
+    k = masked_copies(manifest) if split == "train" else 0
+    n, extra = divmod(len(entries), k + 1)
+    if extra:
+        raise ValueError(f"{manifest.path}: {len(entries)} {split} shards do not split into "
+                         f"the unmasked rows and {k} masked copies of equal length")
     if copy is None:
-        return [e for e in entries if not MASKED_COPY_NAME.fullmatch(e.path)]
-    return [e for e in entries if (m := MASKED_COPY_NAME.fullmatch(e.path))
-            and int(m.group(1)) == copy]
+        return entries[:n]
+    if not 0 <= copy < k:
+        return []
+    return entries[n * (copy + 1) : n * (copy + 2)]
+
+
+@contextmanager
+def _returning_memory_pool() -> Iterator[None]:
+    """Make Arrow allocate from a pool that returns freed memory at once while the block
+    runs: jemalloc with purging decay 0, or malloc where pyarrow lacks jemalloc.
+
+    pyarrow's default pool (mimalloc here) keeps freed pages for reuse: reading the 16x
+    benchmark corpus (benchmarks/bench_data.py) kept ~100 MiB resident against ~50 MiB at
+    1x. malloc returns them but fragments: peak RSS of the stage at 1x / 16x was
+    156 / 207 MiB with mimalloc, 137 / 205 with malloc, 138 / 183 with jemalloc, decay 0
+    (https://arrow.apache.org/docs/python/memory.html#memory-pools). The pool is
+    process-wide, so the previous one is restored afterwards; the decay setting applies to
+    Arrow's own jemalloc only.
+    """
+    previous = pa.default_memory_pool()
+    try:
+        pool = pa.jemalloc_memory_pool()
+        pa.jemalloc_set_decay_ms(0)
+    except NotImplementedError:  # a pyarrow built without jemalloc
+        pool = pa.system_memory_pool()
+    pa.set_memory_pool(pool)
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(previous)
+
+
+def _available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):  # cores this process may run on (containers, taskset)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def write_shards(
@@ -133,7 +200,9 @@ def write_shards(
 
     Args:
         cfg: `seq_len` (tokens per row, [CLS] included), `rows_per_shard`,
-            `encode_batch_size` (documents per SentencePiece batch call).
+            `encode_batch_size` (documents per encode task), `num_threads` (encode worker
+            threads, 0 = one per core this process may use; the output does not depend
+            on it).
         corpus: the ingested corpus (`train` and `validation` Parquet files).
         tokenizer: the trained tokenizer.
         work_dir: pipeline work directory; output goes to `<work_dir>/shards/<digest[:16]>`.
@@ -144,7 +213,8 @@ def write_shards(
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
-        rows (of one copy), documents, `tokens_in` and `remainder_tokens`.
+        rows (of one copy), documents, `tokens_in`, `remainder_tokens` and
+        `masked_copies`; `masking` (config and seed) when copies were written.
 
     Raises:
         ValueError: the training split yields no full row (the corpus is smaller than one
@@ -158,15 +228,20 @@ def write_shards(
         logger.info("shards: reusing %s", out_dir)
         return cached
     watch = Stopwatch()
-    tok = Tokenizer.load(tokenizer)
-    if tok.model_sha256 != tokenizer.model.sha256:
+    tok = Tokenizer.load(tokenizer)  # checks the special-token ids
+    # Tokenizer.encode returns Python int lists; the processor's numpy output avoids an int
+    # object per token. It is built from the same model bytes, checked against the manifest.
+    proto = tok.path.read_bytes()
+    if hashlib.sha256(proto).hexdigest() != tokenizer.model.sha256:
         raise ValueError(f"{tok.path}: sha256 differs from the tokenizer manifest {tokenizer.path}")
+    sp = spm.SentencePieceProcessor(model_proto=proto)
     dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
     out_dir.mkdir(parents=True, exist_ok=True)
     splits: dict[str, ShardSplit] = {}
     for name, files in (("train", corpus.train), ("validation", corpus.validation)):
         paths = [corpus.file(e.path) for e in files]
-        split = _write_split(name, paths, tok, cfg, dtype, out_dir)
+        with _returning_memory_pool():
+            split = _write_split(name, paths, sp, cfg, dtype, out_dir)
         if split.rows == 0:
             if name == "train":
                 raise ValueError(
@@ -182,12 +257,15 @@ def write_shards(
             )
         splits[name] = split
     config = cfg.model_dump(mode="json")
+    masking_record = None
     if _precomputed(masking):
         train = splits["train"]
-        copies = _write_masked_copies(train.shards, out_dir, masking, seed,
-                                      tokenizer.vocab_size, cfg.seq_len)
-        splits["train"] = train.model_copy(update={"shards": train.shards + copies})
-        # Recorded beside the shard config so a trainer can check its masking matches.
+        copies = _write_masked_copies(train.shards, out_dir, masking, seed, tok, cfg.seq_len)
+        splits["train"] = train.model_copy(update={"shards": train.shards + copies,
+                                                   "masked_copies": masking.dupe_factor})
+        masking_record = masking.model_dump(mode="json") | {"seed": seed}
+        # Also beside the shard config, where `maskers.build_masker` checks that a trainer's
+        # masking matches the copies.
         config |= {"masking": masking.model_dump(mode="json"), "masking_seed": seed}
     manifest = ShardManifest(
         stage=STAGE,
@@ -203,43 +281,56 @@ def write_shards(
         packing=PACKING,
         train=splits["train"],
         validation=splits["validation"],
+        masking=masking_record,
     )
     write_manifest(manifest)
     return manifest
 
 
 def _write_split(
-    name: str, paths: list[Path], tok: Tokenizer, cfg: ShardConfig, dtype: str, out_dir: Path
+    name: str, paths: list[Path], sp: spm.SentencePieceProcessor, cfg: ShardConfig,
+    dtype: str, out_dir: Path,
 ) -> ShardSplit:
-    """Encode, pack and write one split; see the module docstring for the packing."""
+    """Encode, pack and write one split; see the module docstring for the packing.
+
+    Encoding runs on `cfg.num_threads` worker threads (0 = one per available core), one
+    record batch per task, each with a single-threaded SentencePiece call: SentencePiece
+    releases the GIL while it encodes, so the workers use every core, batches of uneven
+    length balance across them, and Parquet decoding, packing and writing in this thread
+    overlap with encoding. Results are consumed in submission order, so the rows do not
+    depend on the thread count.
+    """
     watch = Stopwatch()
     np_dtype = _DTYPES[dtype][0]
-    body = cfg.seq_len - 1  # stream tokens per row after [CLS]
+    workers = cfg.num_threads or _available_cores()
     writer = _ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype)
     carry = np.empty(0, np_dtype)  # stream tokens not yet in a row; always < body
     documents = tokens_in = 0
-    try:
-        for texts in iter_text_batches(paths, cfg.encode_batch_size):
-            chunk = _join_documents(tok.encode(texts, num_threads=cfg.num_threads), np_dtype)
-            documents += len(texts)
-            tokens_in += len(chunk)
-            stream = np.concatenate([carry, chunk])
-            n = len(stream) // body
-            if n:
-                rows = np.empty((n, cfg.seq_len), np_dtype)
-                rows[:, 0] = CLS_ID
-                rows[:, 1:] = stream[: n * body].reshape(n, body)
-                writer.add(rows)
-            carry = stream[n * body :].copy()
-        shards = writer.close()
-    except BaseException:
-        writer.discard()
-        raise
+    pending: deque[Future[np.ndarray]] = deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="shards-encode") as pool:
+        try:
+            batches = _read_texts(paths, cfg.encode_batch_size)
+            while True:
+                # Keep `workers + 1` batches in flight: every worker busy, one queued.
+                while len(pending) <= workers and (column := next(batches, None)) is not None:
+                    documents += len(column)
+                    pending.append(pool.submit(_encode_stream, sp, column, np_dtype))
+                if not pending:
+                    break
+                chunk = pending.popleft().result()
+                tokens_in += len(chunk)
+                stream = np.concatenate([carry, chunk]) if len(carry) else chunk
+                carry = stream[writer.pack(stream) :].copy()
+        except BaseException:
+            for future in pending:  # drop queued batches; the pool waits for running ones
+                future.cancel()
+            raise
+    shards = writer.close()
     rows_total = sum(e.rows or 0 for e in shards)
     logger.info(
         "shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder tokens "
-        "(%.0f tokens/s)", name, documents, tokens_in, rows_total, len(shards), len(carry),
-        tokens_in / max(watch.elapsed, 1e-9),
+        "(%.0f tokens/s, %d encode threads)", name, documents, tokens_in, rows_total,
+        len(shards), len(carry), tokens_in / max(watch.elapsed, 1e-9), workers,
     )
     return ShardSplit(
         shards=shards,
@@ -250,9 +341,55 @@ def _write_split(
     )
 
 
+def _read_texts(paths: list[Path], batch_size: int) -> Iterator[pa.Array]:
+    """The `text` column of ingested Parquet files as Arrow string arrays of at most
+    `batch_size` documents, in file and row order (Parquet decoding releases the GIL).
+
+    Raises:
+        ValueError: a file is not Parquet, lacks a string `text` column, or holds a null
+            text (the file, and the row, are named).
+    """
+    for path in paths:
+        try:
+            # pre_buffer (pyarrow's default) reads ahead whole column chunks: tens of MiB
+            # for a large file, the main growth of peak memory with corpus size.
+            pf = pq.ParquetFile(path, pre_buffer=False)
+            schema = pf.schema_arrow
+            kind = schema.field("text").type if "text" in schema.names else None
+            if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+            row = 0
+            for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
+                column = batch.column(0)
+                if column.null_count:
+                    first = int(np.flatnonzero(column.is_null().to_numpy(False))[0])
+                    raise ValueError(f"{path}: row {row + first}: 'text' is null")
+                row += len(column)
+                if len(column):
+                    yield column
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{path}: cannot read Parquet documents: {exc}") from exc
+
+
+def _encode_stream(
+    sp: spm.SentencePieceProcessor, column: pa.Array, dtype: type
+) -> np.ndarray:
+    """`doc1 [SEP] doc2 [SEP] ...` of one batch of texts, as a flat `dtype` array.
+
+    Texts go to SentencePiece as UTF-8 bytes (Arrow's own buffers, no str decoding; the ids
+    are those of the str) and come back as int32 arrays (`out_type="numpy"`), never as
+    Python int lists.
+    """
+    texts = column.cast(pa.large_binary()).to_pylist()
+    pieces = sp.encode(texts, out_type="numpy", num_threads=1)
+    sep = np.array([SEP_ID], np.int32)
+    # One pass: [pieces0, SEP, pieces1, SEP, ...] cast to the storage dtype while copying.
+    return np.concatenate([a for p in pieces for a in (p, sep)], dtype=dtype, casting="unsafe")
+
+
 def _write_masked_copies(
     shards: list[FileEntry], out_dir: Path, masking: MaskingConfig, seed: int,
-    vocab_size: int, seq_len: int,
+    tok: Tokenizer, seq_len: int,
 ) -> list[FileEntry]:
     """Write the `dupe_factor` masked copies of the training shards; returns their entries
     (copy-major, then shard order)."""
@@ -260,6 +397,7 @@ def _write_masked_copies(
 
     from mlm_pipeline.masking import mask_tokens
 
+    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
     entries: list[FileEntry] = []
     for c in range(masking.dupe_factor):
         first_row = 0
@@ -271,80 +409,109 @@ def _write_masked_copies(
                 chunk = torch.from_numpy(rows[start : start + _MASK_CHUNK_ROWS].astype(np.int64))
                 row_index = torch.arange(first_row + start, first_row + start + len(chunk))
                 ids, labels = mask_tokens(
-                    chunk, vocab_size=vocab_size, row_index=row_index, seed=seed, epoch=c,
+                    chunk, vocab_size=tok.vocab_size, row_index=row_index, seed=seed, epoch=c,
                     mlm_probability=masking.mlm_probability,
                     mask_replace_prob=masking.mask_replace_prob,
                     random_replace_prob=masking.random_replace_prob,
+                    selection=masking.selection, word_starts=word_starts,
                 )
                 ids_out[start : start + len(chunk)] = ids.numpy()
                 labels_out[start : start + len(chunk)] = labels.numpy()
             path = out_dir / f"train-copy{c}-{i:05d}.arrow"
-            _write_arrow(path, {"input_ids": ids_out, "labels": labels_out}, seq_len)
-            entries.append(file_entry(out_dir, path, rows=len(rows), tokens=rows.size))
+            entries.append(_write_arrow(out_dir, path, {"input_ids": ids_out,
+                                                        "labels": labels_out}, seq_len))
             first_row += len(rows)
         logger.info("shards: masked copy %d of %d written (%d rows)", c + 1,
                     masking.dupe_factor, first_row)
     return entries
 
 
-def _write_arrow(path: Path, columns: dict[str, np.ndarray], seq_len: int) -> None:
+class _HashingFile:
+    """A binary file that hashes what is written to it (sha256), so a shard is never read
+    back to be described."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.closed = f, hashlib.sha256(), False
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:  # pyarrow closes its sink; the real file is closed by its owner
+        self.closed = True
+
+
+def _write_arrow(
+    out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int
+) -> FileEntry:
     """Write (rows, seq_len) arrays as fixed-size-list columns in one record batch,
-    atomically (temporary name, fsync, rename)."""
-    arrays = [pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), seq_len)
-              for a in columns.values()]
+    atomically (temporary name, fsync, rename); returns the file's entry (sha256 computed
+    while writing). The arrays are wrapped, not copied."""
+    arrays = [
+        pa.FixedSizeListArray.from_arrays(
+            pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size,
+                                  [None, pa.py_buffer(np.ascontiguousarray(a))]),
+            seq_len,
+        )
+        for a in columns.values()
+    ]
     schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            with ipc.new_file(f, schema) as w:
+            sink = _HashingFile(f)
+            with ipc.new_file(sink, schema) as w:
                 w.write_batch(pa.record_batch(arrays, schema=schema))
             f.flush()
             os.fsync(f.fileno())
+            size = f.tell()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _join_documents(encoded: list[list[int]], dtype: type) -> np.ndarray:
-    """`doc1 [SEP] doc2 [SEP] ...` as a flat array, built without a Python loop per token."""
-    lengths = np.fromiter((len(ids) for ids in encoded), np.int64, count=len(encoded))
-    total = int(lengths.sum()) + len(encoded)
-    out = np.empty(total, dtype)
-    is_sep = np.zeros(total, bool)
-    is_sep[np.cumsum(lengths + 1) - 1] = True
-    out[is_sep] = SEP_ID
-    out[~is_sep] = np.fromiter(
-        itertools.chain.from_iterable(encoded), dtype, count=total - len(encoded)
-    )
-    return out
+    rows = len(arrays[0])
+    return FileEntry(path=str(path.relative_to(out_dir)), bytes=size,
+                     sha256=sink.sha.hexdigest(), rows=rows, tokens=rows * seq_len)
 
 
 class _ShardWriter:
-    """Collects rows of one split and writes a shard every `rows_per_shard` rows."""
+    """Cuts rows of one split into a shard buffer and writes a shard each time it fills.
+
+    The buffer of one shard is allocated once, untouched (the OS maps its pages as rows are
+    written), and reused for every shard: memory is at most one shard, whatever the corpus.
+    """
 
     def __init__(
         self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str
     ) -> None:
         self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
         self.rows_per_shard = rows_per_shard
-        self.np_dtype = _DTYPES[dtype][0]
-        # Grown by doubling up to rows_per_shard, so a small split does not reserve a shard.
-        self.buf = np.empty((0, seq_len), self.np_dtype)
+        self.buf = np.empty((rows_per_shard, seq_len), _DTYPES[dtype][0])
         self.filled = 0
         self.entries: list[FileEntry] = []
-        self.tmp: Path | None = None
 
-    def add(self, rows: np.ndarray) -> None:
-        """Append rows (n, seq_len) of the storage dtype; writes a shard each time one fills."""
-        while len(rows):
-            take = min(len(rows), self.rows_per_shard - self.filled)
-            self._reserve(self.filled + take)
-            self.buf[self.filled : self.filled + take] = rows[:take]
+    def pack(self, stream: np.ndarray) -> int:
+        """Cut the full rows out of `stream` (each [CLS] + `seq_len - 1` stream tokens,
+        copied straight into the shard buffer); writes each shard that fills.
+
+        Returns:
+            Stream tokens consumed (a multiple of `seq_len - 1`); the rest is left over.
+        """
+        body = self.seq_len - 1
+        n, done = len(stream) // body, 0
+        while done < n:
+            take = min(n - done, self.rows_per_shard - self.filled)
+            rows = self.buf[self.filled : self.filled + take]
+            rows[:, 0] = CLS_ID
+            rows[:, 1:] = stream[done * body : (done + take) * body].reshape(take, body)
             self.filled += take
-            rows = rows[take:]
+            done += take
             if self.filled == self.rows_per_shard:
                 self._flush()
+        return n * body
 
     def close(self) -> list[FileEntry]:
         """Write the last, partial shard; returns every shard written, in order."""
@@ -352,26 +519,11 @@ class _ShardWriter:
             self._flush()
         return self.entries
 
-    def discard(self) -> None:
-        """Remove the temporary file of a shard being written (after an error)."""
-        if self.tmp is not None:
-            self.tmp.unlink(missing_ok=True)
-
-    def _reserve(self, needed: int) -> None:
-        if needed <= len(self.buf):
-            return
-        size = min(self.rows_per_shard, max(needed, 2 * len(self.buf), 1024))
-        grown = np.empty((size, self.seq_len), self.np_dtype)
-        grown[: self.filled] = self.buf[: self.filled]
-        self.buf = grown
-
     def _flush(self) -> None:
         path = self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
-        self.tmp = path.with_name(f".{path.name}.tmp")
-        _write_arrow(path, {"input_ids": self.buf[: self.filled]}, self.seq_len)
-        self.tmp = None
         self.entries.append(
-            file_entry(self.out_dir, path, rows=self.filled, tokens=self.filled * self.seq_len)
+            _write_arrow(self.out_dir, path, {"input_ids": self.buf[: self.filled]},
+                         self.seq_len)
         )
         self.filled = 0
 
