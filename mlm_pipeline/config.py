@@ -98,7 +98,8 @@ class ShardConfig(StrictModel):
     encode_batch_size: int = Field(default=1024, ge=1)
     """Documents encoded per SentencePiece batch call."""
     num_threads: int = Field(default=0, ge=0)
-    """SentencePiece encoder threads; 0 = SentencePiece's default (all cores)."""
+    """Encode worker threads (each runs single-threaded SentencePiece); 0 = one per core
+    this process may use. The shards are byte-identical for any value."""
 
 
 class MaskingConfig(StrictModel):

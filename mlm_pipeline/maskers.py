@@ -246,7 +246,8 @@ def build_masker(
     if cfg.mode == "precomputed":
         if shards is None:
             raise ValueError("masking: precomputed mode needs the shard manifest")
-        want = {"masking": cfg.model_dump(mode="json"), "masking_seed": seed}
+        want = {"masking": cfg.model_dump(mode="json"), "masking_seed": seed,
+                "masking_algorithm": MASKING_ALGORITHM}
         have = {k: shards.config.get(k) for k in want}
         if have != want:
             raise ValueError(

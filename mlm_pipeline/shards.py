@@ -118,7 +118,15 @@ def shards_digest(
     inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
     if not _precomputed(masking):
         return compute_digest(STAGE, cfg, inputs)
-    return compute_digest(STAGE, {"shards": cfg, "masking": masking, "seed": seed}, inputs)
+    # The masking algorithm's version is part of the identity: copies made by an earlier
+    # hash must never be mistaken for what dynamic masking gives today.
+    from mlm_pipeline.masking import MASKING_ALGORITHM  # torch, only on this path
+
+    return compute_digest(
+        STAGE,
+        {"shards": cfg, "masking": masking, "seed": seed, "masking_algorithm": MASKING_ALGORITHM},
+        inputs,
+    )
 
 
 def masked_copies(manifest: ShardManifest) -> int:
@@ -237,6 +245,9 @@ def write_shards(
     sp = spm.SentencePieceProcessor(model_proto=proto)
     dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Temporary files of a killed earlier attempt: never shards, always rewritten.
+    for stale in out_dir.glob(".*.tmp"):
+        stale.unlink()
     splits: dict[str, ShardSplit] = {}
     for name, files in (("train", corpus.train), ("validation", corpus.validation)):
         paths = [corpus.file(e.path) for e in files]
@@ -263,10 +274,14 @@ def write_shards(
         copies = _write_masked_copies(train.shards, out_dir, masking, seed, tok, cfg.seq_len)
         splits["train"] = train.model_copy(update={"shards": train.shards + copies,
                                                    "masked_copies": masking.dupe_factor})
-        masking_record = masking.model_dump(mode="json") | {"seed": seed}
+        from mlm_pipeline.masking import MASKING_ALGORITHM
+
+        masking_record = masking.model_dump(mode="json") | {
+            "seed": seed, "algorithm": MASKING_ALGORITHM}
         # Also beside the shard config, where `maskers.build_masker` checks that a trainer's
         # masking matches the copies.
-        config |= {"masking": masking.model_dump(mode="json"), "masking_seed": seed}
+        config |= {"masking": masking.model_dump(mode="json"), "masking_seed": seed,
+                   "masking_algorithm": MASKING_ALGORITHM}
     manifest = ShardManifest(
         stage=STAGE,
         digest=digest,

@@ -18,7 +18,7 @@ import torch
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, ShardConfig, TrainConfig
 from mlm_pipeline.manifest import compute_digest
 from mlm_pipeline.maskers import build_masker
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
 from mlm_pipeline.shards import (
     open_masked_shard,
     open_shard,
@@ -195,13 +195,18 @@ def test_masker_mismatch_is_an_error(precomputed, dynamic):
                      dynamic.model_copy(update={"config": {
                          **dynamic.config, "masking": MaskingConfig(
                              mode="precomputed", dupe_factor=1).model_dump(mode="json"),
-                         "masking_seed": 0}}))
+                         "masking_seed": 0, "masking_algorithm": MASKING_ALGORITHM}}))
     with pytest.raises(ValueError, match="were written with"):
         build_masker(MASKING, VOCAB, SEED + 1, precomputed)
     with pytest.raises(ValueError, match="were written with"):
         build_masker(MASKING.model_copy(update={"dupe_factor": 2}), VOCAB, SEED, precomputed)
     with pytest.raises(ValueError, match="were written with"):
         build_masker(MASKING, VOCAB, SEED, dynamic)
+    # copies made by an earlier version of the hash are refused
+    stale = precomputed.model_copy(update={"config": {
+        **precomputed.config, "masking_algorithm": MASKING_ALGORITHM - 1}})
+    with pytest.raises(ValueError, match="were written with"):
+        build_masker(MASKING, VOCAB, SEED, stale)
 
 
 def test_training_five_steps_and_exact_resume(tmp_path, tiny_model_config, precomputed,

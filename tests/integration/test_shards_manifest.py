@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, ShardConfig
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
 from mlm_pipeline.shards import masked_copies, open_masked_shard, open_shard, split_shards
 from mlm_pipeline.shards import write_shards
 from mlm_pipeline.tokenizer import Tokenizer
@@ -33,7 +33,8 @@ def exact_words(tmp_path_factory, tiny_corpus_manifest, tiny_tokenizer_manifest)
 def test_manifest_records_copies_and_masking(exact_words):
     masking, m = exact_words
     assert m.train.masked_copies == DUPE and m.validation.masked_copies == 0
-    assert m.masking == {**masking.model_dump(mode="json"), "seed": SEED}
+    assert m.masking == {**masking.model_dump(mode="json"), "seed": SEED,
+                         "algorithm": MASKING_ALGORITHM}
     assert m.masking["selection"] == "exact_k" and m.masking["whole_word"] is True
     # the keys maskers.build_masker compares stay where they were
     assert m.config["masking"] == masking.model_dump(mode="json")
