@@ -13,12 +13,16 @@ VOCAB = 100  # padded to 128 rows
 SEQ_LEN = 16
 
 
-@pytest.fixture(params=[("post", "learned"), ("pre", "learned"), ("pre", "rope")],
-                ids=["post-learned", "pre-learned", "pre-rope"])
+@pytest.fixture(params=[("post", "learned", None), ("pre", "learned", None),
+                        ("pre", "rope", None), (None, None, "modern")],
+                ids=["post-learned", "pre-learned", "pre-rope", "modern"])
 def tiny_cfg(request) -> ModelConfig:
-    norm, position = request.param
-    return ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                       dropout=0.0, norm=norm, position=position)
+    norm, position, preset = request.param
+    shape = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+             "dropout": 0.0}
+    if preset is not None:  # pre-LN, rope, GeGLU, no biases
+        return ModelConfig(preset=preset, **shape)
+    return ModelConfig(norm=norm, position=position, **shape)
 
 
 @pytest.fixture
@@ -128,7 +132,12 @@ def test_too_long_input_raises(model):
         model(torch.full((1, SEQ_LEN + 1), 7))
 
 
-def test_flops_per_token_hand_count(model):
+def test_flops_per_token_hand_count(model, tiny_cfg):
+    if tiny_cfg.activation == "geglu":
+        # FFN forward per layer: W1 and V 2*32*(2*64) = 8192, W2 2*64*32 = 4096 -> 12288,
+        # 4096 more than GELU's 8192: per layer 22528, two layers 45056.
+        assert model.flops_per_token(16) == pytest.approx(3 * (45056 + 1267.2))
+        return
     # H=32, I=64, layers=2, V=100, L=16, masked fraction 0.15.
     # Per layer forward: QKV 2*3*32*32 = 6144, out 2*32*32 = 2048, FFN 2*2*32*64 = 8192,
     #   scores 2*16*32 = 1024, values 2*16*32 = 1024  -> 18432; two layers -> 36864.
@@ -140,13 +149,17 @@ def test_flops_per_token_hand_count(model):
 
 def test_num_parameters_hand_count(model, tiny_cfg):
     h, i, vp, l = 32, 64, 128, 16
-    embeddings = vp * h + (l * h if tiny_cfg.position == "learned" else 0) + 2 * h
-    layer = (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
-    head = (h * h + h) + 2 * h + vp  # transform + LayerNorm + decoder bias (weight tied)
-    final_norm = 2 * h if tiny_cfg.norm == "pre" else 0
+    b = 1 if tiny_cfg.bias else 0  # biases of Linears and LayerNorms
+    g = 2 if tiny_cfg.activation == "geglu" else 1  # GeGLU: W1 and V
+    norm = h + b * h
+    embeddings = vp * h + (l * h if tiny_cfg.position == "learned" else 0) + norm
+    layer = ((h * 3 * h + b * 3 * h) + (h * h + b * h) + norm
+             + (h * g * i + b * g * i) + (i * h + b * h) + norm)
+    head = (h * h + b * h) + norm + vp  # transform + LayerNorm + decoder bias (weight tied)
+    final_norm = norm if tiny_cfg.norm == "pre" else 0
     assert model.num_parameters() == embeddings + 2 * layer + final_norm + head
     assert model.num_parameters(exclude_embeddings=True) == (
-        2 * h + 2 * layer + final_norm + head
+        norm + 2 * layer + final_norm + head
     )
 
 
@@ -167,7 +180,8 @@ def test_init_follows_bert(model, tiny_cfg):
     w = model.layers[0].ffn[0].weight
     assert w.abs().max() <= 2 * tiny_cfg.initializer_range
     assert abs(w.std().item() - 0.88 * tiny_cfg.initializer_range) < 0.004  # 2-sigma truncation
-    assert bool((model.layers[0].attention.qkv.bias == 0).all())
+    if tiny_cfg.bias:
+        assert bool((model.layers[0].attention.qkv.bias == 0).all())
     assert bool((model.layers[1].ffn_norm.weight == 1).all())
 
 
