@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlm_pipeline.config import SEP_ID, ModelConfig
+from mlm_pipeline.train.attention import SelfAttention, rope_tables
 
 #: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
 #: are multiples of 64 map onto full tensor-core tiles (NVIDIA "Matrix multiplication
@@ -113,99 +114,6 @@ class Embeddings(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.position_embeddings(positions)
         return self.dropout(self.layer_norm(x))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head bidirectional self-attention through `F.scaled_dot_product_attention`.
-
-    Args:
-        cfg: model shape; `num_heads` divides `hidden_size`.
-    """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.bias)
-        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
-
-    def forward(self, x: Tensor, attn_mask: Tensor | None,
-                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Attend (B, L, H) -> (B, L, H); `attn_mask` bool (B, 1, 1, L) or (B, 1, L, L),
-        True = may attend; `rope` = (cos, sin), each (L, H / heads), rotates queries and
-        keys."""
-        batch, seq_len, hidden = x.shape
-        qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, hidden // self.num_heads)
-        if rope is None:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # 3 x (B, heads, L, H / heads) views
-        else:
-            # Queries and keys rotated in one pass over the (B, L, 2, heads, D) slice.
-            cos, sin = (t[:seq_len, None, None, :] for t in rope)
-            q, k = apply_rope(qkv[:, :, :2], cos, sin).permute(2, 0, 3, 1, 4)
-            v = qkv[:, :, 2].transpose(1, 2)
-        y = attention(q, k, v, attn_mask, self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(batch, seq_len, hidden))
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-              dropout_p: float) -> Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v (Vaswani et al. 2017, eq. 1) on (B, heads, L, D).
-
-    `F.scaled_dot_product_attention` everywhere except when training on CPU in bf16/fp16
-    or with dropout: there the two matmuls, softmax and their autograd written out beat
-    torch 2.13's kernels (B 32, 4 heads, L 128, D 64, forward + backward: bf16 24 ms vs
-    70 ms for the flash kernel's slow backward; fp32 with dropout 46 ms vs 51 ms for SDPA's
-    math fallback), the (B, heads, L, L) scores being small at BERT lengths.
-    Reduced-precision softmax on CPU accumulates in fp32.
-
-    Args:
-        q, k, v: (B, heads, L, D), any strides.
-        attn_mask: bool, broadcastable to (B, heads, L, L), True = may attend; every
-            query row must allow at least one key.
-        dropout_p: dropout on the attention probabilities.
-
-    Returns:
-        (B, heads, L, D), dtype of `q`.
-    """
-    explicit = (q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad
-                and (dropout_p > 0.0 or q.dtype in (torch.bfloat16, torch.float16)))
-    if not explicit:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                              dropout_p=dropout_p)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    probs = F.dropout(scores.softmax(dim=-1), p=dropout_p)
-    return probs @ v
-
-
-def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
-    """Rotary-embedding tables (Su et al. 2021, RoFormer, eq. 34), fp32 (seq_len, head_dim):
-    angle(p, i) = p * base^(-2i / head_dim) for the pair i, repeated over both halves (the
-    half-split pairing of GPT-NeoX and Hugging Face Llama)."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate queries or keys by position: x*cos + rotate_half(x)*sin, where
-    rotate_half([a, b]) = [-b, a] on the two halves of the last dimension D.
-
-    Args:
-        x: (..., D) queries and/or keys, any layout.
-        cos, sin: fp32 tables from `rope_tables`, already sliced and shaped to broadcast
-            against `x` (e.g. (L, D) for (B, heads, L, D)); cast to the dtype of `x`.
-
-    Returns:
-        Rotated tensor shaped like `x`, contiguous.
-    """
-    half = x.shape[-1] // 2
-    # rotate_half(x) * sin == roll(x, D/2) * [-sin_a, sin_b]: one copy instead of the
-    # chunk, negation and concatenation (3x faster forward + backward in bf16 on CPU).
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(x.dtype)
-    return torch.addcmul(x * cos.to(x.dtype), x.roll(half, dims=-1), signed_sin)
 
 
 class Block(nn.Module):

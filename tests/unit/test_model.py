@@ -199,7 +199,7 @@ def test_pre_norm_block_matches_its_formula():
 
 def test_rope_scores_depend_only_on_relative_position():
     """RoPE's defining property (Su et al. 2021, eq. 16): <R_m q, R_n k> = g(q, k, n - m)."""
-    from mlm_pipeline.train.model import apply_rope, rope_tables
+    from mlm_pipeline.train.attention import apply_rope, rope_tables
 
     torch.manual_seed(0)
     cos, sin = rope_tables(64, 8, 10000.0)
