@@ -71,7 +71,7 @@ def newest_manifest(work: Path, stage: str) -> list[Path]:
 def load_data(work: str | None, rows_needed: int) -> tuple[np.ndarray, np.ndarray, int, str]:
     """(rows (N, L) int64, word_starts (V,) bool, vocab_size, description)."""
     if work is not None:
-        from mlm_pipeline.shards import open_shard
+        from mlm_pipeline.shard_io import open_shard
         from mlm_pipeline.tokenizer import Tokenizer
 
         paths = newest_manifest(Path(work), "shards")

@@ -248,6 +248,9 @@ class TrainConfig(StrictModel):
     compile: Literal["auto", "on", "off"] = "auto"
     """`torch.compile` the model: `auto` = on CUDA only (compilation takes tens of seconds
     and needs a C++ compiler on CPU)."""
+    verify_shards: bool = True
+    """Recompute every shard's sha256 before training and fail, naming the file, on a
+    mismatch (reads the whole dataset once: about 1 s per GB)."""
     document_attention: bool = False
     """Let tokens attend only within their own document of a packed row (boundaries are
     the [SEP] tokens the shards keep in-band); disables the fastest SDPA kernels."""

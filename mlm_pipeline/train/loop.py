@@ -41,9 +41,14 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.maskers import Masker, build_masker
+from mlm_pipeline.shard_io import verify_shards
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.tracking import JsonlSink, MetricsSink
-from mlm_pipeline.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mlm_pipeline.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mlm_pipeline.train.data import RowCursor, ShardDataset
 from mlm_pipeline.train.model import BertMLM, document_ids_from_sep
 from mlm_pipeline.train.perf import (
@@ -181,8 +186,10 @@ def train(
         The `TrainManifest` (also written as `out_dir/manifest.json`).
 
     Raises:
-        ValueError: when the training split has fewer rows than one micro-batch, or with
-            precomputed masking, the shards hold no copies made with this masking and seed.
+        ValueError: when the training split has fewer rows than one micro-batch, with
+            precomputed masking, the shards hold no copies made with this masking and seed,
+            or (`train.verify_shards`) a shard is missing or its sha256 differs from the
+            manifest (the file is named).
         RuntimeError: when CUDA or bf16 is requested but unavailable, when
             `train.compile=on` cannot compile (no C++ compiler on CPU, or the first
             compiled step fails to build), or the loss becomes non-finite (the step is
@@ -192,6 +199,8 @@ def train(
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train
+    if tc.verify_shards:
+        verify_shards(shards)
     device = resolve_device(tc.device)
     precision = resolve_precision(tc.precision, device)
     if tc.num_threads and device.type == "cpu":

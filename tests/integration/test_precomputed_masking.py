@@ -19,12 +19,8 @@ from mlm_pipeline.config import MaskingConfig, PipelineConfig, ShardConfig, Trai
 from mlm_pipeline.manifest import compute_digest
 from mlm_pipeline.maskers import build_masker
 from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
-from mlm_pipeline.shards import (
-    open_masked_shard,
-    open_shard,
-    shards_digest,
-    write_shards,
-)
+from mlm_pipeline.shard_io import open_masked_shard, open_shard
+from mlm_pipeline.shards import shards_digest, write_shards
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
 from mlm_pipeline.train.data import PrecomputedShardDataset

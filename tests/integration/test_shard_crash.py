@@ -18,7 +18,8 @@ import pytest
 
 from mlm_pipeline.config import ShardConfig
 from mlm_pipeline.manifest import ShardManifest, load_if_complete, stage_dir
-from mlm_pipeline.shards import open_shard, shards_digest, verify_shards, write_shards
+from mlm_pipeline.shard_io import open_shard, verify_shards
+from mlm_pipeline.shards import shards_digest, write_shards
 
 CFG = ShardConfig(seq_len=16, rows_per_shard=24, encode_batch_size=4)
 

@@ -15,7 +15,8 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import ShardConfig
-from mlm_pipeline.shards import open_shard, verify_shards, write_shards
+from mlm_pipeline.shard_io import open_shard, verify_shards
+from mlm_pipeline.shards import write_shards
 
 CLS, SEP = 2, 3
 

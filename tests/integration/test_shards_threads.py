@@ -12,7 +12,8 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import ShardConfig
-from mlm_pipeline.shards import open_shard, write_shards
+from mlm_pipeline.shard_io import open_shard
+from mlm_pipeline.shards import write_shards
 
 CLS, SEP, SEQ_LEN = 2, 3, 16
 

@@ -92,3 +92,22 @@ def test_accumulation_equals_one_large_batch(tiny_model_config, tiny_shard_manif
     torch.testing.assert_close(loss_acc, loss_one, rtol=1e-5, atol=1e-6)
     for key in g_one:
         torch.testing.assert_close(g_acc[key], g_one[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_corrupted_shard_stops_training_before_step_one(tmp_path, tiny_model_config,
+                                                        tiny_shard_manifest,
+                                                        tiny_tokenizer_manifest):
+    copy_dir = tmp_path / "shards"
+    shutil.copytree(tiny_shard_manifest.output_dir, copy_dir)
+    shards = tiny_shard_manifest.model_copy(update={"output_dir": str(copy_dir)})
+    entry = shards.train.shards[0]
+    data = bytearray(shards.file(entry.path).read_bytes())
+    data[-len(data) // 3] ^= 0x01  # inside the token ids, not the Arrow metadata
+    shards.file(entry.path).write_bytes(bytes(data))
+    cfg = _cfg(tmp_path, tiny_model_config, max_steps=1, warmup_steps=0)
+    with pytest.raises(ValueError, match=entry.path):
+        train(cfg, shards, tiny_tokenizer_manifest, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # verification off: the flipped bit is only a different token id, and training runs
+    off = _cfg(tmp_path, tiny_model_config, max_steps=1, warmup_steps=0, verify_shards=False)
+    assert train(off, shards, tiny_tokenizer_manifest, tmp_path / "run-off").steps == 1

@@ -1,0 +1,191 @@
+"""Arrow IPC shard files: atomic writing and zero-copy reading.
+
+A shard is an Arrow IPC file (Feather v2, uncompressed) holding one record batch of
+fixed-size-list columns, `(rows, seq_len)` each: `input_ids` (uint16 or uint32), plus
+`labels` (int32, -100 where not predicted) for precomputed masked copies. The layout and
+the packing of rows are documented in `mlm_pipeline.shards`. This module imports numpy and
+pyarrow only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from mlm_pipeline.manifest import FileEntry, ShardManifest, sha256_file
+
+logger = logging.getLogger(__name__)
+
+
+class _HashingFile:
+    """A binary file that hashes what is written to it (sha256), so a shard is never read
+    back to be described."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.closed = f, hashlib.sha256(), False
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:  # pyarrow closes its sink; the real file is closed by its owner
+        self.closed = True
+
+
+def write_arrow(
+    out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int
+) -> FileEntry:
+    """Write (rows, seq_len) arrays as fixed-size-list columns in one record batch,
+    atomically: a temporary name `.NAME.tmp`, fsync, then rename, so a crash never leaves
+    a partial file under `path`. The arrays are wrapped, not copied.
+
+    Args:
+        out_dir: the stage directory `FileEntry.path` is relative to.
+        path: the shard's final path, inside `out_dir`.
+        columns: column name -> C-contiguous-able numeric array of shape (rows, seq_len).
+        seq_len: tokens per row.
+
+    Returns:
+        The file's entry: size in bytes, sha256 (computed while writing), rows, tokens.
+
+    Raises:
+        OSError: the file cannot be written (the temporary file is removed).
+    """
+    arrays = [
+        pa.FixedSizeListArray.from_arrays(
+            pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size,
+                                  [None, pa.py_buffer(np.ascontiguousarray(a))]),
+            seq_len,
+        )
+        for a in columns.values()
+    ]
+    schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            sink = _HashingFile(f)
+            with ipc.new_file(sink, schema) as w:
+                w.write_batch(pa.record_batch(arrays, schema=schema))
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    rows = len(arrays[0])
+    return FileEntry(path=str(path.relative_to(out_dir)), bytes=size,
+                     sha256=sink.sha.hexdigest(), rows=rows, tokens=rows * seq_len)
+
+
+_IDS = (pa.uint16(), pa.uint32())
+
+
+def _map_columns(path: str | os.PathLike[str], kinds: dict[str, tuple]) -> list[np.ndarray]:
+    """Memory-map the fixed-size-list columns `kinds` (name -> allowed value types) of an
+    Arrow IPC file as `(rows, seq_len)` arrays: zero-copy views for one record batch,
+    a read-only copy otherwise. Errors name the file (see `open_shard`)."""
+    path = Path(path)
+    try:
+        reader = ipc.open_file(pa.memory_map(str(path), "r"))
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{path}: not an Arrow IPC file: {exc}") from exc
+    schema = reader.schema
+    types = [f.type for f in schema]
+    if (
+        schema.names != list(kinds)
+        or not all(pa.types.is_fixed_size_list(t) for t in types)
+        or any(t.value_type not in k for t, k in zip(types, kinds.values()))
+        or len({t.list_size for t in types}) != 1
+    ):
+        wanted = ", ".join(f"{n!r}: fixed_size_list<{'|'.join(map(str, k))}>"
+                           for n, k in kinds.items())
+        raise ValueError(f"{path}: expected columns {wanted} of one length, got schema {schema}")
+    seq_len = types[0].list_size
+    out = []
+    for j, name in enumerate(kinds):
+        parts = []
+        for i in range(reader.num_record_batches):
+            column = reader.get_batch(i).column(j)
+            if column.null_count or column.values.null_count:
+                raise ValueError(f"{path}: record batch {i} of {name!r} holds nulls")
+            start = column.offset * seq_len
+            values = column.values.to_numpy(zero_copy_only=True)
+            parts.append(values[start : start + len(column) * seq_len].reshape(-1, seq_len))
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        if parts:
+            logger.debug("%s: %d record batches, copied into one array", path, len(parts))
+        array = (np.concatenate(parts) if parts
+                 else np.empty((0, seq_len), types[j].value_type.to_pandas_dtype()))
+        array.flags.writeable = False
+        out.append(array)
+    return out
+
+
+def open_shard(path: str | os.PathLike[str]) -> np.ndarray:
+    """Memory-map a shard as a read-only `(rows, seq_len)` array of token ids.
+
+    Shards written by `write_shards` hold one record batch, and the array is a zero-copy
+    view of the mapped file (the mapping stays open while the array lives). A file with
+    several record batches is read too, but copied into one array.
+
+    Args:
+        path: an Arrow IPC file with one column `input_ids`, `fixed_size_list<uint16|uint32>`.
+
+    Returns:
+        uint16 or uint32 (the stored type) array of shape `(rows, seq_len)`.
+
+    Raises:
+        ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
+            holds nulls (the file is named).
+    """
+    return _map_columns(path, {"input_ids": _IDS})[0]
+
+
+def open_masked_shard(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map a masked copy's shard (`train-copy{c}-{i:05d}.arrow`), zero-copy.
+
+    Args:
+        path: an Arrow IPC file with columns `input_ids` (`fixed_size_list<uint16|uint32>`)
+            and `labels` (`fixed_size_list<int32>`) of one length, as `write_shards` writes.
+
+    Returns:
+        `(input_ids, labels)`, read-only `(rows, seq_len)` arrays: the corrupted ids
+        (stored dtype) and int32 labels (-100 where not predicted).
+
+    Raises:
+        ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
+            holds nulls (the file is named).
+    """
+    ids, labels = _map_columns(path, {"input_ids": _IDS, "labels": (pa.int32(),)})
+    return ids, labels
+
+
+def verify_shards(manifest: ShardManifest) -> None:
+    """Recompute the sha256 of every shard of both splits and compare with the manifest.
+
+    Raises:
+        ValueError: a shard is missing or its sha256 differs (the file is named).
+    """
+    for split in (manifest.train, manifest.validation):
+        for entry in split.shards:
+            path = manifest.file(entry.path)
+            if not path.is_file():
+                raise ValueError(f"{path}: shard listed in {manifest.path} is missing")
+            actual = sha256_file(path)
+            if actual != entry.sha256:
+                raise ValueError(
+                    f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}"
+                )
