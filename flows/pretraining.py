@@ -207,6 +207,7 @@ def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
         tokenizer = _fresh(tokenizer_task, cfg, corpus)
         shards = _fresh(shards_task, cfg, corpus, tokenizer)
         record_data_task(cfg, run_id, corpus, tokenizer, shards)
+        pipeline.check_evaluable(shards)
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)

@@ -3,7 +3,7 @@
     mlm-pipeline run CONFIG [--set key=value ...] [--summary-json PATH]
     mlm-pipeline config CONFIG [--set key=value ...]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
-    mlm-pipeline fill-mask CHECKPOINT_DIR TOKENIZER_MODEL TEXT [TEXT ...]
+    mlm-pipeline fill-mask CHECKPOINT_OR_RUN_DIR TOKENIZER_MODEL TEXT [TEXT ...]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. Without
@@ -72,7 +72,8 @@ def _print_summary(result: dict, experiment: str) -> None:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
-    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False,
+                                    allow_unicode=True))
     return 0
 
 
@@ -125,7 +126,7 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     from mlm_pipeline.tokenizer import Tokenizer
     from mlm_pipeline.train.checkpoint import load_model, read_state
 
-    checkpoint = Path(args.checkpoint)
+    checkpoint = resolve_checkpoint(Path(args.checkpoint))
     model = load_model(checkpoint)
     results = fill_mask(
         model, Tokenizer.load(args.tokenizer), args.texts,
@@ -133,6 +134,26 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     )
     print(json.dumps(results, ensure_ascii=False, indent=2))
     return 0
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or the newest complete checkpoint under a training run
+    directory or its `checkpoints/` directory.
+
+    Raises:
+        FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
+    """
+    from mlm_pipeline.train.checkpoint import latest_checkpoint
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
+    if (path / "state.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{path}: holds no complete checkpoint (no step-*/state.json)")
 
 
 class StageMissingError(RuntimeError):
@@ -237,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_fetch_corpus)
 
     p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint")
-    p.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step-XXXXXXXX)")
+    p.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), "
+                   "or a training run directory (its newest checkpoint)")
     p.add_argument("tokenizer", help="SentencePiece .model file")
     p.add_argument("texts", nargs="+", help="texts containing [MASK]")
     p.add_argument("--top-k", type=int, default=5)
@@ -258,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `mlm-pipeline` console script; returns the exit status
-    (2 for a config error, with the message on stderr)."""
+    """Entry point of the `mlm-pipeline` console script; returns the exit status: 2 for a
+    config error, 1 for bad input or a failed run (`ValueError`, `OSError`,
+    `RuntimeError`), with a one-line message on stderr."""
     args = build_parser().parse_args(argv)
     if args.func is not _cmd_run:  # `run` logs through Prefect's handlers instead
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -268,6 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2
+    except (ValueError, OSError, RuntimeError) as exc:
+        # Bad input the library reports with the file or field named: one line, not a
+        # traceback (`run` has already logged the failing task's traceback via Prefect).
+        print(f"mlm-pipeline: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

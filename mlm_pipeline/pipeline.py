@@ -140,6 +140,24 @@ def summary(
     }
 
 
+def check_evaluable(shards: ShardManifest) -> None:
+    """Fail before training when the run could not be evaluated at its end.
+
+    Raises:
+        ValueError: the validation split has no rows (evaluation would fail after the
+            whole training run); the message names the shards directory and the fields
+            to change.
+    """
+    seq_len = shards.seq_len
+    if shards.validation.rows == 0:
+        raise ValueError(
+            f"{shards.output_dir}: the validation split has no rows of {seq_len} tokens "
+            f"({shards.validation.documents} documents, {shards.validation.tokens_in} tokens), "
+            "so the run could not be evaluated; raise ingest.validation_fraction or lower "
+            "shards.seq_len"
+        )
+
+
 def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
     """Write the run summary as indented JSON; returns the path."""
     p = Path(path)

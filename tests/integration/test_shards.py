@@ -16,6 +16,7 @@ import sentencepiece as spm
 
 from mlm_pipeline.config import ShardConfig
 from mlm_pipeline.shard_io import open_shard, verify_shards
+from mlm_pipeline.pipeline import check_evaluable
 from mlm_pipeline.shards import write_shards
 
 CLS, SEP = 2, 3
@@ -155,7 +156,8 @@ def test_train_split_smaller_than_one_row_fails(
 
 
 def test_empty_validation_split_writes_no_shard(
-    make_corpus_manifest, tiny_paragraphs, tiny_tokenizer_manifest, tmp_path, caplog
+    make_corpus_manifest, tiny_paragraphs, tiny_tokenizer_manifest, tiny_shard_manifest,
+    tmp_path, caplog
 ):
     paragraphs = list(tiny_paragraphs[:9]) + ["Oui."]  # index 9 -> validation
     corpus = make_corpus_manifest(tmp_path / "corpus", paragraphs)
@@ -166,6 +168,10 @@ def test_empty_validation_split_writes_no_shard(
     assert v.remainder_tokens == v.tokens_in > 0
     assert "validation split" in caplog.text
     assert m.train.rows > 0
+    # the pipeline refuses to train a run it could not evaluate, naming the fix
+    with pytest.raises(ValueError, match="validation_fraction"):
+        check_evaluable(m)
+    check_evaluable(tiny_shard_manifest)
 
 
 def _write_ipc(path, table_or_batches, schema):
