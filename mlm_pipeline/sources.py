@@ -21,6 +21,7 @@ import glob
 import gzip
 import hashlib
 import io
+import logging
 import lzma
 import os
 import re
@@ -33,6 +34,8 @@ import pyarrow as pa
 from mlm_pipeline import corpora
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.manifest import sha256_file
+
+logger = logging.getLogger(__name__)
 
 FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
@@ -54,9 +57,17 @@ def supported(name: str) -> bool:
     return name.endswith(SUPPORTED_SUFFIXES)
 
 
+def _skipped_warning(entry: str, skipped: list[str]) -> None:
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        logger.warning("ingest.sources: %s: skipped %d file(s) of unsupported type (%s)",
+                       entry, len(skipped), shown)
+
+
 def resolve_sources(cfg: IngestConfig) -> list[Source]:
     """Expand `cfg.sources` into input files, in order (directories and globs sorted):
-    local paths, or URLs (`s3://`, `file://`...) resolved with fsspec.
+    local paths, or URLs (`s3://`, `file://`...) resolved with fsspec. Files of a
+    directory whose type is not supported are skipped with a warning that counts them.
 
     Raises:
         FileNotFoundError: an entry matches no file (the entry is named).
@@ -76,7 +87,10 @@ def resolve_sources(cfg: IngestConfig) -> list[Source]:
         if is_url(entry):
             found: list[Source] = resolve_url(entry)
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and supported(f.name))
+            every = sorted(f for f in p.rglob("*") if f.is_file())
+            found = [f for f in every if supported(f.name)]
+            _skipped_warning(entry, [str(f.relative_to(p)) for f in every
+                                     if not supported(f.name)])
         elif p.is_file():
             found = [p]
         else:
@@ -140,7 +154,9 @@ def resolve_url(entry: str) -> list[str]:
 
     fs, path = fsspec.core.url_to_fs(entry)
     if fs.isdir(path):
-        found = [p for p in fs.find(path) if supported(p)]
+        every = fs.find(path)
+        found = [p for p in every if supported(p)]
+        _skipped_warning(entry, [p for p in every if not supported(p)])
     elif fs.isfile(path):
         found = [path]
     else:

@@ -165,7 +165,7 @@ def test_invalid_utf16_is_counted(tmp_path):
     assert [r.repairs for r in recs] == [set(), {"invalid_utf8"}]
 
 
-def test_directory_picks_every_supported_suffix(tmp_path):
+def test_directory_picks_every_supported_suffix(tmp_path, caplog):
     d = tmp_path / "in"
     d.mkdir()
     names = ["a.txt", "b.jsonl.zst", "c.json.bz2", "d.csv.xz", "e.parquet", "f.txt.gz"]
@@ -179,8 +179,12 @@ def test_directory_picks_every_supported_suffix(tmp_path):
         comp = name[name.index(fmt) + len(fmt):]
         (d / name).write_bytes(COMPRESS[comp](raw))
     (d / "skip.md").write_text("not read")
-    m = run(tmp_path, [d])
+    (d / "notes.docx").write_bytes(b"PK")
+    with caplog.at_level("WARNING", logger="mlm_pipeline.sources"):
+        m = run(tmp_path, [d])
     assert [Path(s.path).name for s in m.sources] == names
+    # skipped files are not silent: counted and named
+    assert "skipped 2 file(s) of unsupported type (notes.docx, skip.md)" in caplog.text
     assert sorted(t for _, t, _ in records(m)) == [f"document {i}" for i in range(6)]
 
 
