@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlm_pipeline.config import SEP_ID, ModelConfig
-from mlm_pipeline.train.attention import SelfAttention, rope_tables
+from mlm_pipeline.train.attention import Dropout, SelfAttention, rope_tables
 
 #: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
 #: are multiples of 64 map onto full tensor-core tiles (NVIDIA "Matrix multiplication
@@ -105,7 +105,7 @@ class Embeddings(nn.Module):
             nn.Embedding(seq_len, cfg.hidden_size) if cfg.position == "learned" else None
         )
         self.layer_norm = _layer_norm(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Embed int64 ids (B, L) into (B, L, H)."""
@@ -136,7 +136,7 @@ class Block(nn.Module):
             nn.Linear(i, h, bias=cfg.bias),
         )
         self.ffn_norm = _layer_norm(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: Tensor, attn_mask: Tensor | None,

@@ -211,3 +211,27 @@ def test_rope_scores_depend_only_on_relative_position():
     assert score(3, 10) == pytest.approx(score(40, 47), rel=1e-5)
     assert score(0, 0) == pytest.approx(float(q @ k), rel=1e-5)  # position 0: no rotation
     assert score(3, 10) != pytest.approx(score(3, 11), rel=1e-3)
+
+
+def test_cpu_dropout_is_inverted_dropout():
+    from mlm_pipeline.train.attention import Dropout, dropout
+
+    torch.manual_seed(0)
+    x = torch.full((1000, 1000), 3.0, requires_grad=True)
+    y = dropout(x, 0.25)
+    kept = y != 0
+    n = kept.numel()
+    # share dropped within 6 sigma of p, kept values scaled by 1 / (1 - p)
+    assert abs((~kept).sum().item() / n - 0.25) < 6 * (0.25 * 0.75 / n) ** 0.5
+    assert torch.allclose(y[kept], torch.tensor(4.0))
+    y.sum().backward()
+    assert torch.equal(x.grad, kept.float() * (1 / 0.75))
+    # identity in eval mode and at p = 0; the module has no state
+    assert dropout(x, 0.25, training=False) is x and dropout(x, 0.0) is x
+    module = Dropout(0.5).eval()
+    assert module(x) is x and module.state_dict() == {}
+    # the same generator state gives the same mask (resume reproduces it)
+    torch.manual_seed(7)
+    a = dropout(x.detach(), 0.1)
+    torch.manual_seed(7)
+    assert torch.equal(a, dropout(x.detach(), 0.1))
