@@ -32,13 +32,16 @@ class _HashingFile:
         self.f, self.sha, self.closed = f, hashlib.sha256(), False
 
     def write(self, data) -> int:
+        """Hash `data` (bytes-like) and write it; returns the bytes written."""
         self.sha.update(data)
         return self.f.write(data)
 
     def flush(self) -> None:
+        """Flush the underlying file's buffer."""
         self.f.flush()
 
-    def close(self) -> None:  # pyarrow closes its sink; the real file is closed by its owner
+    def close(self) -> None:
+        """Mark closed only: pyarrow closes its sink, the real file is closed by its owner."""
         self.closed = True
 
 

@@ -64,7 +64,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
@@ -81,7 +80,7 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.shard_io import open_shard, write_arrow
-from mlm_pipeline.tokenizer import Tokenizer
+from mlm_pipeline.tokenizer import Tokenizer, open_documents
 
 logger = logging.getLogger(__name__)
 
@@ -364,13 +363,7 @@ def _read_texts(paths: list[Path], batch_size: int) -> Iterator[pa.Array]:
     """
     for path in paths:
         try:
-            # pre_buffer (pyarrow's default) reads ahead whole column chunks: tens of MiB
-            # for a large file, the main growth of peak memory with corpus size.
-            pf = pq.ParquetFile(path, pre_buffer=False)
-            schema = pf.schema_arrow
-            kind = schema.field("text").type if "text" in schema.names else None
-            if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+            pf = open_documents(path)
             row = 0
             for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
                 column = batch.column(0)

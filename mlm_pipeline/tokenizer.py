@@ -210,6 +210,24 @@ def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
     yield word[start:]
 
 
+def open_documents(path: str | os.PathLike[str]) -> pq.ParquetFile:
+    """Open an ingested Parquet document file after checking its `text` column.
+
+    Read-ahead of whole column chunks (`pre_buffer`, pyarrow's default) is off: it holds
+    tens of MiB for a large file, and readers here stream batch by batch.
+
+    Raises:
+        ValueError: the file has no string (or large string) column `text` (named).
+        pyarrow.ArrowException, OSError: the file is not readable Parquet.
+    """
+    pf = pq.ParquetFile(path, pre_buffer=False)
+    schema = pf.schema_arrow
+    kind = schema.field("text").type if "text" in schema.names else None
+    if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+    return pf
+
+
 def iter_text_batches(
     paths: list[str | os.PathLike[str]], batch_size: int
 ) -> Iterator[list[str]]:
@@ -230,11 +248,7 @@ def iter_text_batches(
     """
     pending: list[str] = []
     for path in paths:
-        pf = pq.ParquetFile(path)
-        schema = pf.schema_arrow
-        kind = schema.field("text").type if "text" in schema.names else None
-        if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+        pf = open_documents(path)
         row = 0
         for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
             texts = batch.column(0).to_pylist()
