@@ -96,7 +96,11 @@ class ShardConfig(StrictModel):
     rows_per_shard: int = Field(default=65536, ge=1)
     """Rows per Arrow IPC file."""
     encode_batch_size: int = Field(default=1024, ge=1)
-    """Documents encoded per SentencePiece batch call."""
+    """Most documents per encode task (one single-threaded SentencePiece batch call)."""
+    encode_batch_bytes: int = Field(default=1 << 20, ge=1)
+    """Most UTF-8 bytes of text per encode task (a longer document is one task alone):
+    with `encode_batch_size`, bounds the memory of the batches in flight, whatever the
+    document lengths. The shards do not depend on it."""
     num_threads: int = Field(default=0, ge=0)
     """Encode worker threads (each runs single-threaded SentencePiece); 0 = one per core
     this process may use. The shards are byte-identical for any value."""

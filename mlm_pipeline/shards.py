@@ -20,8 +20,9 @@ as a single record batch: record batches in an IPC file are separated by metadat
 one contiguous buffer lets `open_shard` return a zero-copy memory-mapped `(rows, seq_len)`
 array.
 
-Speed and memory. Documents are read from Parquet in record batches of at most
-`encode_batch_size` and encoded on `num_threads` worker threads, one batch per task with a
+Speed and memory. Documents are read from Parquet in batches of at most
+`encode_batch_size` documents and `encode_batch_bytes` bytes of text (a longer document
+alone) and encoded on `num_threads` worker threads, one batch per task with a
 single-threaded SentencePiece call (it releases the GIL), ids returned as numpy arrays;
 packing and writing run in the calling thread, in batch order, so the shards are
 byte-identical for any thread count. Each shard's sha256 is computed while it is written.
@@ -94,6 +95,8 @@ _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32()
 
 #: Name of a masked copy's shard: copy index, shard index (see the module docstring).
 MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
+#: ShardConfig fields that do not change the shards (see `shards_digest`).
+_SCHEDULING_FIELDS = {"num_threads", "encode_batch_size", "encode_batch_bytes"}
 #: Rows masked per `mask_tokens` call: bounds the (3, rows, seq_len) int64 hash buffer.
 _MASK_CHUNK_ROWS = 4096
 
@@ -110,18 +113,22 @@ def shards_digest(
     seed: int = 0,
 ) -> str:
     """Identity of the shards `write_shards(cfg, corpus, tokenizer, work_dir, masking, seed)`
-    writes. Without precomputed masking it depends on neither `masking` nor `seed` (and is
-    the digest of earlier versions); with it, on both."""
+    writes. Without precomputed masking it depends on neither `masking` nor `seed`; with
+    it, on both. It never depends on `num_threads`, `encode_batch_size` or
+    `encode_batch_bytes`: they schedule the work and do not change the shards, so changing
+    them reuses the cached shards."""
     inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
+    shard_cfg = cfg.model_dump(mode="json", exclude=_SCHEDULING_FIELDS)
     if not _precomputed(masking):
-        return compute_digest(STAGE, cfg, inputs)
+        return compute_digest(STAGE, shard_cfg, inputs)
     # The masking algorithm's version is part of the identity: copies made by an earlier
     # hash must never be mistaken for what dynamic masking gives today.
     from mlm_pipeline.masking import MASKING_ALGORITHM  # torch, only on this path
 
     return compute_digest(
         STAGE,
-        {"shards": cfg, "masking": masking, "seed": seed, "masking_algorithm": MASKING_ALGORITHM},
+        {"shards": shard_cfg, "masking": masking, "seed": seed,
+         "masking_algorithm": MASKING_ALGORITHM},
         inputs,
     )
 
@@ -205,7 +212,8 @@ def write_shards(
 
     Args:
         cfg: `seq_len` (tokens per row, [CLS] included), `rows_per_shard`,
-            `encode_batch_size` (documents per encode task), `num_threads` (encode worker
+            `encode_batch_size` and `encode_batch_bytes` (most documents and bytes of
+            text per encode task), `num_threads` (encode worker
             threads, 0 = one per core this process may use; the output does not depend
             on it).
         corpus: the ingested corpus (`train` and `validation` Parquet files).
@@ -321,7 +329,7 @@ def _write_split(
     pending: deque[Future[np.ndarray]] = deque()
     with ThreadPoolExecutor(workers, thread_name_prefix="shards-encode") as pool:
         try:
-            batches = _read_texts(paths, cfg.encode_batch_size)
+            batches = _read_texts(paths, cfg.encode_batch_size, cfg.encode_batch_bytes)
             while True:
                 # Keep `workers + 1` batches in flight: every worker busy, one queued.
                 while len(pending) <= workers and (column := next(batches, None)) is not None:
@@ -353,9 +361,10 @@ def _write_split(
     )
 
 
-def _read_texts(paths: list[Path], batch_size: int) -> Iterator[pa.Array]:
+def _read_texts(paths: list[Path], batch_size: int, batch_bytes: int) -> Iterator[pa.Array]:
     """The `text` column of ingested Parquet files as Arrow string arrays of at most
-    `batch_size` documents, in file and row order (Parquet decoding releases the GIL).
+    `batch_size` documents and `batch_bytes` UTF-8 bytes (a longer document alone), in
+    file and row order (Parquet decoding releases the GIL; slices are zero-copy).
 
     Raises:
         ValueError: a file is not Parquet, lacks a string `text` column, or holds a null
@@ -365,16 +374,33 @@ def _read_texts(paths: list[Path], batch_size: int) -> Iterator[pa.Array]:
         try:
             pf = open_documents(path)
             row = 0
-            for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
+            # Decoded in this thread (`use_threads=False`): one text column gains nothing
+            # from Arrow's thread pool, whose threads' heaps grew peak RSS by ~30 MiB over
+            # the 16x benchmark corpus (benchmarks/bench_data.py).
+            for batch in pf.iter_batches(batch_size=batch_size, columns=["text"],
+                                         use_threads=False):
                 column = batch.column(0)
                 if column.null_count:
                     first = int(np.flatnonzero(column.is_null().to_numpy(False))[0])
                     raise ValueError(f"{path}: row {row + first}: 'text' is null")
                 row += len(column)
-                if len(column):
-                    yield column
+                yield from _byte_slices(column, batch_bytes)
         except (pa.ArrowException, OSError) as exc:
             raise ValueError(f"{path}: cannot read Parquet documents: {exc}") from exc
+
+
+def _byte_slices(column: pa.Array, batch_bytes: int) -> Iterator[pa.Array]:
+    """Consecutive zero-copy slices of a string array, each of at most `batch_bytes` bytes
+    of text or one longer document; nothing for an empty array."""
+    width = np.int64 if pa.types.is_large_string(column.type) else np.int32
+    offsets = np.frombuffer(column.buffers()[1], width)[column.offset :][: len(column) + 1]
+    start, n = 0, len(column)
+    while start < n:
+        # Largest end with offsets[end] - offsets[start] <= batch_bytes, at least start + 1.
+        end = int(np.searchsorted(offsets, offsets[start] + batch_bytes, side="right")) - 1
+        end = min(max(end, start + 1), n)
+        yield column.slice(start, end - start)
+        start = end
 
 
 def _encode_stream(

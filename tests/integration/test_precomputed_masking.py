@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, ShardConfig, TrainConfig
-from mlm_pipeline.manifest import compute_digest
 from mlm_pipeline.maskers import build_masker
 from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
 from mlm_pipeline.shard_io import open_masked_shard, open_shard
@@ -135,18 +134,31 @@ def test_each_row_gets_dupe_factor_distinct_maskings(precomputed):
         assert len(seen) == DUPE, f"row {r}"
 
 
-def test_dynamic_digest_is_unchanged(
+def test_digest_depends_on_masking_only_when_precomputed(
     tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest, tiny_shard_manifest
 ):
-    inputs = {"corpus": tiny_corpus_manifest.digest, "tokenizer": tiny_tokenizer_manifest.digest}
-    old = compute_digest("shards", tiny_shard_config, inputs)  # the digest before this change
     args = (tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest)
-    assert shards_digest(*args) == old == tiny_shard_manifest.digest
+    old = shards_digest(*args)
+    assert old == tiny_shard_manifest.digest
     assert shards_digest(*args, MaskingConfig(dupe_factor=3), 99) == old
     pre = shards_digest(*args, MASKING, SEED)
     assert pre != old
     assert shards_digest(*args, MASKING, SEED + 1) != pre
     assert shards_digest(*args, MASKING.model_copy(update={"dupe_factor": 2}), SEED) != pre
+
+
+def test_digest_ignores_scheduling_settings(
+    tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest
+):
+    inputs = (tiny_corpus_manifest, tiny_tokenizer_manifest)
+    base = shards_digest(tiny_shard_config, *inputs)
+    for update in ({"num_threads": 3}, {"encode_batch_size": 7},
+                   {"encode_batch_bytes": 100}):
+        assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs) == base
+        assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs, MASKING,
+                             SEED) == shards_digest(tiny_shard_config, *inputs, MASKING, SEED)
+    for update in ({"seq_len": 32}, {"rows_per_shard": 65}):
+        assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs) != base
 
 
 def test_cached_rerun_does_not_rewrite(precomputed, tiny_corpus_manifest,

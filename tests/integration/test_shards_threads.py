@@ -4,6 +4,7 @@ names the file and row of bad Parquet input."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 import pyarrow as pa
@@ -120,3 +121,34 @@ def test_missing_text_column_and_non_parquet_name_the_file(
     corpus.file(name).write_text("not parquet")
     with pytest.raises(ValueError, match=rf"{name}: cannot read Parquet documents"):
         write_shards(ShardConfig(seq_len=SEQ_LEN), corpus, tiny_tokenizer_manifest, tmp_path)
+
+
+def test_byte_capped_batches_give_the_same_shards(
+    by_threads, tiny_corpus_manifest, tiny_tokenizer_manifest, tmp_path
+):
+    """A byte cap below most documents' length (one document per task) and one that
+    groups a few documents give the shards of one document per task."""
+    for cap in (1, 600):
+        cfg = ShardConfig(seq_len=SEQ_LEN, rows_per_shard=50, encode_batch_size=1000,
+                          encode_batch_bytes=cap, num_threads=2)
+        m = write_shards(cfg, tiny_corpus_manifest, tiny_tokenizer_manifest, tmp_path / str(cap))
+        assert file_hashes(m) == file_hashes(by_threads[1])
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+def test_byte_slices_bound_bytes_and_keep_every_document(kind):
+    from mlm_pipeline.shards import _byte_slices
+
+    rng = np.random.default_rng(0)
+    texts = ["é" * int(n) for n in rng.integers(0, 400, size=300)] + ["x" * 5000, ""]
+    column = pa.array(texts, kind).slice(3)  # a non-zero array offset
+    slices = list(_byte_slices(column, 1000))
+    assert [t for s in slices for t in s.to_pylist()] == texts[3:]
+    for s in slices:
+        size = sum(len(t.encode()) for t in s.to_pylist())
+        assert len(s) >= 1 and (size <= 1000 or len(s) == 1)
+    # Greedy: adding the next document to any slice would pass the cap.
+    for s, nxt in itertools.pairwise(slices):
+        size = sum(len(t.encode()) for t in s.to_pylist())
+        assert size + len(nxt.to_pylist()[0].encode()) > 1000
+    assert list(_byte_slices(pa.array([], kind), 1000)) == []
