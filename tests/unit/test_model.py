@@ -74,6 +74,25 @@ def test_masked_head_matches_full_head_loss_and_gradients(model):
         assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=0), name
 
 
+@pytest.mark.parametrize("rows", [4, 8])  # N below 64 (padded) and exactly 64 (not padded)
+def test_head_rows_are_padded_to_a_multiple_of_64(model, rows):
+    input_ids, labels = batch(b=rows, seed=2)
+    if rows == 8:  # exactly 64 predicted positions: 8 per row
+        labels = torch.full_like(input_ids, -100)
+        labels[:, :8] = input_ids[:, :8]
+    n = int((labels != -100).sum())
+    seen = []
+    hook = model.head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    out = model(input_ids, labels=labels)
+    hook.remove()
+    assert seen == [-(-n // 64) * 64] and (rows == 4) == (seen[0] > n)
+    # The returned logits are the N real rows, in row-major order of the positions.
+    with torch.no_grad():
+        ref = model.head(model.encode(input_ids)[labels != -100])[:, :VOCAB]
+    torch.testing.assert_close(out.logits.detach(), ref, atol=1e-5, rtol=0)
+    assert int(out.num_masked) == n
+
+
 def test_nothing_maskable_gives_zero_loss_that_backpropagates(model):
     input_ids, _ = batch()
     labels = torch.full_like(input_ids, -100)
