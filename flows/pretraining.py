@@ -33,7 +33,8 @@ from mlm_pipeline.manifest import (
     TokenizerManifest,
     TrainManifest,
 )
-from mlm_pipeline.tracking import MlflowTracker, MultiSink, StdoutSink
+from mlm_pipeline.sinks import MultiSink, StdoutSink
+from mlm_pipeline.tracking import MlflowTracker
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
 

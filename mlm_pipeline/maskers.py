@@ -1,4 +1,5 @@
-"""Stateful maskers the training loop calls: dynamic (keyed by epoch) or precomputed.
+"""Stateful maskers the training loop calls: dynamic (keyed by epoch) or precomputed; and
+the writer of the precomputed copies (`write_masked_copies`, called by the shards stage).
 
 Both produce exactly what `mlm_pipeline.masking.mask_tokens` gives for (seed, epoch, row):
 the dynamic masker computes it on the training device, the precomputed one reads the
@@ -9,6 +10,7 @@ copies the shards stage wrote with it. `build_masker` is the single dispatch poi
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -16,10 +18,12 @@ import torch
 from torch import Tensor
 
 from mlm_pipeline.config import NUM_SPECIAL, MaskingConfig
-from mlm_pipeline.manifest import ShardManifest
+from mlm_pipeline.manifest import FileEntry, ShardManifest
 from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
+from mlm_pipeline.shard_io import open_shard, write_arrow
 
 if TYPE_CHECKING:
+    from mlm_pipeline.tokenizer import Tokenizer
     from mlm_pipeline.train.data import PrecomputedShardDataset
 
 logger = logging.getLogger(__name__)
@@ -261,3 +265,64 @@ def build_masker(
 
         return PrecomputedMasker(cfg, vocab_size, seed, PrecomputedShardDataset(shards))
     raise ValueError(f"masking: unknown mode {cfg.mode!r}")
+
+
+#: Rows masked per `mask_tokens` call: bounds the (3, rows, seq_len) int64 hash buffer.
+_MASK_CHUNK_ROWS = 4096
+
+
+def write_masked_copies(
+    shards: list[FileEntry], out_dir: Path, masking: MaskingConfig, seed: int,
+    tok: Tokenizer, seq_len: int,
+) -> list[FileEntry]:
+    """Write the `dupe_factor` masked copies of the training shards (precomputed masking;
+    layout and naming in the `mlm_pipeline.shards` docstring).
+
+    Copy `c` of shard `i` is `train-copy{c}-{i:05d}.arrow`: `input_ids`
+    (fixed_size_list<uint16|uint32>[seq_len], the shards' dtype) and `labels`
+    (fixed_size_list<int32>[seq_len], -100 where not predicted), made by `mask_tokens`
+    keyed by (seed, epoch=c, row_index = global training row), so copy `c` equals what
+    dynamic masking gives in epoch `c`.
+
+    Args:
+        shards: entries of the unmasked training shards, in row order.
+        out_dir: the shards stage directory (entries' paths are relative to it).
+        masking: `dupe_factor`, `mlm_probability`, replacement shares, `selection`,
+            `whole_word` (word starts from `Tokenizer.word_starts`).
+        seed: masking seed (the training seed).
+        tok: the tokenizer (vocabulary size, word starts).
+        seq_len: tokens per row.
+
+    Returns:
+        The copies' entries, copy-major, then shard order.
+
+    Raises:
+        OSError: a copy cannot be written (its temporary file is removed).
+    """
+    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
+    entries: list[FileEntry] = []
+    for c in range(masking.dupe_factor):
+        first_row = 0
+        for i, entry in enumerate(shards):
+            rows = open_shard(out_dir / entry.path)
+            ids_out = np.empty_like(rows)
+            labels_out = np.empty(rows.shape, np.int32)
+            for start in range(0, len(rows), _MASK_CHUNK_ROWS):
+                chunk = torch.from_numpy(rows[start : start + _MASK_CHUNK_ROWS].astype(np.int64))
+                row_index = torch.arange(first_row + start, first_row + start + len(chunk))
+                ids, labels = mask_tokens(
+                    chunk, vocab_size=tok.vocab_size, row_index=row_index, seed=seed, epoch=c,
+                    mlm_probability=masking.mlm_probability,
+                    mask_replace_prob=masking.mask_replace_prob,
+                    random_replace_prob=masking.random_replace_prob,
+                    selection=masking.selection, word_starts=word_starts,
+                )
+                ids_out[start : start + len(chunk)] = ids.numpy()
+                labels_out[start : start + len(chunk)] = labels.numpy()
+            path = out_dir / f"train-copy{c}-{i:05d}.arrow"
+            entries.append(write_arrow(out_dir, path, {"input_ids": ids_out,
+                                                        "labels": labels_out}, seq_len))
+            first_row += len(rows)
+        logger.info("shards: masked copy %d of %d written (%d rows)", c + 1,
+                    masking.dupe_factor, first_row)
+    return entries

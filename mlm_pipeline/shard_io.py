@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import BinaryIO
 
@@ -22,6 +23,9 @@ import pyarrow.ipc as ipc
 from mlm_pipeline.manifest import FileEntry, ShardManifest, sha256_file
 
 logger = logging.getLogger(__name__)
+
+#: Name of a masked copy's shard: copy index, shard index (`mlm_pipeline.shards` docstring).
+MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
 
 
 class _HashingFile:
@@ -192,3 +196,38 @@ def verify_shards(manifest: ShardManifest) -> None:
                 raise ValueError(
                     f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}"
                 )
+
+
+def masked_copies(manifest: ShardManifest) -> int:
+    """Masked copies of the training split the manifest lists (0 without precomputed
+    masking): `ShardSplit.masked_copies`, or, for manifests written before that field, the
+    copies named `train-copy{c}-{i:05d}.arrow` among the shards."""
+    if manifest.train.masked_copies:
+        return manifest.train.masked_copies
+    found = {int(m.group(1)) for e in manifest.train.shards
+             if (m := MASKED_COPY_NAME.fullmatch(e.path))}
+    return len(found)
+
+
+def split_shards(manifest: ShardManifest, split: str, copy: int | None = None) -> list[FileEntry]:
+    """The shard entries of `split`: the unmasked ones (`copy=None`), or those of masked
+    copy `copy` of the training split, in row order (empty when there is no such copy).
+
+    The entries are `k + 1` equal runs, the unmasked shards then copy 0, 1, ... (module
+    docstring), `k = masked_copies(manifest)` for the training split and 0 for validation.
+
+    Raises:
+        ValueError: the number of entries is not a multiple of `k + 1` (the manifest is
+            named).
+    """
+    entries = getattr(manifest, split).shards
+    k = masked_copies(manifest) if split == "train" else 0
+    n, extra = divmod(len(entries), k + 1)
+    if extra:
+        raise ValueError(f"{manifest.path}: {len(entries)} {split} shards do not split into "
+                         f"the unmasked rows and {k} masked copies of equal length")
+    if copy is None:
+        return entries[:n]
+    if not 0 <= copy < k:
+        return []
+    return entries[n * (copy + 1) : n * (copy + 2)]

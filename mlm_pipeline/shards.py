@@ -41,8 +41,9 @@ corrupted ids, storage dtype of the split), and `labels`, `fixed_size_list<int32
 so a copy equals what dynamic masking gives in epoch `c`. The copies' entries follow the
 unmasked ones in `ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one
 copy; `ShardSplit.masked_copies` = `dupe_factor`, `ShardManifest.masking` = the masking
-config and seed); `masked_copies` and `split_shards` tell them apart by that count (by
-name for manifests written before it). The copies use the config's `selection` and
+config and seed); `shard_io.masked_copies` and `shard_io.split_shards` tell them apart by
+that count (by name for manifests written before it). `maskers.write_masked_copies` writes
+them. The copies use the config's `selection` and
 `whole_word` (word starts from `Tokenizer.word_starts`). The validation split is never
 masked here: evaluation masks it with its own fixed seed. Torch is imported only when
 copies are written.
@@ -56,7 +57,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,8 +80,9 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.shard_io import open_shard, write_arrow
-from mlm_pipeline.tokenizer import Tokenizer, open_documents
+from mlm_pipeline.shard_io import write_arrow
+from mlm_pipeline.documents import open_documents
+from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +92,8 @@ PACKING = "full-sentences: [CLS] + (seq_len-1) tokens of the doc[SEP] stream, re
 #: Largest vocabulary whose ids fit in uint16.
 UINT16_VOCAB = 1 << 16
 _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
-
-
-#: Name of a masked copy's shard: copy index, shard index (see the module docstring).
-MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
 #: ShardConfig fields that do not change the shards (see `shards_digest`).
 _SCHEDULING_FIELDS = {"num_threads", "encode_batch_size", "encode_batch_bytes"}
-#: Rows masked per `mask_tokens` call: bounds the (3, rows, seq_len) int64 hash buffer.
-_MASK_CHUNK_ROWS = 4096
 
 
 def _precomputed(masking: MaskingConfig | None) -> bool:
@@ -131,41 +126,6 @@ def shards_digest(
          "masking_algorithm": MASKING_ALGORITHM},
         inputs,
     )
-
-
-def masked_copies(manifest: ShardManifest) -> int:
-    """Masked copies of the training split the manifest lists (0 without precomputed
-    masking): `ShardSplit.masked_copies`, or, for manifests written before that field, the
-    copies named `train-copy{c}-{i:05d}.arrow` among the shards."""
-    if manifest.train.masked_copies:
-        return manifest.train.masked_copies
-    found = {int(m.group(1)) for e in manifest.train.shards
-             if (m := MASKED_COPY_NAME.fullmatch(e.path))}
-    return len(found)
-
-
-def split_shards(manifest: ShardManifest, split: str, copy: int | None = None) -> list[FileEntry]:
-    """The shard entries of `split`: the unmasked ones (`copy=None`), or those of masked
-    copy `copy` of the training split, in row order (empty when there is no such copy).
-
-    The entries are `k + 1` equal runs, the unmasked shards then copy 0, 1, ... (module
-    docstring), `k = masked_copies(manifest)` for the training split and 0 for validation.
-
-    Raises:
-        ValueError: the number of entries is not a multiple of `k + 1` (the manifest is
-            named).
-    """
-    entries = getattr(manifest, split).shards
-    k = masked_copies(manifest) if split == "train" else 0
-    n, extra = divmod(len(entries), k + 1)
-    if extra:
-        raise ValueError(f"{manifest.path}: {len(entries)} {split} shards do not split into "
-                         f"the unmasked rows and {k} masked copies of equal length")
-    if copy is None:
-        return entries[:n]
-    if not 0 <= copy < k:
-        return []
-    return entries[n * (copy + 1) : n * (copy + 2)]
 
 
 @contextmanager
@@ -276,7 +236,9 @@ def write_shards(
     masking_record = None
     if _precomputed(masking):
         train = splits["train"]
-        copies = _write_masked_copies(train.shards, out_dir, masking, seed, tok, cfg.seq_len)
+        from mlm_pipeline.maskers import write_masked_copies  # torch: only on this path
+
+        copies = write_masked_copies(train.shards, out_dir, masking, seed, tok, cfg.seq_len)
         splits["train"] = train.model_copy(update={"shards": train.shards + copies,
                                                    "masked_copies": masking.dupe_factor})
         from mlm_pipeline.masking import MASKING_ALGORITHM
@@ -417,45 +379,6 @@ def _encode_stream(
     sep = np.array([SEP_ID], np.int32)
     # One pass: [pieces0, SEP, pieces1, SEP, ...] cast to the storage dtype while copying.
     return np.concatenate([a for p in pieces for a in (p, sep)], dtype=dtype, casting="unsafe")
-
-
-def _write_masked_copies(
-    shards: list[FileEntry], out_dir: Path, masking: MaskingConfig, seed: int,
-    tok: Tokenizer, seq_len: int,
-) -> list[FileEntry]:
-    """Write the `dupe_factor` masked copies of the training shards; returns their entries
-    (copy-major, then shard order)."""
-    import torch  # only here: this module stays torch-free at import (STYLE rule 3)
-
-    from mlm_pipeline.masking import mask_tokens
-
-    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
-    entries: list[FileEntry] = []
-    for c in range(masking.dupe_factor):
-        first_row = 0
-        for i, entry in enumerate(shards):
-            rows = open_shard(out_dir / entry.path)
-            ids_out = np.empty_like(rows)
-            labels_out = np.empty(rows.shape, np.int32)
-            for start in range(0, len(rows), _MASK_CHUNK_ROWS):
-                chunk = torch.from_numpy(rows[start : start + _MASK_CHUNK_ROWS].astype(np.int64))
-                row_index = torch.arange(first_row + start, first_row + start + len(chunk))
-                ids, labels = mask_tokens(
-                    chunk, vocab_size=tok.vocab_size, row_index=row_index, seed=seed, epoch=c,
-                    mlm_probability=masking.mlm_probability,
-                    mask_replace_prob=masking.mask_replace_prob,
-                    random_replace_prob=masking.random_replace_prob,
-                    selection=masking.selection, word_starts=word_starts,
-                )
-                ids_out[start : start + len(chunk)] = ids.numpy()
-                labels_out[start : start + len(chunk)] = labels.numpy()
-            path = out_dir / f"train-copy{c}-{i:05d}.arrow"
-            entries.append(write_arrow(out_dir, path, {"input_ids": ids_out,
-                                                        "labels": labels_out}, seq_len))
-            first_row += len(rows)
-        logger.info("shards: masked copy %d of %d written (%d rows)", c + 1,
-                    masking.dupe_factor, first_row)
-    return entries
 
 
 class _ShardWriter:

@@ -22,6 +22,9 @@ this with sentencepiece 0.2.3: "chat\\tdort" gives [UNK] for the tab). A custom 
 it is compiled into the `.model` file, so any SentencePiece runtime reading the model encodes
 the same ids. `remove_extra_whitespaces` (default) then collapses runs of spaces.
 
+The trainer's input file (the training split's documents as bounded lines) is written by
+`mlm_pipeline.documents`.
+
 This module imports neither torch nor prefect.
 """
 
@@ -34,17 +37,15 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, SPECIAL_TOKENS
 from mlm_pipeline.config import UNK_ID
 from mlm_pipeline.config import TokenizerConfig
+from mlm_pipeline.documents import write_training_text
 from mlm_pipeline.manifest import CorpusManifest, Stopwatch, TokenizerManifest, compute_digest
 from mlm_pipeline.manifest import file_entry, load_if_complete, read_manifest, stage_dir
 from mlm_pipeline.manifest import write_manifest
@@ -122,7 +123,7 @@ def train_tokenizer(
     try:
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp-") as tmp_name:
             tmp = Path(tmp_name)
-            lines, sample_digest = _write_training_text(
+            lines, sample_digest = write_training_text(
                 corpus, tmp / "train.txt", cfg.max_sentence_length
             )
             if lines == 0:
@@ -161,131 +162,6 @@ def train_tokenizer(
         cfg.model_type, vocab_size, read, lines, watch.elapsed,
     )
     return manifest
-
-
-def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
-    """Split `line` into pieces of at most `max_bytes` UTF-8 bytes, never dropping text.
-
-    Pieces break at whitespace (runs of whitespace become the break); a single word longer
-    than `max_bytes` is cut at character boundaries. A line that fits is yielded unchanged.
-
-    Args:
-        line: one line of text (no newline).
-        max_bytes: largest piece in UTF-8 bytes (SentencePiece skips longer training lines).
-
-    Yields:
-        Non-empty pieces, in order.
-    """
-    if len(line.encode("utf-8")) <= max_bytes:
-        yield line
-        return
-    current, size = [], 0
-    for word in line.split():
-        n = len(word.encode("utf-8"))
-        if n > max_bytes:
-            if current:
-                yield " ".join(current)
-                current, size = [], 0
-            yield from _cut_word(word, max_bytes)
-            continue
-        extra = n + (1 if current else 0)
-        if size + extra > max_bytes:
-            yield " ".join(current)
-            current, size = [word], n
-        else:
-            current.append(word)
-            size += extra
-    if current:
-        yield " ".join(current)
-
-
-def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
-    start, size = 0, 0
-    for i, ch in enumerate(word):
-        n = len(ch.encode("utf-8"))
-        if size + n > max_bytes:
-            yield word[start:i]
-            start, size = i, 0
-        size += n
-    yield word[start:]
-
-
-def open_documents(path: str | os.PathLike[str]) -> pq.ParquetFile:
-    """Open an ingested Parquet document file after checking its `text` column.
-
-    Read-ahead of whole column chunks (`pre_buffer`, pyarrow's default) is off: it holds
-    tens of MiB for a large file, and readers here stream batch by batch.
-
-    Raises:
-        ValueError: the file has no string (or large string) column `text` (named).
-        pyarrow.ArrowException, OSError: the file is not readable Parquet.
-    """
-    pf = pq.ParquetFile(path, pre_buffer=False)
-    schema = pf.schema_arrow
-    kind = schema.field("text").type if "text" in schema.names else None
-    if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
-    return pf
-
-
-def iter_text_batches(
-    paths: list[str | os.PathLike[str]], batch_size: int
-) -> Iterator[list[str]]:
-    """Stream the `text` column of ingested Parquet document files, in order.
-
-    Memory stays at about two batches: files are read with `ParquetFile.iter_batches`.
-
-    Args:
-        paths: Parquet files with a string column `text` (ingestion's document shards).
-        batch_size: documents per yielded list (the last list may be shorter).
-
-    Yields:
-        Lists of document texts, in file and row order.
-
-    Raises:
-        ValueError: a file lacks a string `text` column, or a `text` value is null (the file
-            and row are named).
-    """
-    pending: list[str] = []
-    for path in paths:
-        pf = open_documents(path)
-        row = 0
-        for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
-            texts = batch.column(0).to_pylist()
-            if batch.column(0).null_count:
-                raise ValueError(f"{path}: row {row + texts.index(None)}: 'text' is null")
-            row += len(texts)
-            pending.extend(texts)
-            while len(pending) >= batch_size:
-                yield pending[:batch_size]
-                pending = pending[batch_size:]
-    if pending:
-        yield pending
-
-
-def _write_training_text(
-    corpus: CorpusManifest, path: Path, max_bytes: int
-) -> tuple[int, str]:
-    """Write one training sentence per line (UTF-8, "\\n" after each).
-
-    Returns:
-        The number of lines written and the hex sha256 of the file's bytes, hashed while
-        writing (the file is never read back).
-    """
-    written = 0
-    sha = hashlib.sha256()
-    with open(path, "wb") as f:
-        paths = [corpus.file(e.path) for e in corpus.train]
-        for text in (t for batch in iter_text_batches(paths, 1024) for t in batch):
-            for line in text.split("\n"):
-                if not line.strip():
-                    continue
-                for piece in split_long_line(line, max_bytes):
-                    data = (piece + "\n").encode("utf-8")
-                    f.write(data)
-                    sha.update(data)
-                    written += 1
-    return written, sha.hexdigest()
 
 
 def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:

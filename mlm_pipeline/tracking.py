@@ -1,15 +1,13 @@
-"""MLflow run lifecycle and `MlflowSink`: the only module that talks to MLflow.
+"""MLflow run lifecycle: `MlflowTracker` and the tracking-URI helpers. With
+`mlm_pipeline.mlflow_sink` (`MlflowSink`, batched step metrics), the only modules that talk
+to MLflow.
 
 `MlflowTracker` owns one `MlflowClient` and takes an explicit `run_id` everywhere: MLflow's
-active run is per thread, and Prefect tasks may run in other threads. `MlflowSink` is the
-`MetricsSink` (see `mlm_pipeline.sinks`, re-exported here) that sends step metrics in
-batches.
+active run is per thread, and Prefect tasks may run in other threads.
 
 mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
-torch or prefect). Before the first import, `MLFLOW_DISABLE_TELEMETRY` is set to `true` unless
-the environment already sets it: MLflow 3 otherwise sends usage events to an outside endpoint
-from every process, which offline workers cannot reach and which users never agreed to; the
-user's own setting wins.
+torch or prefect); the client comes from `mlflow_sink._mlflow_client`, which turns MLflow's
+telemetry off unless the environment sets it (why: see `mlm_pipeline.mlflow_sink`).
 
 Artifacts with a SQLite backend: MLflow 3.17 puts a new experiment's artifacts under
 `<cwd>/mlruns/<experiment_id>` (the default artifact root `./mlruns`, resolved against the
@@ -19,9 +17,8 @@ SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (
 other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
 experiments keep their location; an MLflow server decides for itself.
 
-Limits (MLflow 3.17 `mlflow/utils/validation.py`): 1000 metrics and 100 params or tags per
-`log_batch`, param values up to 6000 characters, tag values up to 8000, keys as in
-`sinks.check_key`.
+Limits (MLflow 3.17 `mlflow/utils/validation.py`): 100 params or tags per `log_batch`, param
+values up to 6000 characters, tag values up to 8000, keys as in `sinks.check_key`.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ import posixpath
 import re
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,166 +38,21 @@ from urllib.parse import urlparse
 from urllib.request import pathname2url, url2pathname
 
 from mlm_pipeline.config import TrackingConfig
-from mlm_pipeline.sinks import (
-    JsonlSink,
-    MetricsSink,
-    MultiSink,
-    StdoutSink,
-    check_key,
-    format_value,
-    to_float,
-)
+from mlm_pipeline.mlflow_sink import MlflowSink, _mlflow_client
+from mlm_pipeline.sinks import check_key
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
-    from mlflow.entities import Metric, Run
+    from mlflow.entities import Run
 
-__all__ = [
-    "JsonlSink", "MetricsSink", "MlflowSink", "MlflowTracker", "MultiSink", "StdoutSink",
-    "check_key", "format_value", "git_commit", "resolve_tracking_uri", "sqlite_db_path",
-]
+__all__ = ["MlflowTracker", "git_commit", "resolve_tracking_uri", "sqlite_db_path"]
 
 logger = logging.getLogger(__name__)
 
-MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_TAG_VALUE_LENGTH = 8000
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
-
-
-def _mlflow_client(tracking_uri: str) -> MlflowClient:
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # why: see module docstring
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
-class MlflowSink:
-    """Buffers step metrics and sends them to an MLflow run with `MlflowClient.log_batch`.
-
-    One HTTP call per value costs ~13 ms against a server, so records are buffered and sent
-    when `flush_every` records are waiting, when `flush_interval_s` has passed since the last
-    send (checked on `log`, no background thread), on `flush()` and on `close()`; each send
-    carries at most 1000 metrics. Non-finite values are dropped and counted in
-    `dropped_nonfinite` (MLflow would store `inf` as the largest double). A failed automatic
-    send keeps the metrics for the next one and logs a warning, so an MLflow outage does not
-    stop training; `flush()` and `close()` raise. Timestamps are Unix milliseconds of `log`.
-
-    Args:
-        run_id: MLflow run to log to.
-        tracking_uri: MLflow tracking URI.
-        flush_every: records (log calls) buffered before an automatic send.
-        flush_interval_s: seconds after which the next `log` sends, however few records.
-        client: an `MlflowClient` to share; None creates one for `tracking_uri`.
-
-    Raises:
-        ValueError: `flush_every` < 1 or `flush_interval_s` < 0.
-    """
-
-    def __init__(
-        self,
-        run_id: str,
-        tracking_uri: str,
-        flush_every: int = 50,
-        flush_interval_s: float = 10.0,
-        client: MlflowClient | None = None,
-    ) -> None:
-        if flush_every < 1 or flush_interval_s < 0:
-            raise ValueError(
-                f"MlflowSink: flush_every={flush_every} must be >= 1 and "
-                f"flush_interval_s={flush_interval_s} >= 0"
-            )
-        self.run_id = run_id
-        self.flush_every = flush_every
-        self.flush_interval_s = flush_interval_s
-        self.client = client or _mlflow_client(tracking_uri)
-        from mlflow.entities import Metric
-
-        self._metric = Metric
-        self._buffer: list[Metric] = []
-        self._records = 0
-        self._last_send = time.monotonic()
-        self._lock = threading.Lock()
-        self._closed = False
-        self.sent = 0
-        """Metrics delivered to MLflow."""
-        self.dropped_nonfinite: dict[str, int] = {}
-        """Non-finite values dropped, by key."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer one record; send when due.
-
-        Raises:
-            ValueError: a key is not MLflow-legal (see `check_key`); nothing is buffered.
-            TypeError: a value is not a number.
-            RuntimeError: the sink is closed.
-        """
-        if self._closed:
-            raise RuntimeError(f"MlflowSink for run {self.run_id} is closed")
-        for key in metrics:  # all keys first, so a bad one leaves nothing buffered
-            check_key(key)
-        values = {key: to_float(key, value) for key, value in metrics.items()}
-        ts = int(time.time() * 1000)
-        batch = []
-        for key, v in values.items():
-            if math.isfinite(v):
-                batch.append(self._metric(key=key, value=v, timestamp=ts, step=int(step)))
-                continue
-            if key not in self.dropped_nonfinite:
-                logger.warning("run %s: dropping non-finite %s=%s at step %d (counted)",
-                               self.run_id, key, v, step)
-            self.dropped_nonfinite[key] = self.dropped_nonfinite.get(key, 0) + 1
-        with self._lock:
-            self._buffer.extend(batch)
-            self._records += 1
-            due = (
-                self._records >= self.flush_every
-                or len(self._buffer) >= MAX_METRICS_PER_BATCH
-                or time.monotonic() - self._last_send >= self.flush_interval_s
-            )
-        if due:
-            try:
-                self.flush()
-            except Exception as exc:  # keep training; the buffer is retried at the next send
-                logger.warning("run %s: sending %d metrics to MLflow failed, kept for retry: %s",
-                               self.run_id, len(self._buffer), exc)
-
-    def flush(self) -> None:
-        """Send every buffered metric, at most 1000 per `log_batch` call.
-
-        Raises:
-            mlflow.exceptions.MlflowException: the tracking backend rejected or missed a batch;
-                unsent metrics stay buffered.
-        """
-        with self._lock:
-            try:
-                while self._buffer:
-                    chunk = self._buffer[:MAX_METRICS_PER_BATCH]
-                    self._send(chunk)
-                    del self._buffer[: len(chunk)]
-                    self.sent += len(chunk)
-            finally:  # also after a failure, so an outage is retried per interval, not per step
-                self._records = 0
-                self._last_send = time.monotonic()
-
-    def _send(self, batch: list[Metric]) -> None:
-        """One `log_batch` request (a seam for tests that count requests)."""
-        self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
-
-    def close(self) -> None:
-        """Send what is buffered (idempotent) and log a summary of dropped values.
-
-        Raises:
-            mlflow.exceptions.MlflowException: the final send failed.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if self.dropped_nonfinite:
-            logger.warning("run %s: dropped non-finite metric values: %s",
-                           self.run_id, self.dropped_nonfinite)
-        self.flush()
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:

@@ -23,8 +23,12 @@ import numpy as np
 import torch
 
 from mlm_pipeline.manifest import ShardManifest
-from mlm_pipeline.shard_io import open_masked_shard, open_shard
-from mlm_pipeline.shards import masked_copies, split_shards
+from mlm_pipeline.shard_io import (
+    masked_copies,
+    open_masked_shard,
+    open_shard,
+    split_shards,
+)
 
 
 class ShardDataset:

@@ -42,8 +42,8 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.maskers import Masker, build_masker
 from mlm_pipeline.shard_io import verify_shards
+from mlm_pipeline.sinks import JsonlSink, MetricsSink
 from mlm_pipeline.tokenizer import Tokenizer
-from mlm_pipeline.tracking import JsonlSink, MetricsSink
 from mlm_pipeline.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,

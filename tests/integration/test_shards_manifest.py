@@ -9,8 +9,13 @@ import torch
 
 from mlm_pipeline.config import MaskingConfig, ShardConfig
 from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
-from mlm_pipeline.shard_io import open_masked_shard, open_shard
-from mlm_pipeline.shards import masked_copies, split_shards, write_shards
+from mlm_pipeline.shard_io import (
+    masked_copies,
+    open_masked_shard,
+    open_shard,
+    split_shards,
+)
+from mlm_pipeline.shards import write_shards
 from mlm_pipeline.tokenizer import Tokenizer
 
 SEQ_LEN, DUPE, SEED, NUM_SPECIAL = 32, 2, 5, 5

@@ -1,10 +1,10 @@
-"""Unit tests of `mlm_pipeline.corpora` that need no network."""
+"""Unit tests of `mlm_pipeline.corpora` and `mlm_pipeline.page_text` that need no network."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlm_pipeline import corpora
+from mlm_pipeline import corpora, page_text
 
 
 def test_html_to_text_keeps_visible_text_and_pre_layout():
@@ -19,14 +19,14 @@ def test_html_to_text_keeps_visible_text_and_pre_layout():
     # HTML whitespace runs (no-break spaces included) collapse to one space.
     want = ("Titre du chapitre\n\nPremier paragraphe, sur deux lignes.\n\nun\ndeux"
             "\n\n  indenté\n    ligne 2\n\na b")
-    assert corpora.html_to_text(page, ("id", "DisplayArea")) == want
-    assert "Précédent" not in corpora.html_to_text(page)
-    assert "pied" not in corpora.html_to_text(page)
+    assert page_text.html_to_text(page, ("id", "DisplayArea")) == want
+    assert "Précédent" not in page_text.html_to_text(page)
+    assert "pied" not in page_text.html_to_text(page)
 
 
 def test_clean_text_normalizes_and_removes_controls():
     raw = "cafe\u0301\r\nA\u200bB\x07\tC\u2028D\n\n\n\nE  F  "
-    assert corpora.clean_text(raw) == "caf\u00e9\nAB C\nD\n\nE F"
+    assert page_text.clean_text(raw) == "caf\u00e9\nAB C\nD\n\nE F"
 
 
 def test_drop_english_lines():
@@ -34,7 +34,7 @@ def test_drop_english_lines():
             "This sentence was left untranslated and should be removed from the corpus.\n"
             "apt install the-package\n"
             "Une autre ligne en français.")
-    assert corpora.drop_english_lines(text) == (
+    assert page_text.drop_english_lines(text) == (
         "Ce paragraphe est en français, avec des mots ordinaires.\n"
         "apt install the-package\nUne autre ligne en français.")
 

@@ -1,0 +1,161 @@
+"""Ingested Parquet document files as text: open, stream, and write as bounded lines.
+
+Ingestion writes each split of a corpus as Parquet files with a string column `text`, one
+document per row. This module reads them back for the later stages: `open_documents` opens
+and checks one file (shared by the tokenizer and shard stages), `iter_text_batches` streams
+the texts in batches, and `write_training_text` turns the training split into the line file
+that the SentencePiece trainer reads (each non-blank line of a document on a line of its
+own, a line longer than the trainer's limit cut by `split_long_line`, so no text is
+dropped).
+
+This module imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mlm_pipeline.manifest import CorpusManifest
+
+
+def open_documents(path: str | os.PathLike[str]) -> pq.ParquetFile:
+    """Open an ingested Parquet document file after checking its `text` column.
+
+    Read-ahead of whole column chunks (`pre_buffer`, pyarrow's default) is off: it holds
+    tens of MiB for a large file, and readers here stream batch by batch.
+
+    Raises:
+        ValueError: the file has no string (or large string) column `text` (named).
+        pyarrow.ArrowException, OSError: the file is not readable Parquet.
+    """
+    pf = pq.ParquetFile(path, pre_buffer=False)
+    schema = pf.schema_arrow
+    kind = schema.field("text").type if "text" in schema.names else None
+    if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: expected a string column 'text', schema is {schema}")
+    return pf
+
+
+def iter_text_batches(
+    paths: list[str | os.PathLike[str]], batch_size: int
+) -> Iterator[list[str]]:
+    """Stream the `text` column of ingested Parquet document files, in order.
+
+    Memory stays at about two batches: files are read with `ParquetFile.iter_batches`.
+
+    Args:
+        paths: Parquet files with a string column `text` (ingestion's document shards).
+        batch_size: documents per yielded list (the last list may be shorter).
+
+    Yields:
+        Lists of document texts, in file and row order.
+
+    Raises:
+        ValueError: a file lacks a string `text` column, or a `text` value is null (the file
+            and row are named).
+    """
+    pending: list[str] = []
+    for path in paths:
+        pf = open_documents(path)
+        row = 0
+        for batch in pf.iter_batches(batch_size=batch_size, columns=["text"]):
+            texts = batch.column(0).to_pylist()
+            if batch.column(0).null_count:
+                raise ValueError(f"{path}: row {row + texts.index(None)}: 'text' is null")
+            row += len(texts)
+            pending.extend(texts)
+            while len(pending) >= batch_size:
+                yield pending[:batch_size]
+                pending = pending[batch_size:]
+    if pending:
+        yield pending
+
+
+def write_training_text(
+    corpus: CorpusManifest, path: Path, max_bytes: int
+) -> tuple[int, str]:
+    """Write one training sentence per line (UTF-8, "\\n" after each).
+
+    Every non-blank line of every document of the corpus's training split is written, in
+    file and row order; a line longer than `max_bytes` is cut by `split_long_line`.
+
+    Args:
+        corpus: the ingested corpus; only its `train` Parquet files are read.
+        path: the text file to write (created or truncated).
+        max_bytes: longest line written, in UTF-8 bytes (newline excluded).
+
+    Returns:
+        The number of lines written and the hex sha256 of the file's bytes, hashed while
+        writing (the file is never read back).
+
+    Raises:
+        ValueError: a training file lacks a string `text` column, or a `text` value is null
+            (the file and row are named).
+    """
+    written = 0
+    sha = hashlib.sha256()
+    with open(path, "wb") as f:
+        paths = [corpus.file(e.path) for e in corpus.train]
+        for text in (t for batch in iter_text_batches(paths, 1024) for t in batch):
+            for line in text.split("\n"):
+                if not line.strip():
+                    continue
+                for piece in split_long_line(line, max_bytes):
+                    data = (piece + "\n").encode("utf-8")
+                    f.write(data)
+                    sha.update(data)
+                    written += 1
+    return written, sha.hexdigest()
+
+
+def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
+    """Split `line` into pieces of at most `max_bytes` UTF-8 bytes, never dropping text.
+
+    Pieces break at whitespace (runs of whitespace become the break); a single word longer
+    than `max_bytes` is cut at character boundaries. A line that fits is yielded unchanged.
+
+    Args:
+        line: one line of text (no newline).
+        max_bytes: largest piece in UTF-8 bytes (SentencePiece skips longer training lines).
+
+    Yields:
+        Non-empty pieces, in order.
+    """
+    if len(line.encode("utf-8")) <= max_bytes:
+        yield line
+        return
+    current, size = [], 0
+    for word in line.split():
+        n = len(word.encode("utf-8"))
+        if n > max_bytes:
+            if current:
+                yield " ".join(current)
+                current, size = [], 0
+            yield from _cut_word(word, max_bytes)
+            continue
+        extra = n + (1 if current else 0)
+        if size + extra > max_bytes:
+            yield " ".join(current)
+            current, size = [word], n
+        else:
+            current.append(word)
+            size += extra
+    if current:
+        yield " ".join(current)
+
+
+def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
+    start, size = 0, 0
+    for i, ch in enumerate(word):
+        n = len(ch.encode("utf-8"))
+        if size + n > max_bytes:
+            yield word[start:i]
+            start, size = i, 0
+        size += n
+    yield word[start:]
