@@ -14,6 +14,7 @@ deleted is recomputed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,7 @@ def _fresh(stage_task, *args):
 @flow(name="mlm-pretraining")
 def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
     """Pretrain a masked language model end to end and return the run summary."""
+    started_at = time.time()  # stages made before this are cache hits (summary)
     params = params or PretrainParams()
     cfg = load_config(params.config, params.overrides)
     run_id = start_tracking(cfg)
@@ -217,7 +219,8 @@ def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
         raise
     end_tracking(cfg, run_id, "FINISHED")
     tracker = MlflowTracker.from_config(cfg.tracking)
-    summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated)
+    summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
+                               started_at)
     create_markdown_artifact(key="run-summary", markdown=pipeline.summary_markdown(summary),
                              description="final metrics and the MLflow run")
     return summary

@@ -65,7 +65,12 @@ def _print_summary(result: dict, experiment: str) -> None:
         f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
         f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
         f"Checkpoint:    {result['checkpoint']}",
+        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens, "
+         f"{result['train_tokens_per_s_mean']:,.0f} tokens/s on average"),
     ]
+    if result.get("reused_stages"):
+        lines.append("Reused:        " + ", ".join(result["reused_stages"])
+                     + " (outputs of an earlier run with the same config and inputs)")
     for line in lines:  # paths and commands must stay copyable: never wrap them
         console.print(line, soft_wrap=True, highlight=False)
 

@@ -119,8 +119,26 @@ def summary(
     shards: ShardManifest,
     trained: TrainManifest,
     evaluated: EvalManifest,
+    started_at: float | None = None,
 ) -> dict[str, Any]:
-    """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able)."""
+    """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able).
+
+    Args:
+        tracker, run_id: the MLflow run (its id, tracking URI and page).
+        corpus, tokenizer, shards, trained, evaluated: the stages' manifests.
+        started_at: Unix time (s) at which this run started. A stage whose manifest was
+            created before it was reused from an earlier run (cache hit): it is listed in
+            `reused_stages`, and its `wall_time_s` is the time it took when it was made.
+
+    Returns:
+        Run id, tracking URI and run page, final metrics (the training loop's last log
+        interval and evaluation), steps, tokens seen, `train_tokens_per_s_mean` (tokens
+        seen / training stage wall time: start-up and checkpoints included), whether
+        training stopped early, checkpoint, manifests, per-stage wall times (s) and
+        `reused_stages`.
+    """
+    stages = (corpus, tokenizer, shards, trained, evaluated)
+    reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
     return {
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracker.tracking_uri,
@@ -128,15 +146,14 @@ def summary(
         "metrics": {**trained.final_metrics, **evaluated.metrics},
         "steps": trained.steps,
         "tokens_seen": trained.tokens_seen,
+        "train_tokens_per_s_mean": round(trained.tokens_seen / max(trained.wall_time_s, 1e-9), 1),
         "stopped_early": trained.stopped_early,
         "checkpoint": str(trained.file(trained.checkpoint_dir)),
         "manifests": {
             m.stage: str(m.path) for m in (corpus, tokenizer, shards, trained, evaluated)
         },
-        "wall_time_s": {
-            m.stage: round(m.wall_time_s, 2)
-            for m in (corpus, tokenizer, shards, trained, evaluated)
-        },
+        "wall_time_s": {m.stage: round(m.wall_time_s, 2) for m in stages},
+        "reused_stages": reused,
     }
 
 
@@ -198,7 +215,8 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
         f"MLflow run: [{run}]({link})" if link else
         f"MLflow run: `{run}` (tracking URI `{summary_dict['mlflow_tracking_uri']}`)",
         "",
-        f"Steps: {summary_dict['steps']:,}; tokens seen: {summary_dict['tokens_seen']:,}"
+        f"Steps: {summary_dict['steps']:,}; tokens seen: {summary_dict['tokens_seen']:,}; "
+        f"mean training speed: {summary_dict.get('train_tokens_per_s_mean', 0):,.0f} tokens/s"
         + (" (stopped early by `train.max_time_s`)" if summary_dict["stopped_early"] else ""),
         "",
         "| metric | value |",
@@ -208,6 +226,9 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
         lines.append(f"| `{key}` | {value:,.4f} |")
     lines += ["", f"Checkpoint: `{summary_dict['checkpoint']}`", "", "| stage | seconds | manifest |",
               "|---|---:|---|"]
+    reused = set(summary_dict.get("reused_stages", ()))
     for stage, path in summary_dict["manifests"].items():
-        lines.append(f"| {stage} | {summary_dict['wall_time_s'][stage]} | `{path}` |")
+        seconds = summary_dict["wall_time_s"][stage]
+        shown = f"reused ({seconds} when made)" if stage in reused else seconds
+        lines.append(f"| {stage} | {shown} | `{path}` |")
     return "\n".join(lines) + "\n"
