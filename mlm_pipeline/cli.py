@@ -33,8 +33,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "mlm_pipeline")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    # Fail on a bad config before paying for Prefect's start-up.
+    # Fail on a bad config or a mistyped input path before paying for Prefect's start-up
+    # (and before its task-failure tracebacks).
     cfg = load_config(args.config, args.set)
+    from mlm_pipeline.sources import check_local_sources
+
+    check_local_sources(cfg.ingest)
     from flows.pretraining import PretrainParams, mlm_pretraining
 
     logging.getLogger("mlm_pipeline").setLevel(logging.INFO)

@@ -83,27 +83,49 @@ def resolve_sources(cfg: IngestConfig) -> list[Source]:
         if entry.startswith("debian:"):
             files += corpora.fetch_debian_corpus(entry.removeprefix("debian:"), cache_dir)
             continue
-        p = Path(entry).expanduser()
-        if is_url(entry):
-            found: list[Source] = resolve_url(entry)
-        elif p.is_dir():
-            every = sorted(f for f in p.rglob("*") if f.is_file())
-            found = [f for f in every if supported(f.name)]
-            _skipped_warning(entry, [str(f.relative_to(p)) for f in every
-                                     if not supported(f.name)])
-        elif p.is_file():
-            found = [p]
-        else:
-            matches = glob.glob(os.path.expanduser(entry), recursive=True)
-            found = sorted(Path(g) for g in matches if Path(g).is_file())
-        if not found:
-            raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
-        for f in found:
-            if not supported(source_name(f)):
-                raise ValueError(f"ingest.sources: {f}: unsupported file type; expected "
-                                 f"one of {', '.join(SUPPORTED_SUFFIXES)}")
+        found = resolve_url(entry) if is_url(entry) else _local_files(entry)
+        _check_found(entry, found)
         files += [f if is_url(f) else f.resolve() for f in found]
     return files
+
+
+def check_local_sources(cfg: IngestConfig) -> None:
+    """Check the local entries of `cfg.sources` (paths, directories, globs) as
+    `resolve_sources` would, without fetching `debian:` corpora or listing URLs: the CLI
+    calls it before starting Prefect, so a mistyped path fails at once.
+
+    Raises:
+        FileNotFoundError: a local entry matches no file (the entry is named).
+        ValueError: a file has an unsupported extension (the file is named).
+    """
+    for entry in cfg.sources:
+        if not (entry.startswith("debian:") or is_url(entry)):
+            _check_found(entry, _local_files(entry, warn=False))  # ingest warns
+
+
+def _local_files(entry: str, warn: bool = True) -> list[Source]:
+    """Files of a local entry: the file, a directory's supported files (with `warn`, the
+    others are counted in a warning), or a glob's matches; sorted, possibly empty."""
+    p = Path(entry).expanduser()
+    if p.is_dir():
+        every = sorted(f for f in p.rglob("*") if f.is_file())
+        if warn:
+            _skipped_warning(entry, [str(f.relative_to(p)) for f in every
+                                     if not supported(f.name)])
+        return [f for f in every if supported(f.name)]
+    if p.is_file():
+        return [p]
+    matches = glob.glob(os.path.expanduser(entry), recursive=True)
+    return sorted(Path(g) for g in matches if Path(g).is_file())
+
+
+def _check_found(entry: str, found: list[Source]) -> None:
+    if not found:
+        raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
+    for f in found:
+        if not supported(source_name(f)):
+            raise ValueError(f"ingest.sources: {f}: unsupported file type; expected "
+                             f"one of {', '.join(SUPPORTED_SUFFIXES)}")
 
 
 def content_hash(path: Source) -> str:
