@@ -1,8 +1,8 @@
 """What a pipeline run records: lineage tags, data accounting, results and the summary.
 
 The flow in `flows/` calls these between stages; they turn stage manifests into MLflow
-tags, metrics and artifacts (through `mlm_pipeline.tracking` and `mlm_pipeline.mlflow_sink`, the
-only MLflow users) and into the summary a user reads at the end of a run. No torch, no prefect.
+tags, metrics and artifacts (through the `mlm_pipeline.tracking` package, the only MLflow
+user) and into the summary a user reads at the end of a run. No torch, no prefect.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Metrics sinks without MLflow: the training loop's way out for metrics (STYLE rule 8).
 
 The loop builds one `dict[str, float]` per log interval and hands it to a `MetricsSink`:
-`StdoutSink` (a log line), `JsonlSink` (a local file), `mlm_pipeline.mlflow_sink.MlflowSink`
+`StdoutSink` (a log line), `JsonlSink` (a local file), `mlm_pipeline.tracking.sink.MlflowSink`
 (batched MLflow calls) or a `MultiSink` of several. `check_key` holds the metric-key rule
 every sink shares, so a key that MLflow would reject fails in the first test, not at the end
 of a long run. This module imports neither mlflow, torch nor prefect.

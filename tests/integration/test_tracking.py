@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mlm_pipeline.config import PipelineConfig, TrackingConfig, flatten
-from mlm_pipeline.mlflow_sink import MlflowSink
+from mlm_pipeline.tracking.sink import MlflowSink
 from mlm_pipeline.tracking import MlflowTracker, git_commit, resolve_tracking_uri
 
 mlflow = pytest.importorskip("mlflow")
@@ -169,7 +169,7 @@ def test_mlflow_sink_caps_batches_at_1000_metrics(tracker, client, uri):
 def test_mlflow_sink_drops_and_counts_non_finite(tracker, client, uri, caplog):
     run_id = tracker.start_run({}, {})
     sink = tracker.sink(run_id)
-    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.mlflow_sink"):
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.sink"):
         sink.log({"train/loss": 1.0}, 0)
         sink.log({"train/loss": float("nan"), "train/grad_norm": 2.0}, 1)
         sink.log({"train/loss": float("inf")}, 2)
@@ -194,7 +194,7 @@ def test_mlflow_sink_rejects_illegal_key_and_buffers_nothing(tracker, client, ur
 def test_mlflow_sink_keeps_metrics_when_an_automatic_send_fails(tracker, client, uri, caplog):
     run_id = tracker.start_run({}, {})
     sink = CountingSink(run_id, uri, flush_every=1, flush_interval_s=3600, fail_first=1)
-    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.mlflow_sink"):
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.sink"):
         for step in range(3):
             sink.log({"train/loss": float(step)}, step)
     sink.close()

@@ -26,7 +26,7 @@ CHEAP_MODULES = [
     "mlm_pipeline.tokenizer",
     "mlm_pipeline.documents",
     "mlm_pipeline.tracking",
-    "mlm_pipeline.mlflow_sink",
+    "mlm_pipeline.tracking.sink",
     "mlm_pipeline.pipeline",
     "mlm_pipeline.cli",
 ]

@@ -1,13 +1,12 @@
-"""MLflow run lifecycle: `MlflowTracker` and the tracking-URI helpers. With
-`mlm_pipeline.mlflow_sink` (`MlflowSink`, batched step metrics), the only modules that talk
-to MLflow.
+"""The one place that talks to MLflow: the run lifecycle here (`MlflowTracker` and the
+tracking-URI helpers), batched step metrics in `mlm_pipeline.tracking.sink` (`MlflowSink`).
 
 `MlflowTracker` owns one `MlflowClient` and takes an explicit `run_id` everywhere: MLflow's
 active run is per thread, and Prefect tasks may run in other threads.
 
 mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
-torch or prefect); the client comes from `mlflow_sink._mlflow_client`, which turns MLflow's
-telemetry off unless the environment sets it (why: see `mlm_pipeline.mlflow_sink`).
+torch or prefect); the client comes from `sink._mlflow_client`, which turns MLflow's
+telemetry off unless the environment sets it (why: see `mlm_pipeline.tracking.sink`).
 
 Artifacts with a SQLite backend: MLflow 3.17 puts a new experiment's artifacts under
 `<cwd>/mlruns/<experiment_id>` (the default artifact root `./mlruns`, resolved against the
@@ -38,8 +37,8 @@ from urllib.parse import urlparse
 from urllib.request import pathname2url, url2pathname
 
 from mlm_pipeline.config import TrackingConfig
-from mlm_pipeline.mlflow_sink import MlflowSink, _mlflow_client
 from mlm_pipeline.sinks import check_key
+from mlm_pipeline.tracking.sink import MlflowSink, _mlflow_client
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -80,7 +79,7 @@ def sqlite_db_path(tracking_uri: str) -> Path | None:
 def git_commit() -> str | None:
     """Commit (40 hex) of the checkout this package runs from; None when the package is not
     the top of a git work tree's `mlm_pipeline/` (an installed wheel) or git is missing."""
-    pkg = Path(__file__).resolve().parent
+    pkg = Path(__file__).resolve().parents[1]  # mlm_pipeline/ (this is tracking/__init__.py)
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--show-toplevel", "HEAD"],
