@@ -3,10 +3,11 @@
 Ingestion writes each split of a corpus as Parquet files with a string column `text`, one
 document per row. This module reads them back for the later stages: `open_documents` opens
 and checks one file (shared by the tokenizer and shard stages), `iter_text_batches` streams
-the texts in batches, and `write_training_text` turns the training split into the line file
+the texts in batches, `write_training_text` turns the training split into the line file
 that the SentencePiece trainer reads (each non-blank line of a document on a line of its
 own, a line longer than the trainer's limit cut by `split_long_line`, so no text is
-dropped).
+dropped), and `text_tasks` cuts the texts into encode tasks bounded in documents and bytes
+(zero-copy Arrow slices) for the shard stage.
 
 This module imports neither torch nor prefect.
 """
@@ -18,6 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -159,3 +161,86 @@ def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
             start, size = i, 0
         size += n
     yield word[start:]
+
+
+#: Documents per Parquet read in `text_tasks`.
+_PARQUET_BATCH_ROWS = 128
+
+
+def text_tasks(
+    paths: list[Path], batch_size: int, batch_bytes: int
+) -> Iterator[list[pa.Array]]:
+    """The `text` column of ingested Parquet files as encode tasks: lists of consecutive
+    Arrow string arrays (zero-copy slices) holding at most `batch_size` documents and
+    `batch_bytes` UTF-8 bytes (a longer document alone), in file and row order.
+
+    Parquet is decoded `_PARQUET_BATCH_ROWS` documents at a time, in this thread: Arrow's
+    reader grows its output buffers by reallocation, and 1,024-document reads of the 16x
+    benchmark corpus (benchmarks/bench_data.py) held three 10 MiB jemalloc extents at
+    their peak against 3-4 MiB ones at 1x (memray, native traces): peak RSS of reading alone
+    was 89 / 112 MiB at 1x / 16x with 1,024 rows, 86 / 95 MiB with 256. Arrow's thread pool
+    (`use_threads`) gains nothing on one text column and its threads' heaps add memory.
+
+    Args:
+        paths: ingested Parquet document files (string column `text`), in order.
+        batch_size: most documents per task.
+        batch_bytes: most UTF-8 bytes of text per task (a longer document is a task alone).
+
+    Yields:
+        Lists of `pa.StringArray` / `pa.LargeStringArray` slices, one list per task.
+
+    Raises:
+        ValueError: a file is not Parquet, lacks a string `text` column, or holds a null
+            text (the file, and the row, are named).
+    """
+    pending: list[pa.Array] = []
+    docs = size = 0
+    for path in paths:
+        try:
+            pf = open_documents(path)
+            row = 0
+            for batch in pf.iter_batches(batch_size=min(batch_size, _PARQUET_BATCH_ROWS),
+                                         columns=["text"], use_threads=False):
+                column = batch.column(0)
+                if column.null_count:
+                    first = int(np.flatnonzero(column.is_null().to_numpy(False))[0])
+                    raise ValueError(f"{path}: row {row + first}: 'text' is null")
+                row += len(column)
+                for part in byte_slices(column, batch_bytes):
+                    nbytes = _text_bytes(part)
+                    if pending and (docs + len(part) > batch_size
+                                    or size + nbytes > batch_bytes):
+                        yield pending
+                        pending, docs, size = [], 0, 0
+                    pending.append(part)
+                    docs += len(part)
+                    size += nbytes
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{path}: cannot read Parquet documents: {exc}") from exc
+    if pending:
+        yield pending
+
+
+def _offsets(column: pa.Array) -> np.ndarray:
+    """The `len + 1` value offsets of a (large) string array, its array offset applied."""
+    width = np.int64 if pa.types.is_large_string(column.type) else np.int32
+    return np.frombuffer(column.buffers()[1], width)[column.offset :][: len(column) + 1]
+
+
+def _text_bytes(column: pa.Array) -> int:
+    """UTF-8 bytes of text in a (large) string array."""
+    offsets = _offsets(column)
+    return int(offsets[-1] - offsets[0]) if len(column) else 0
+
+
+def byte_slices(column: pa.Array, batch_bytes: int) -> Iterator[pa.Array]:
+    """Consecutive zero-copy slices of a (large) string array, each of at most
+    `batch_bytes` UTF-8 bytes of text or one longer document; nothing for an empty array."""
+    offsets = _offsets(column)
+    start, n = 0, len(column)
+    while start < n:
+        # Largest end with offsets[end] - offsets[start] <= batch_bytes, at least start + 1.
+        end = int(np.searchsorted(offsets, offsets[start] + batch_bytes, side="right")) - 1
+        end = min(max(end, start + 1), n)
+        yield column.slice(start, end - start)
+        start = end

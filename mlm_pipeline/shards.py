@@ -68,7 +68,7 @@ import pyarrow as pa
 import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
-from mlm_pipeline.documents import open_documents
+from mlm_pipeline.documents import text_tasks
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -92,8 +92,6 @@ PACKING = "full-sentences: [CLS] + (seq_len-1) tokens of the doc[SEP] stream, re
 #: Largest vocabulary whose ids fit in uint16.
 UINT16_VOCAB = 1 << 16
 _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
-#: Documents per Parquet read (see `_read_texts`).
-_PARQUET_BATCH_ROWS = 128
 #: ShardConfig fields that do not change the shards (see `shards_digest`).
 _SCHEDULING_FIELDS = {"num_threads", "encode_batch_size", "encode_batch_bytes"}
 
@@ -293,7 +291,7 @@ def _write_split(
     pending: deque[Future[np.ndarray]] = deque()
     with ThreadPoolExecutor(workers, thread_name_prefix="shards-encode") as pool:
         try:
-            batches = _read_texts(paths, cfg.encode_batch_size, cfg.encode_batch_bytes)
+            batches = text_tasks(paths, cfg.encode_batch_size, cfg.encode_batch_bytes)
             while True:
                 # Keep `workers + 1` batches in flight: every worker busy, one queued.
                 while len(pending) <= workers and (task := next(batches, None)) is not None:
@@ -323,77 +321,6 @@ def _write_split(
         tokens_in=tokens_in,
         remainder_tokens=len(carry),
     )
-
-
-def _read_texts(
-    paths: list[Path], batch_size: int, batch_bytes: int
-) -> Iterator[list[pa.Array]]:
-    """The `text` column of ingested Parquet files as encode tasks: lists of consecutive
-    Arrow string arrays (zero-copy slices) holding at most `batch_size` documents and
-    `batch_bytes` UTF-8 bytes (a longer document alone), in file and row order.
-
-    Parquet is decoded `_PARQUET_BATCH_ROWS` documents at a time, in this thread: Arrow's
-    reader grows its output buffers by reallocation, and 1,024-document reads of the 16x
-    benchmark corpus (benchmarks/bench_data.py) held three 10 MiB jemalloc extents at
-    their peak against 3-4 MiB ones at 1x (memray, native traces): peak RSS of reading alone
-    was 89 / 112 MiB at 1x / 16x with 1,024 rows, 86 / 95 MiB with 256. Arrow's thread pool
-    (`use_threads`) gains nothing on one text column and its threads' heaps add memory.
-
-    Raises:
-        ValueError: a file is not Parquet, lacks a string `text` column, or holds a null
-            text (the file, and the row, are named).
-    """
-    pending: list[pa.Array] = []
-    docs = size = 0
-    for path in paths:
-        try:
-            pf = open_documents(path)
-            row = 0
-            for batch in pf.iter_batches(batch_size=min(batch_size, _PARQUET_BATCH_ROWS),
-                                         columns=["text"], use_threads=False):
-                column = batch.column(0)
-                if column.null_count:
-                    first = int(np.flatnonzero(column.is_null().to_numpy(False))[0])
-                    raise ValueError(f"{path}: row {row + first}: 'text' is null")
-                row += len(column)
-                for part in _byte_slices(column, batch_bytes):
-                    nbytes = _text_bytes(part)
-                    if pending and (docs + len(part) > batch_size
-                                    or size + nbytes > batch_bytes):
-                        yield pending
-                        pending, docs, size = [], 0, 0
-                    pending.append(part)
-                    docs += len(part)
-                    size += nbytes
-        except (pa.ArrowException, OSError) as exc:
-            raise ValueError(f"{path}: cannot read Parquet documents: {exc}") from exc
-    if pending:
-        yield pending
-
-
-def _offsets(column: pa.Array) -> np.ndarray:
-    """The `len + 1` value offsets of a (large) string array, its array offset applied."""
-    width = np.int64 if pa.types.is_large_string(column.type) else np.int32
-    return np.frombuffer(column.buffers()[1], width)[column.offset :][: len(column) + 1]
-
-
-def _text_bytes(column: pa.Array) -> int:
-    """UTF-8 bytes of text in a (large) string array."""
-    offsets = _offsets(column)
-    return int(offsets[-1] - offsets[0]) if len(column) else 0
-
-
-def _byte_slices(column: pa.Array, batch_bytes: int) -> Iterator[pa.Array]:
-    """Consecutive zero-copy slices of a string array, each of at most `batch_bytes` bytes
-    of text or one longer document; nothing for an empty array."""
-    offsets = _offsets(column)
-    start, n = 0, len(column)
-    while start < n:
-        # Largest end with offsets[end] - offsets[start] <= batch_bytes, at least start + 1.
-        end = int(np.searchsorted(offsets, offsets[start] + batch_bytes, side="right")) - 1
-        end = min(max(end, start + 1), n)
-        yield column.slice(start, end - start)
-        start = end
 
 
 def _encode_stream(

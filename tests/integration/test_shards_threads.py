@@ -137,12 +137,12 @@ def test_byte_capped_batches_give_the_same_shards(
 
 @pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
 def test_byte_slices_bound_bytes_and_keep_every_document(kind):
-    from mlm_pipeline.shards import _byte_slices
+    from mlm_pipeline.documents import byte_slices
 
     rng = np.random.default_rng(0)
     texts = ["é" * int(n) for n in rng.integers(0, 400, size=300)] + ["x" * 5000, ""]
     column = pa.array(texts, kind).slice(3)  # a non-zero array offset
-    slices = list(_byte_slices(column, 1000))
+    slices = list(byte_slices(column, 1000))
     assert [t for s in slices for t in s.to_pylist()] == texts[3:]
     for s in slices:
         size = sum(len(t.encode()) for t in s.to_pylist())
@@ -151,4 +151,23 @@ def test_byte_slices_bound_bytes_and_keep_every_document(kind):
     for s, nxt in itertools.pairwise(slices):
         size = sum(len(t.encode()) for t in s.to_pylist())
         assert size + len(nxt.to_pylist()[0].encode()) > 1000
-    assert list(_byte_slices(pa.array([], kind), 1000)) == []
+    assert list(byte_slices(pa.array([], kind), 1000)) == []
+
+
+def test_text_tasks_are_bounded_and_keep_order(tmp_path):
+    from mlm_pipeline.documents import text_tasks
+
+    rng = np.random.default_rng(1)
+    files, texts = [], []
+    for f in range(2):
+        part = ["x" * int(n) for n in rng.integers(0, 700, size=300)] + ["y" * 3000]
+        pq.write_table(pa.table({"text": part}), tmp_path / f"d{f}.parquet", row_group_size=50)
+        files.append(tmp_path / f"d{f}.parquet")
+        texts += part
+    for docs, cap in ((1000, 2000), (7, 10_000), (1, 1)):
+        tasks = list(text_tasks(files, docs, cap))
+        assert [t for task in tasks for c in task for t in c.to_pylist()] == texts
+        for task in tasks:
+            got = [t for c in task for t in c.to_pylist()]
+            size = sum(len(t) for t in got)
+            assert 1 <= len(got) <= docs and (size <= cap or len(got) == 1)
