@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import re
 from pathlib import Path
@@ -30,15 +31,37 @@ MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
 
 class _HashingFile:
     """A binary file that hashes what is written to it (sha256), so a shard is never read
-    back to be described."""
+    back to be described.
 
-    def __init__(self, f: BinaryIO) -> None:
+    With `substitute = (buffer, body_path)`, the write of exactly that Arrow buffer (pyarrow
+    writes a record batch's body buffer as one `write`) is replaced by the bytes of the
+    file `body_path`, streamed in 1 MiB chunks: the buffer is a placeholder of the right
+    size that is never read.
+    """
+
+    def __init__(self, f: BinaryIO, substitute: tuple[pa.Buffer, Path] | None = None) -> None:
         self.f, self.sha, self.closed = f, hashlib.sha256(), False
+        self.substitute, self.substituted = substitute, False
 
     def write(self, data) -> int:
         """Hash `data` (bytes-like) and write it; returns the bytes written."""
+        if self.substitute is not None and isinstance(data, pa.Buffer):
+            placeholder, body_path = self.substitute
+            if data.address == placeholder.address and data.size == placeholder.size:
+                return self._write_file(body_path, data.size)
         self.sha.update(data)
         return self.f.write(data)
+
+    def _write_file(self, body_path: Path, size: int) -> int:
+        written = 0
+        with open(body_path, "rb") as body:
+            while chunk := body.read(1 << 20):
+                self.sha.update(chunk)
+                written += self.f.write(chunk)
+        if written != size:
+            raise RuntimeError(f"{body_path}: {written} bytes, the shard body needs {size}")
+        self.substituted = True
+        return written
 
     def flush(self) -> None:
         """Flush the underlying file's buffer."""
@@ -68,21 +91,66 @@ def write_arrow(
     Raises:
         OSError: the file cannot be written (the temporary file is removed).
     """
+    return _write(out_dir, path, columns, seq_len, None)
+
+
+def write_arrow_from_body(
+    out_dir: Path, path: Path, name: str, body_path: Path, dtype: np.dtype, seq_len: int
+) -> FileEntry:
+    """Write a one-column shard whose rows are the raw bytes of `body_path`: the file
+    `write_arrow(out_dir, path, {name: rows}, seq_len)` writes for the (rows, seq_len)
+    `dtype` array those bytes hold, byte for byte, without holding the rows in memory (the
+    shard writer appends rows to `body_path` as they are packed).
+
+    Args:
+        out_dir, path, seq_len: as in `write_arrow`.
+        name: the column name (`input_ids`).
+        body_path: C-order rows, `rows * seq_len * dtype.itemsize` bytes.
+        dtype: numpy dtype of the ids (uint16 or uint32).
+
+    Returns:
+        The file's entry, as `write_arrow`.
+
+    Raises:
+        ValueError: the body's size is not a whole number of rows.
+        RuntimeError: pyarrow did not write the body as one buffer (the placeholder's bytes
+            would be in the file; the temporary file is removed).
+        OSError: a file cannot be read or written.
+    """
+    row_bytes = seq_len * np.dtype(dtype).itemsize
+    rows, extra = divmod(body_path.stat().st_size, row_bytes)
+    if extra:
+        raise ValueError(f"{body_path}: {body_path.stat().st_size} bytes is not a whole "
+                         f"number of {row_bytes}-byte rows")
+    # The placeholder is an anonymous mapping whose pages are never touched, so it takes
+    # no memory (np.zeros may take heap memory and clear it: it did, by 11 MiB, at 16 MiB).
+    # The mapping is unmapped when the last view of it is gone (not closed here: a
+    # traceback may still hold a view).
+    anon = mmap.mmap(-1, max(rows * row_bytes, 1))
+    placeholder = np.frombuffer(anon, dtype, rows * seq_len).reshape(rows, seq_len)
+    return _write(out_dir, path, {name: placeholder}, seq_len, body_path)
+
+
+def _write(
+    out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int,
+    body_path: Path | None,
+) -> FileEntry:
+    buffers = [pa.py_buffer(np.ascontiguousarray(a)) for a in columns.values()]
     arrays = [
         pa.FixedSizeListArray.from_arrays(
-            pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size,
-                                  [None, pa.py_buffer(np.ascontiguousarray(a))]),
-            seq_len,
-        )
-        for a in columns.values()
+            pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, buf]), seq_len)
+        for a, buf in zip(columns.values(), buffers)
     ]
     schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            sink = _HashingFile(f)
+            sink = _HashingFile(f, None if body_path is None else (buffers[0], body_path))
             with ipc.new_file(sink, schema) as w:
                 w.write_batch(pa.record_batch(arrays, schema=schema))
+            if body_path is not None and not sink.substituted and buffers[0].size:
+                raise RuntimeError(f"{path}: pyarrow did not write the shard body as one "
+                                   "buffer; cannot substitute it from the body file")
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

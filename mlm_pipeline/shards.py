@@ -26,8 +26,9 @@ alone) and encoded on `num_threads` worker threads, one batch per task with a
 single-threaded SentencePiece call (it releases the GIL), ids returned as numpy arrays;
 packing and writing run in the calling thread, in batch order, so the shards are
 byte-identical for any thread count. Each shard's sha256 is computed while it is written.
-Memory is a few batches in flight plus one shard buffer (`rows_per_shard` rows, reused),
-never the whole split; Arrow allocates from a pool that returns freed memory meanwhile
+Rows are appended to the shard's temporary body file as they are packed, and the shard is
+written around it when full (`_ShardWriter`), so memory is a few batches in flight, never a
+whole shard or split; Arrow allocates from a pool that returns freed memory meanwhile
 (`_returning_memory_pool`).
 
 Precomputed masking (`masking.mode: precomputed`). The unmasked shards above are written
@@ -62,6 +63,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -81,7 +83,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.shard_io import write_arrow
+from mlm_pipeline.shard_io import write_arrow_from_body
 from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -306,6 +308,7 @@ def _write_split(
         except BaseException:
             for future in pending:  # drop queued batches; the pool waits for running ones
                 future.cancel()
+            writer.abort()
             raise
     shards = writer.close()
     rows_total = sum(e.rows or 0 for e in shards)
@@ -340,10 +343,12 @@ def _encode_stream(
 
 
 class _ShardWriter:
-    """Cuts rows of one split into a shard buffer and writes a shard each time it fills.
-
-    The buffer of one shard is allocated once, untouched (the OS maps its pages as rows are
-    written), and reused for every shard: memory is at most one shard, whatever the corpus.
+    """Cuts rows of one split and appends them to the current shard's body file (a
+    temporary file beside the shards); when `rows_per_shard` rows are in, the shard is
+    written around that body (`shard_io.write_arrow_from_body`, byte-identical to writing
+    the rows from memory) and the body file removed. Memory is the rows of one `pack`
+    call, whatever the shard size or the corpus: a `(rows_per_shard, seq_len)` buffer
+    (16 MiB at the defaults, 128 MiB at seq_len 512 with uint32 ids) is never held.
     """
 
     def __init__(
@@ -351,13 +356,20 @@ class _ShardWriter:
     ) -> None:
         self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
         self.rows_per_shard = rows_per_shard
-        self.buf = np.empty((rows_per_shard, seq_len), _DTYPES[dtype][0])
+        self.dtype = _DTYPES[dtype][0]
         self.filled = 0
+        self.body: BinaryIO | None = None
         self.entries: list[FileEntry] = []
 
+    def _path(self) -> Path:
+        return self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
+
+    def _body_path(self) -> Path:  # a ".*.tmp" name: removed as stale by a rerun
+        return self.out_dir / f".{self._path().name}.body.tmp"
+
     def pack(self, stream: np.ndarray) -> int:
-        """Cut the full rows out of `stream` (each [CLS] + `seq_len - 1` stream tokens,
-        copied straight into the shard buffer); writes each shard that fills.
+        """Cut the full rows out of `stream` (each [CLS] + `seq_len - 1` stream tokens)
+        and append them to the shard being written; writes each shard that fills.
 
         Returns:
             Stream tokens consumed (a multiple of `seq_len - 1`); the rest is left over.
@@ -366,9 +378,12 @@ class _ShardWriter:
         n, done = len(stream) // body, 0
         while done < n:
             take = min(n - done, self.rows_per_shard - self.filled)
-            rows = self.buf[self.filled : self.filled + take]
+            rows = np.empty((take, self.seq_len), self.dtype)
             rows[:, 0] = CLS_ID
             rows[:, 1:] = stream[done * body : (done + take) * body].reshape(take, body)
+            if self.body is None:
+                self.body = open(self._body_path(), "wb")  # noqa: SIM115 (closed in _flush)
+            self.body.write(rows)
             self.filled += take
             done += take
             if self.filled == self.rows_per_shard:
@@ -381,10 +396,18 @@ class _ShardWriter:
             self._flush()
         return self.entries
 
+    def abort(self) -> None:
+        """Close and remove the body file of an unfinished shard (after an error)."""
+        if self.body is not None:
+            self.body.close()
+            self.body = None
+            self._body_path().unlink(missing_ok=True)
+
     def _flush(self) -> None:
-        path = self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
-        self.entries.append(
-            write_arrow(self.out_dir, path, {"input_ids": self.buf[: self.filled]},
-                         self.seq_len)
-        )
+        body_path = self._body_path()
+        self.body.close()
+        self.body = None
+        self.entries.append(write_arrow_from_body(
+            self.out_dir, self._path(), "input_ids", body_path, self.dtype, self.seq_len))
+        body_path.unlink()
         self.filled = 0

@@ -89,10 +89,12 @@ def test_killed_writer_leaves_no_partial_shard_and_rerun_completes(
     assert visible == [reference.train.shards[0].path]
     np.testing.assert_array_equal(open_shard(out_dir / visible[0]),
                                   open_shard(reference.file(visible[0])))
-    # The second shard exists only under its temporary name, which is not a shard name.
+    # The second shard exists only under temporary names, which are not shard names: its
+    # body file (rows appended while packing) and the Arrow file being written around it.
     temps = sorted(p.name for p in out_dir.iterdir() if p.name.endswith(".tmp"))
-    assert temps == [f".{reference.train.shards[1].path}.tmp"]
-    tmp = out_dir / temps[0]
+    second = reference.train.shards[1].path
+    assert temps == [f".{second}.body.tmp", f".{second}.tmp"]
+    tmp = out_dir / f".{second}.tmp"
     if kill_at == "write_batch":  # no Arrow footer: not readable as a shard
         with pytest.raises(ValueError):
             open_shard(tmp)
