@@ -225,7 +225,8 @@ def measure(job: str, *args: str) -> dict:
             "peak_mib": peak / 2**20}
 
 
-#: rows_per_shard of the extra scaling run: fewer rows than the 1x corpus's ~11,400.
+#: rows_per_shard of the extra scaling run: fewer rows than the 1x corpus's ~11,400, so
+#: every scale writes several shards.
 SMALL_SHARD = 8192
 
 
@@ -323,10 +324,9 @@ def main() -> None:
     # scaling
     print("\nscaling (in-process time; peak RSS of the process tree, its ru_maxrss in "
           "brackets; 'marginal' = extra seconds per 1x corpus since the previous scale, "
-          "relative to the first step, so fixed costs do not count as non-linearity). "
-          f"The shard buffer (rows_per_shard x seq_len x 2 bytes: 16 MiB at the default "
-          f"65,536 rows) is a fixed cost that the 1x corpus fills only in part; "
-          f"rows_per_shard={SMALL_SHARD} is filled at every scale:")
+          "relative to the first step, so fixed costs do not count as non-linearity); "
+          f"rows_per_shard={SMALL_SHARD} (the default is 65,536) checks that memory does not "
+          "depend on the shard size:")
     base: dict[str, tuple[float, float]] = {}
     last: dict[str, tuple[int, float]] = {}
     first_step: dict[str, float] = {}
