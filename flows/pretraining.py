@@ -8,12 +8,14 @@ Prefect starts a temporary local API) or through a deployment (`prefect.yaml`).
 Caching: the data stages are cached across flow runs under the digest of their output,
 computed by the library from the content of their inputs and their config (never from
 paths or modification times), so a rerun of the same config shows them as Cached, and a
-change reruns exactly the stages downstream of it. A cached manifest whose files were
-deleted is recomputed.
+change reruns exactly the stages downstream of it. The cache is per work directory
+(`work_dir`, resolved): another checkout or work directory builds its own outputs. A cached
+manifest whose files were deleted is recomputed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -65,16 +67,26 @@ class PretrainParams(BaseModel):
     """Dotted overrides applied after the file, e.g. `train.max_steps=50`."""
 
 
+def _in_work_dir(cfg: PipelineConfig, key: str) -> str:
+    """`key` qualified by the absolute work directory: Prefect's result cache is shared by
+    every flow run of a user (`PREFECT_HOME`), and a hit from another checkout would return
+    a manifest whose files live in that checkout's work directory, not in this one."""
+    work_dir = str(Path(cfg.work_dir).expanduser().resolve())
+    return f"{key}-{hashlib.sha256(work_dir.encode()).hexdigest()[:16]}"
+
+
 def _ingest_key(context, parameters) -> str:
     from mlm_pipeline.ingest import ingest_digest
 
-    return "ingest-" + ingest_digest(parameters["cfg"].ingest)
+    cfg = parameters["cfg"]
+    return _in_work_dir(cfg, "ingest-" + ingest_digest(cfg.ingest))
 
 
 def _tokenizer_key(context, parameters) -> str:
     from mlm_pipeline.tokenizer import tokenizer_digest
 
-    return "tokenizer-" + tokenizer_digest(parameters["cfg"].tokenizer, parameters["corpus"])
+    cfg = parameters["cfg"]
+    return _in_work_dir(cfg, "tokenizer-" + tokenizer_digest(cfg.tokenizer, parameters["corpus"]))
 
 
 def _shards_key(context, parameters) -> str:
@@ -82,9 +94,9 @@ def _shards_key(context, parameters) -> str:
 
     p = parameters
     cfg = p["cfg"]
-    return "shards-" + shards_digest(
+    return _in_work_dir(cfg, "shards-" + shards_digest(
         cfg.shards, p["corpus"], p["tokenizer"], cfg.masking, cfg.train.seed
-    )
+    ))
 
 
 @task(name="start-tracking", **_NOT_CACHED, **_IO)

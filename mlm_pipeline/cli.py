@@ -69,6 +69,7 @@ def _print_summary(result: dict, experiment: str) -> None:
         f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
         f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
         f"Checkpoint:    {result['checkpoint']}",
+        f"Tokenizer:     {result['tokenizer_model']}",
         (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens, "
          f"{result['train_tokens_per_s_mean']:,.0f} tokens/s on average"),
     ]

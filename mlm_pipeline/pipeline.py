@@ -132,7 +132,7 @@ def summary(
 
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log
-        interval and evaluation), steps, tokens seen, `train_tokens_per_s_mean` (tokens
+        interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`, `train_tokens_per_s_mean` (tokens
         seen / training stage wall time: start-up and checkpoints included), whether
         training stopped early, checkpoint, manifests, per-stage wall times (s) and
         `reused_stages`.
@@ -149,6 +149,7 @@ def summary(
         "train_tokens_per_s_mean": round(trained.tokens_seen / max(trained.wall_time_s, 1e-9), 1),
         "stopped_early": trained.stopped_early,
         "checkpoint": str(trained.file(trained.checkpoint_dir)),
+        "tokenizer_model": str(tokenizer.file(tokenizer.model.path)),
         "manifests": {
             m.stage: str(m.path) for m in (corpus, tokenizer, shards, trained, evaluated)
         },

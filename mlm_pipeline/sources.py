@@ -121,6 +121,12 @@ def _local_files(entry: str, warn: bool = True) -> list[Source]:
 
 def _check_found(entry: str, found: list[Source]) -> None:
     if not found:
+        p = Path(entry).expanduser()
+        if p.is_dir() and (every := sorted(f.name for f in p.rglob("*") if f.is_file())):
+            raise FileNotFoundError(
+                f"ingest.sources: directory {entry!r} has no file of a supported type "
+                f"({', '.join(SUPPORTED_SUFFIXES)}); it holds {len(every)} other files, "
+                f"e.g. {', '.join(every[:3])}")
         raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
     for f in found:
         if not supported(source_name(f)):

@@ -132,6 +132,11 @@ def test_data_stages_are_cached_by_content(tmp_path):
     data[10] = ord("X") if data[10] != ord("X") else ord("Y")
     corpus.write_bytes(bytes(data))
     assert run() == {"ingest": "Completed", "tokenizer": "Completed", "shards": "Completed"}
+    # Another work directory (another checkout, say) builds its own outputs there.
+    other = tmp_path / "work2"
+    assert run(f"work_dir={other}") == {
+        "ingest": "Completed", "tokenizer": "Completed", "shards": "Completed"}
+    assert {p.name for p in other.iterdir()} >= {"ingest", "tokenizer", "shards"}
     # Outputs deleted behind the cache's back: recomputed, not reused.
     shutil.rmtree(tmp_path / "work" / "shards")
     assert run() == {"ingest": "Cached", "tokenizer": "Cached",

@@ -18,13 +18,17 @@ print("rc", rc, "prefect", "prefect" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("case", ["missing", "glob", "unsupported"])
+@pytest.mark.parametrize("case", ["missing", "glob", "unsupported", "directory"])
 def test_bad_local_source_fails_before_prefect(case, tmp_path):
     (tmp_path / "notes.docx").write_bytes(b"PK")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.docx").write_bytes(b"PK")
     source, named = {
         "missing": (str(tmp_path / "nope.jsonl"), "nope.jsonl' matches no file"),
         "glob": (str(tmp_path / "*.txt"), "*.txt' matches no file"),
         "unsupported": (str(tmp_path / "notes.docx"), "notes.docx: unsupported file type"),
+        "directory": (str(tmp_path / "docs"),
+                      "docs' has no file of a supported type (.txt, .jsonl"),
     }[case]
     out = subprocess.run([sys.executable, "-c", CODE, f"ingest.sources=[{source!r}]"],
                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
