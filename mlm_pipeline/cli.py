@@ -70,8 +70,9 @@ def _print_summary(result: dict, experiment: str) -> None:
         f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
         f"Checkpoint:    {result['checkpoint']}",
         f"Tokenizer:     {result['tokenizer_model']}",
-        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens, "
-         f"{result['train_tokens_per_s_mean']:,.0f} tokens/s on average"),
+        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens in "
+         f"{result['wall_time_s']['train']:,.0f} s "
+         f"({result['train_tokens_per_s_mean']:,.0f} tokens/s on average)"),
     ]
     if result.get("reused_stages"):
         lines.append("Reused:        " + ", ".join(result["reused_stages"])
