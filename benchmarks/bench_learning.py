@@ -102,7 +102,7 @@ def prepare_data(cfg: PipelineConfig) -> tuple[TokenizerManifest, ShardManifest]
 def schedule(cfg: PipelineConfig, steps: int) -> dict[str, Any]:
     """`lr_multiplier` keywords for a run of `steps` steps, warm-up the config's share."""
     tc = cfg.train
-    warmup = max(1, round(steps * tc.warmup_steps / tc.max_steps))
+    warmup = max(1, round(steps * tc.warmup / tc.max_steps))
     return dict(warmup_steps=min(warmup, steps), max_steps=steps, decay=tc.decay,
                 min_lr_ratio=tc.min_lr_ratio, decay_fraction=tc.decay_fraction)
 

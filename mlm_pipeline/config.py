@@ -225,7 +225,10 @@ class TrainConfig(StrictModel):
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """Final LR as a share of the peak."""
     warmup_steps: int = Field(default=100, ge=0)
-    """Steps of linear warm-up from 0 to `lr`."""
+    """Steps of linear warm-up from 0 to `lr` (when set, it wins over `warmup_ratio`)."""
+    warmup_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Warm-up as a share of `max_steps`, used when `warmup_steps` is not set (HF
+    `TrainingArguments.warmup_ratio`)."""
     decay: Literal["linear", "cosine", "wsd"] = "linear"
     """Shape of the decay after warm-up: `linear`, `cosine` (Loshchilov & Hutter 2017), or
     `wsd` warmup-stable-decay (Hu et al. 2024, MiniCPM): constant peak LR, then a linear
@@ -265,12 +268,18 @@ class TrainConfig(StrictModel):
     keep_last_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (oldest removed first)."""
 
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in effect: `warmup_steps` if given, else `warmup_ratio` x `max_steps`."""
+        if self.warmup_ratio is not None and "warmup_steps" not in self.model_fields_set:
+            return round(self.warmup_ratio * self.max_steps)
+        return self.warmup_steps
+
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainConfig:
-        if self.warmup_steps > self.max_steps:
-            raise ValueError(
-                f"train: warmup_steps {self.warmup_steps} exceeds max_steps {self.max_steps}"
-            )
+        if self.warmup > self.max_steps:
+            raise ValueError(f"train: warmup_steps {self.warmup} exceeds max_steps "
+                             f"{self.max_steps}; lower it or set train.warmup_ratio instead")
         return self
 
 
@@ -433,10 +442,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """Flatten a config into `{"train.lr": 0.001, ...}` for MLflow params.
-
-    Lists and tuples are rendered as compact strings; None becomes "None".
-    """
+    """Flatten a config into `{"train.lr": 0.001, ...}` for MLflow params (lists joined
+    with commas, None as "None")."""
     out: dict[str, Any] = {}
     for name, value in cfg.model_dump(mode="json").items():
         _flatten_into(out, f"{prefix}{name}", value)

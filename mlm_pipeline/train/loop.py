@@ -227,7 +227,7 @@ def train(
         optimizer,
         lambda s: lr_multiplier(
             s,
-            warmup_steps=tc.warmup_steps,
+            warmup_steps=tc.warmup,
             max_steps=tc.max_steps,
             decay=tc.decay,
             min_lr_ratio=tc.min_lr_ratio,

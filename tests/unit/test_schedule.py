@@ -69,3 +69,15 @@ def test_wsd_rejects_a_bad_decay_fraction():
     with pytest.raises(ValueError, match="decay_fraction"):
         lr_multiplier(5, warmup_steps=1, max_steps=10, decay="wsd", min_lr_ratio=0.0,
                       decay_fraction=0.0)
+
+
+def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
+    from mlm_pipeline.config import ConfigError, TrainConfig, load_config
+
+    assert load_config("tiny", []).train.warmup == 60  # 0.06 x 1,000
+    assert load_config("tiny", ["train.max_steps=20"]).train.warmup == 1  # round(1.2)
+    assert load_config("tiny", ["train.max_steps=20", "train.warmup_steps=5"]).train.warmup == 5
+    with pytest.raises(ConfigError, match="warmup_steps 50 exceeds max_steps 20"):
+        load_config("tiny", ["train.max_steps=20", "train.warmup_steps=50"])
+    assert TrainConfig().warmup == 100  # no ratio: the warmup_steps default
+    assert TrainConfig(warmup_ratio=0.25, max_steps=10).warmup == 2  # round(2.5): even
