@@ -25,8 +25,10 @@ from mlm_pipeline.tracking import MlflowTracker, git_commit
 
 
 def run_params(cfg: PipelineConfig) -> dict[str, Any]:
-    """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params."""
-    return flatten(cfg)
+    """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params,
+    plus `train.warmup_in_effect`: the warm-up steps used (`TrainConfig.warmup`), since
+    `warmup_steps` keeps its default when `warmup_ratio` sets the warm-up."""
+    return {**flatten(cfg), "train.warmup_in_effect": cfg.train.warmup}
 
 
 def run_tags(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -54,6 +54,7 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     # params: the flattened config, overrides applied
     assert run.data.params["train.max_steps"] == "6"
     assert run.data.params["tokenizer.vocab_size"] == "128"
+    assert run.data.params["train.warmup_in_effect"] == "2"  # warmup_steps=2 overrides
     # lineage tags: every data stage digest, as the manifests record it
     for stage in ("corpus", "tokenizer", "shards"):
         path = summary["manifests"]["ingest" if stage == "corpus" else stage]

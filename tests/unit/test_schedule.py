@@ -81,3 +81,11 @@ def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
         load_config("tiny", ["train.max_steps=20", "train.warmup_steps=50"])
     assert TrainConfig().warmup == 100  # no ratio: the warmup_steps default
     assert TrainConfig(warmup_ratio=0.25, max_steps=10).warmup == 2  # round(2.5): even
+
+
+def test_params_record_the_warmup_in_effect():
+    from mlm_pipeline.config import load_config
+    from mlm_pipeline.pipeline import run_params
+
+    params = run_params(load_config("tiny", ["train.max_steps=200"]))
+    assert params["train.warmup_ratio"] == 0.06 and params["train.warmup_in_effect"] == 12
