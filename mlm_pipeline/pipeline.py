@@ -134,10 +134,10 @@ def summary(
 
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log
-        interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`, `train_tokens_per_s_mean` (tokens
-        seen / training stage wall time: start-up and checkpoints included), whether
-        training stopped early, checkpoint, manifests, per-stage wall times (s) and
-        `reused_stages`.
+        interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`,
+        `train_tokens_per_s_mean` (tokens seen / training stage wall time: start-up and
+        checkpoints included), whether training stopped early, checkpoint, manifests,
+        per-stage wall times (s) and `reused_stages`.
     """
     stages = (corpus, tokenizer, shards, trained, evaluated)
     reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
