@@ -191,7 +191,10 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
     """
     from mlm_pipeline.ingest import ingest_digest
     from mlm_pipeline.manifest import (
-        CorpusManifest, TokenizerManifest, load_if_complete, stage_dir,
+        CorpusManifest,
+        TokenizerManifest,
+        load_if_complete,
+        stage_dir,
     )
     from mlm_pipeline.tokenizer import STAGE, tokenizer_digest
 

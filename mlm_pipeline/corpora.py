@@ -183,7 +183,7 @@ class _Apt:
     def deb_id(self, deb: Path) -> tuple[str, str] | None:
         """(Package, Version) of a `.deb`, or None when dpkg-deb cannot read it."""
         try:
-            fields = dict(re.findall(r"^(\w+): (.*)$", self.run("dpkg-deb", "-f", str(deb)), re.M))
+            fields = dict(re.findall(r"^(\w+): (.*)$", self.run("dpkg-deb", "-f", str(deb)), re.MULTILINE))
         except subprocess.CalledProcessError:
             return None
         return fields.get("Package", ""), fields.get("Version", "")

@@ -56,6 +56,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mlm_pipeline.cleaning import NearDuplicateFilter, letter_share, split_text
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.manifest import (
     CorpusManifest,
@@ -68,9 +69,14 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.cleaning import NearDuplicateFilter, letter_share, split_text
 from mlm_pipeline.readers import read_records
-from mlm_pipeline.sources import Source, content_hash, resolve_sources, source_name, source_size
+from mlm_pipeline.sources import (
+    Source,
+    content_hash,
+    resolve_sources,
+    source_name,
+    source_size,
+)
 
 logger = logging.getLogger(__name__)
 

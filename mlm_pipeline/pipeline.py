@@ -14,8 +14,8 @@ from typing import Any
 from mlm_pipeline.config import PipelineConfig, flatten
 from mlm_pipeline.manifest import (
     CorpusManifest,
-    Manifest,
     EvalManifest,
+    Manifest,
     ShardManifest,
     TokenizerManifest,
     TrainManifest,
@@ -86,10 +86,10 @@ def record_data(
     """Log data lineage tags, accounting metrics, the tokenizer files and the manifests."""
     tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
     tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
-    tracker.log_artifact(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
-    tracker.log_artifact(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
+    tracker.log_artifacts(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
+    tracker.log_artifacts(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
     for m in (corpus, tokenizer, shards):
-        tracker.log_artifact(run_id, m.path, f"manifests/{m.stage}")
+        tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
 
 
 def record_results(
@@ -106,8 +106,8 @@ def record_results(
                               "train.device": trained.device,
                               "train.precision": trained.precision})
     for m in (trained, evaluated):
-        tracker.log_artifact(run_id, m.path, f"manifests/{m.stage}")
-    tracker.log_artifact(run_id, trained.file(trained.metrics_log), "train")
+        tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
+    tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")
     if cfg.tracking.log_checkpoint:
         ckpt = trained.file(trained.checkpoint_dir)
         tracker.log_artifacts(run_id, ckpt, f"checkpoints/{ckpt.name}")

@@ -117,7 +117,7 @@ def _clean(value: str, fixes: set[str]) -> str:
     return value
 
 
-def _meta(obj, name: str, pos: int) -> tuple[str, str, str | None]:  # noqa: ANN001
+def _meta(obj, name: str, pos: int) -> tuple[str, str, str | None]:
     """(id, source, lang) of a JSON object / CSV row / Parquet row, with fallbacks."""
     doc_id = obj.get("id")
     doc_id = str(doc_id) if isinstance(doc_id, (str, int)) and doc_id != "" else f"{name}:{pos}"
@@ -148,7 +148,7 @@ class _BadCounter:
                 logger.warning("%s: %d records dropped as %s", self.path, n, reason)
 
 
-def _object_record(obj, field: str, name: str, pos: int, fixes: set[str],  # noqa: ANN001
+def _object_record(obj, field: str, name: str, pos: int, fixes: set[str],
                    bad: _BadCounter) -> Record:
     if not isinstance(obj, dict):
         bad("bad_json", pos)

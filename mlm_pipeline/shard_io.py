@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
+from pyarrow import ipc
 
 from mlm_pipeline.manifest import FileEntry, ShardManifest, sha256_file
 

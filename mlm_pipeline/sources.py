@@ -242,7 +242,7 @@ class _Chunks(io.RawIOBase):
         """Always True: this stream is read-only."""
         return True
 
-    def readinto(self, b) -> int:  # noqa: ANN001 (a writable buffer)
+    def readinto(self, b) -> int:
         """Fill `b` from the next chunks; returns the bytes copied (0 at the end)."""
         while not self._buf:
             if (chunk := next(self._chunks, None)) is None:

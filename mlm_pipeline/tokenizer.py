@@ -42,13 +42,28 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from mlm_pipeline.config import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, SPECIAL_TOKENS
-from mlm_pipeline.config import UNK_ID
-from mlm_pipeline.config import TokenizerConfig
+from mlm_pipeline.config import (
+    CLS_ID,
+    MASK_ID,
+    NUM_SPECIAL,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    TokenizerConfig,
+)
 from mlm_pipeline.documents import write_training_text
-from mlm_pipeline.manifest import CorpusManifest, Stopwatch, TokenizerManifest, compute_digest
-from mlm_pipeline.manifest import file_entry, load_if_complete, read_manifest, stage_dir
-from mlm_pipeline.manifest import write_manifest
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    Stopwatch,
+    TokenizerManifest,
+    compute_digest,
+    file_entry,
+    load_if_complete,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -257,28 +257,20 @@ class MlflowTracker:
         sink.close()
 
     def log_artifacts(
-        self, run_id: str, local_dir: str | os.PathLike[str], artifact_path: str | None = None
+        self, run_id: str, local_path: str | os.PathLike[str], artifact_path: str | None = None
     ) -> None:
-        """Copy a directory's files into the run's artifacts under `artifact_path`.
+        """Copy a file, or a directory's files, into the run's artifacts under `artifact_path`.
 
         Raises:
-            NotADirectoryError: `local_dir` is not a directory.
+            FileNotFoundError: `local_path` is neither a file nor a directory.
         """
-        if not Path(local_dir).is_dir():
-            raise NotADirectoryError(f"log_artifacts: {local_dir} is not a directory")
-        self.client.log_artifacts(run_id, str(local_dir), artifact_path)
-
-    def log_artifact(
-        self, run_id: str, local_file: str | os.PathLike[str], artifact_path: str | None = None
-    ) -> None:
-        """Copy one file into the run's artifacts under `artifact_path`.
-
-        Raises:
-            FileNotFoundError: `local_file` is not a file.
-        """
-        if not Path(local_file).is_file():
-            raise FileNotFoundError(f"log_artifact: {local_file} is not a file")
-        self.client.log_artifact(run_id, str(local_file), artifact_path)
+        path = Path(local_path)
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        elif path.is_file():
+            self.client.log_artifact(run_id, str(path), artifact_path)
+        else:
+            raise FileNotFoundError(f"log_artifacts: {local_path} is neither a file nor a directory")
 
     def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
         """Write `obj` as indented JSON to the run artifact `artifact_file` (e.g.

@@ -220,7 +220,7 @@ def test_artifacts_dict_and_failed_status(tracker, client, tmp_path, root):
 
     run_id = tracker.start_run({}, {})
     tracker.log_artifacts(run_id, ckpt, "checkpoint")
-    tracker.log_artifact(run_id, note, "tokenizer")
+    tracker.log_artifacts(run_id, note, "tokenizer")
     tracker.log_dict(run_id, {"digest": "ab", "path": Path("/data/x")}, "manifests/train.json")
 
     top = {f.path: f.is_dir for f in client.list_artifacts(run_id)}
@@ -236,8 +236,8 @@ def test_artifacts_dict_and_failed_status(tracker, client, tmp_path, root):
     assert json.loads((stored / "manifests" / "train.json").read_text()) == {
         "digest": "ab", "path": "/data/x"
     }
-    with pytest.raises(NotADirectoryError):
-        tracker.log_artifacts(run_id, note, "x")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        tracker.log_artifacts(run_id, tmp_path / "missing", "x")
 
     tracker.end_run(run_id, "FAILED")
     run = client.get_run(run_id)
