@@ -26,6 +26,11 @@ import pyarrow.parquet as pq
 from mlm_pipeline.manifest import CorpusManifest
 
 
+#: Documents per Parquet read (`text_tasks`, `write_training_text`): Arrow grows a read's
+#: output buffers by reallocation, to 10 MiB extents at 1,024 rows of a large file.
+_PARQUET_BATCH_ROWS = 128
+
+
 def open_documents(path: str | os.PathLike[str]) -> pq.ParquetFile:
     """Open an ingested Parquet document file after checking its `text` column.
 
@@ -104,7 +109,7 @@ def write_training_text(
     sha = hashlib.sha256()
     with open(path, "wb") as f:
         paths = [corpus.file(e.path) for e in corpus.train]
-        for text in (t for batch in iter_text_batches(paths, 1024) for t in batch):
+        for text in (t for batch in iter_text_batches(paths, _PARQUET_BATCH_ROWS) for t in batch):
             for line in text.split("\n"):
                 if not line.strip():
                     continue
@@ -163,8 +168,6 @@ def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
     yield word[start:]
 
 
-#: Documents per Parquet read in `text_tasks`.
-_PARQUET_BATCH_ROWS = 128
 
 
 def text_tasks(
