@@ -77,8 +77,8 @@ class TokenizerConfig(StrictModel):
     """Pieces in the vocabulary, the five special tokens included."""
     character_coverage: float = Field(default=0.9995, gt=0.0, le=1.0)
     """Share of characters covered by the vocabulary; the rest map to [UNK]."""
-    input_sentence_size: int = Field(default=2_000_000, ge=101)
-    """Sentences (lines) sampled from the training split to train on: bounds memory."""
+    input_sentence_size: int = Field(default=2_000_000, ge=1)
+    """Most sentences (lines) trained on, a seeded uniform sample: bounds memory."""
     max_sentence_length: int = Field(default=16384, ge=16)
     """Longest training sentence in bytes; longer lines are split, not skipped."""
     num_threads: int = Field(default=2, ge=1)

@@ -6,8 +6,9 @@ and checks one file (shared by the tokenizer and shard stages), `iter_text_batch
 the texts in batches, `write_training_text` turns the training split into the line file
 that the SentencePiece trainer reads (each non-blank line of a document on a line of its
 own, a line longer than the trainer's limit cut by `split_long_line`, so no text is
-dropped), and `text_tasks` cuts the texts into encode tasks bounded in documents and bytes
-(zero-copy Arrow slices) for the shard stage.
+dropped; a seeded uniform sample when there are more lines than the trainer takes), and
+`text_tasks` cuts the texts into encode tasks bounded in documents and bytes (zero-copy
+Arrow slices) for the shard stage.
 
 This module imports neither torch nor prefect.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.manifest import CorpusManifest
-
 
 #: Documents per Parquet read (`text_tasks`, `write_training_text`): Arrow grows a read's
 #: output buffers by reallocation, to 10 MiB extents at 1,024 rows of a large file.
@@ -85,40 +86,60 @@ def iter_text_batches(
 
 
 def write_training_text(
-    corpus: CorpusManifest, path: Path, max_bytes: int
-) -> tuple[int, str]:
-    """Write one training sentence per line (UTF-8, "\\n" after each).
+    corpus: CorpusManifest, path: Path, max_bytes: int, max_lines: int, seed: int
+) -> tuple[int, int, str]:
+    """Write the trainer's sentences, one per line (UTF-8, "\\n" after each).
 
-    Every non-blank line of every document of the corpus's training split is written, in
-    file and row order; a line longer than `max_bytes` is cut by `split_long_line`.
+    The candidate sentences are the non-blank lines of the documents of the corpus's
+    training split, in file and row order, a line longer than `max_bytes` cut by
+    `split_long_line`. When there are at most `max_lines` of them all are written;
+    otherwise a uniform sample of `max_lines` is drawn in one pass by reservoir sampling
+    (Algorithm R: Vitter 1985, "Random sampling with a reservoir", ACM TOMS 11(1)) with
+    `random.Random(seed)` and written in corpus order, so the same corpus and seed give
+    the same file on every run and machine. Memory holds at most `max_lines` sentences.
 
     Args:
         corpus: the ingested corpus; only its `train` Parquet files are read.
         path: the text file to write (created or truncated).
         max_bytes: longest line written, in UTF-8 bytes (newline excluded).
+        max_lines: most sentences written (>= 1).
+        seed: seed of the sampling generator.
 
     Returns:
-        The number of lines written and the hex sha256 of the file's bytes, hashed while
-        writing (the file is never read back).
+        (sentences written, candidate sentences, hex sha256 of the file's bytes).
 
     Raises:
-        ValueError: a training file lacks a string `text` column, or a `text` value is null
-            (the file and row are named).
+        ValueError: `max_lines` < 1, a training file lacks a string `text` column, or a
+            `text` value is null (the file and row are named).
     """
-    written = 0
+    if max_lines < 1:
+        raise ValueError(f"write_training_text: max_lines={max_lines} must be >= 1")
+    rng = random.Random(seed)
+    kept: list[bytes] = []
+    order: list[int] = []  # candidate index of each kept sentence
+    total = 0
+    paths = [corpus.file(e.path) for e in corpus.train]
+    for text in (t for batch in iter_text_batches(paths, _PARQUET_BATCH_ROWS) for t in batch):
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            for piece in split_long_line(line, max_bytes):
+                if total < max_lines:
+                    kept.append(piece.encode("utf-8"))
+                    order.append(total)
+                else:
+                    slot = rng.randrange(total + 1)
+                    if slot < max_lines:
+                        kept[slot] = piece.encode("utf-8")
+                        order[slot] = total
+                total += 1
     sha = hashlib.sha256()
     with open(path, "wb") as f:
-        paths = [corpus.file(e.path) for e in corpus.train]
-        for text in (t for batch in iter_text_batches(paths, _PARQUET_BATCH_ROWS) for t in batch):
-            for line in text.split("\n"):
-                if not line.strip():
-                    continue
-                for piece in split_long_line(line, max_bytes):
-                    data = (piece + "\n").encode("utf-8")
-                    f.write(data)
-                    sha.update(data)
-                    written += 1
-    return written, sha.hexdigest()
+        for i in sorted(range(len(kept)), key=order.__getitem__):
+            data = kept[i] + b"\n"
+            f.write(data)
+            sha.update(data)
+    return len(kept), total, sha.hexdigest()
 
 
 def split_long_line(line: str, max_bytes: int) -> Iterator[str]:

@@ -296,8 +296,13 @@ class TokenizerManifest(Manifest):
     byte_fallback: bool = False
     """Whether unknown characters decompose into UTF-8 byte pieces instead of [UNK]."""
     sample_digest: str | None = None
-    """sha256 of the training text the trainer was given (one sentence per line, before
-    SentencePiece's own `input_sentence_size` sampling)."""
+    """sha256 of the training text the trainer was given (one sentence per line): the
+    seeded sample of at most `input_sentence_size` lines."""
+    sampled_from: int | None = None
+    """Candidate sentences (lines) of the training split the sample was drawn from."""
+    normalization: str | None = None
+    """Unicode normalization form of the corpus it was trained on (`NFC`, `NFKC`), which
+    `Tokenizer.encode` applies to new text; None in manifests written before this field."""
 
 
 class ShardSplit(BaseModel):

@@ -262,7 +262,8 @@ def verify_shards(manifest: ShardManifest) -> None:
             actual = sha256_file(path)
             if actual != entry.sha256:
                 raise ValueError(
-                    f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}"
+                    f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}: "
+                    "the shard is corrupt; delete it and rerun to rebuild the shards"
                 )
 
 

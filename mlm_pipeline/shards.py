@@ -102,6 +102,11 @@ def _precomputed(masking: MaskingConfig | None) -> bool:
     return masking is not None and masking.mode == "precomputed"
 
 
+def _inputs(corpus: CorpusManifest, tokenizer: TokenizerManifest) -> dict[str, str]:
+    return {"corpus": corpus.digest, "tokenizer": tokenizer.digest,
+            "tokenizer_model": tokenizer.model.sha256}
+
+
 def shards_digest(
     cfg: ShardConfig,
     corpus: CorpusManifest,
@@ -113,8 +118,9 @@ def shards_digest(
     writes. Without precomputed masking it depends on neither `masking` nor `seed`; with
     it, on both. It never depends on `num_threads`, `encode_batch_size` or
     `encode_batch_bytes`: they schedule the work and do not change the shards, so changing
-    them reuses the cached shards."""
-    inputs = {"corpus": corpus.digest, "tokenizer": tokenizer.digest}
+    them reuses the cached shards. The tokenizer enters by its digest and its model file's
+    sha256: shards are never reused with a model other than the one that encoded them."""
+    inputs = _inputs(corpus, tokenizer)
     shard_cfg = cfg.model_dump(mode="json", exclude=_SCHEDULING_FIELDS)
     if not _precomputed(masking):
         return compute_digest(STAGE, shard_cfg, inputs)
@@ -256,7 +262,7 @@ def write_shards(
         digest=digest,
         output_dir=str(out_dir),
         config=config,
-        inputs={"corpus": corpus.digest, "tokenizer": tokenizer.digest},
+        inputs=_inputs(corpus, tokenizer),
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
         seq_len=cfg.seq_len,

@@ -37,6 +37,7 @@ import re
 import shutil
 import sys
 import tempfile
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -72,16 +73,16 @@ MODEL_FILE = "spm.model"
 VOCAB_FILE = "spm.vocab"
 #: The literal marker that `Tokenizer.encode_with_mask` replaces by the [MASK] id.
 MASK_MARKER = "[MASK]"
-#: SentencePiece rejects `input_sentence_size` in [1, 100] (trainer_interface.cc).
-_MIN_INPUT_SENTENCE_SIZE = 101
-#: Fixed seed of SentencePiece's sentence sampling, so that a rerun samples the same lines.
+#: Seed of the training-sentence sample (`write_training_text`): a rerun samples the same
+#: lines. SentencePiece's own sampling is not used: with 0.2.3 its sampled models differed
+#: run to run despite `set_random_generator_seed` (three runs, three model hashes).
 _SAMPLING_SEED = 1
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 #: Pieces `<0x00>` ... `<0xFF>` that `byte_fallback` adds, at ids 5-260 (after the specials).
 _BYTE_PIECES = 256
 _SEVERE = re.compile(r"[WEF]\d{4} ")  # absl log prefix of warnings, errors, fatals
-_READ = re.compile(r"Loaded all (\d+) sentences|Sampled (\d+) sentences from \d+ sentences")
+_READ = re.compile(r"Loaded all (\d+) sentences")
 
 
 def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
@@ -96,9 +97,10 @@ def train_tokenizer(
 
     Each document is written to a temporary text file as one line per non-blank line of the
     document; a line longer than `cfg.max_sentence_length` bytes is split at whitespace (at a
-    character boundary when a single word is longer), so no text is dropped. The trainer
-    samples at most `cfg.input_sentence_size` lines (reservoir sampling with a fixed seed),
-    which bounds its memory.
+    character boundary when a single word is longer), so no text is dropped. At most
+    `cfg.input_sentence_size` of these lines are written (a seeded uniform sample, see
+    `documents.write_training_text`), which bounds the trainer's memory; the same corpus
+    and config give the same model on every run.
 
     With `cfg.byte_fallback` the vocabulary holds the 256 byte pieces `<0x00>`...`<0xFF>` at
     ids 5-260, right after the fixed special ids, and they count in `cfg.vocab_size`.
@@ -110,15 +112,15 @@ def train_tokenizer(
 
     Returns:
         The manifest of `spm.model` and `spm.vocab`, with the actual `vocab_size`, the
-        number of sentences (lines) the trainer read, `byte_fallback`, and `sample_digest`
-        (sha256 of the training text file given to the trainer).
+        number of sentences (lines) the trainer read and of candidate lines before sampling
+        (`sampled_from`), `byte_fallback`, and `sample_digest` (sha256 of the training
+        text file given to the trainer: the sample).
 
     Raises:
         ValueError: `cfg.vocab_size` is more than the corpus supports or fewer than its
             required characters, plus the 256 byte pieces with `byte_fallback` (the
-            message names both numbers), `cfg.input_sentence_size`
-            is below SentencePiece's minimum of 101, the training split has no text, or a
-            Parquet file lacks a string `text` column (the file is named).
+            message names both numbers), the training split has no text, or a Parquet file
+            lacks a string `text` column (the file is named).
         RuntimeError: the trained model does not have the fixed special-token ids.
     """
     digest = tokenizer_digest(cfg, corpus)
@@ -127,19 +129,17 @@ def train_tokenizer(
     if cached is not None:
         logger.info("tokenizer: reusing %s", out_dir)
         return cached
-    if cfg.input_sentence_size < _MIN_INPUT_SENTENCE_SIZE:
-        raise ValueError(
-            f"tokenizer.input_sentence_size={cfg.input_sentence_size} is too small: "
-            f"SentencePiece needs at least {_MIN_INPUT_SENTENCE_SIZE}"
-        )
     watch = Stopwatch()
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".tmp-*"):  # left by a killed run (SIGKILL skips cleanup)
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp-") as tmp_name:
             tmp = Path(tmp_name)
-            lines, sample_digest = write_training_text(
-                corpus, tmp / "train.txt", cfg.max_sentence_length
+            lines, candidates, sample_digest = write_training_text(
+                corpus, tmp / "train.txt", cfg.max_sentence_length,
+                cfg.input_sentence_size, _SAMPLING_SEED,
             )
             if lines == 0:
                 raise ValueError(
@@ -170,6 +170,8 @@ def train_tokenizer(
         training_sentences=read,
         byte_fallback=cfg.byte_fallback,
         sample_digest=sample_digest,
+        sampled_from=candidates,
+        normalization=corpus.config.get("normalization"),
     )
     write_manifest(manifest)
     logger.info(
@@ -192,7 +194,6 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
     spaces = (c for c in range(0x110000) if chr(c).isspace() and c != 0x20)
     rules.write_text("".join(f"{c:X}\t20\n" for c in spaces), encoding="utf-8")
     log_path = tmp / "trainer.log"
-    spm.set_random_generator_seed(_SAMPLING_SEED)
     error: RuntimeError | None = None
     try:
         # `logstream` redirects the process's stderr (fd 2) into the file while training:
@@ -207,8 +208,7 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
                 model_type=cfg.model_type,
                 vocab_size=cfg.vocab_size,
                 character_coverage=cfg.character_coverage,
-                input_sentence_size=cfg.input_sentence_size,
-                shuffle_input_sentence=True,
+                input_sentence_size=0,  # train.txt is already the sample: load it all
                 max_sentence_length=cfg.max_sentence_length,
                 num_threads=cfg.num_threads,
                 byte_fallback=cfg.byte_fallback,
@@ -222,7 +222,7 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
             )
     except RuntimeError as exc:
         error = exc
-    read = _read_trainer_log(log_path, cfg, lines)
+    read = _read_trainer_log(log_path, lines)
     if error is not None:
         if m := _TOO_HIGH.search(str(error)):
             raise ValueError(_too_high_message(cfg, int(m.group(2)), read)) from error
@@ -259,9 +259,9 @@ def _too_high_message(cfg: TokenizerConfig, supported: int, read: int) -> str:
     )
 
 
-def _read_trainer_log(log_path: Path, cfg: TokenizerConfig, lines: int) -> int:
+def _read_trainer_log(log_path: Path, lines: int) -> int:
     """Forward the trainer's log to `logger`; returns the sentences it says it loaded
-    (else what sampling allows: min(lines written, input_sentence_size))."""
+    (else `lines`, the lines written for it)."""
     try:
         text = log_path.read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -269,8 +269,8 @@ def _read_trainer_log(log_path: Path, cfg: TokenizerConfig, lines: int) -> int:
     for line in text.splitlines():
         logger.log(logging.WARNING if _SEVERE.match(line) else logging.DEBUG, "spm: %s", line)
     if m := _READ.search(text):
-        return int(m.group(1) or m.group(2))
-    return min(lines, cfg.input_sentence_size)
+        return int(m.group(1))
+    return lines
 
 
 def _strip_temp_paths(path: Path) -> None:
@@ -309,24 +309,36 @@ def _check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Excep
 class Tokenizer:
     """A trained SentencePiece model with the pipeline's fixed special-token ids.
 
+    Text given to `encode` and `encode_with_mask` is first brought to the Unicode
+    normalization form of the corpus the model was trained on (`normalization`), as
+    ingestion did to every training document: "cafe\u0301" and "caf\u00e9" encode alike.
+
     Attributes:
         path: the `.model` file it was loaded from.
         model_sha256: hex sha256 of that file's bytes (equals the manifest's `model.sha256`).
+        normalization: `NFC`, `NFKC`, or None (text is encoded as given).
         pad_id, unk_id, cls_id, sep_id, mask_id: the fixed special ids 0-4.
     """
 
     pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Load a `.model` file (prefer `Tokenizer.load`).
+    def __init__(self, path: str | os.PathLike[str], normalization: str | None = None) -> None:
+        """Load a `.model` file (prefer `Tokenizer.load`, which finds `normalization`).
 
         Raises:
-            ValueError: the model does not have the fixed special-token ids.
+            ValueError: the file is not a SentencePiece model, the model does not have the
+                fixed special-token ids, or `normalization` is not NFC, NFD, NFKC or NFKD.
         """
+        if normalization not in (None, "NFC", "NFD", "NFKC", "NFKD"):
+            raise ValueError(f"tokenizer: unknown normalization form {normalization!r}")
         self.path = Path(path)
+        self.normalization = normalization
         proto = self.path.read_bytes()
         self.model_sha256 = hashlib.sha256(proto).hexdigest()
-        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError as exc:
+            raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
         self._word_starts: np.ndarray | None = None
         _check_special(self._sp, self.path, ValueError)
 
@@ -334,19 +346,28 @@ class Tokenizer:
     def load(cls, source: str | os.PathLike[str] | TokenizerManifest) -> Tokenizer:
         """Load from a `TokenizerManifest`, its directory / `manifest.json`, or a `.model` file.
 
+        The normalization form comes from the manifest; for a `.model` file, from the
+        stage's `manifest.json` beside it when that lists this file (else None).
+
         Raises:
             FileNotFoundError: the path does not exist.
-            ValueError: the manifest is invalid, or the model lacks the fixed special ids.
+            ValueError: the manifest is invalid, the file is not a SentencePiece model, or
+                the model lacks the fixed special ids.
         """
         if isinstance(source, TokenizerManifest):
-            return cls(source.file(source.model.path))
+            return cls(source.file(source.model.path), source.normalization)
         p = Path(source)
         if p.is_dir() or p.name == "manifest.json":
             m = read_manifest(p, TokenizerManifest)
-            return cls(m.file(m.model.path))
+            return cls(m.file(m.model.path), m.normalization)
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {p}")
-        return cls(p)
+        beside = p.with_name("manifest.json")
+        try:
+            m = read_manifest(beside, TokenizerManifest)
+        except (OSError, ValueError):  # no stage manifest here: a model file on its own
+            return cls(p)
+        return cls(p, m.normalization if m.file(m.model.path).samefile(p) else None)
 
     @property
     def vocab_size(self) -> int:
@@ -382,7 +403,7 @@ class Tokenizer:
         A literal "[MASK]" in a text is ordinary text: id 4 never comes out of `encode`.
 
         Args:
-            texts: documents or sentences.
+            texts: documents or sentences (normalized first, see the class docstring).
             num_threads: SentencePiece encoder threads; 0 or less uses SentencePiece's
                 default (-1: one per hardware thread).
 
@@ -390,8 +411,12 @@ class Tokenizer:
             One list of ids in `[0, vocab_size)` per text, in order.
         """
         return self._sp.encode(
-            list(texts), out_type=int, num_threads=num_threads if num_threads > 0 else -1
+            [self._normalize(t) for t in texts], out_type=int,
+            num_threads=num_threads if num_threads > 0 else -1,
         )
+
+    def _normalize(self, text: str) -> str:
+        return unicodedata.normalize(self.normalization, text) if self.normalization else text
 
     def encode_with_mask(self, text: str) -> list[int]:
         """Encode a fill-mask probe: each literal "[MASK]" becomes the [MASK] id (4).
@@ -403,7 +428,7 @@ class Tokenizer:
             Piece ids with `MASK_ID` at each marker (no [CLS] / [SEP] added).
         """
         ids: list[int] = []
-        for i, part in enumerate(text.split(MASK_MARKER)):
+        for i, part in enumerate(self._normalize(text).split(MASK_MARKER)):
             if i:
                 ids.append(MASK_ID)
             ids.extend(self._sp.encode(part, out_type=int))

@@ -34,6 +34,16 @@ def test_run_directory_means_its_newest_checkpoint(run_dir, tiny_tokenizer_manif
     assert json.loads(capsys.readouterr().out) != from_run  # really a different checkpoint
 
 
+def test_probe_text_is_normalized_like_the_corpus(run_dir, tiny_tokenizer_manifest, capsys):
+    spm_model = str(tiny_tokenizer_manifest.file(tiny_tokenizer_manifest.model.path))
+    outputs = []
+    for text in ("Le [MASK] du café.", "Le [MASK] du cafe\u0301."):  # NFC vs decomposed
+        assert cli.main(["fill-mask", str(run_dir), spm_model, text, "--top-k", "5"]) == 0
+        [result] = json.loads(capsys.readouterr().out)
+        outputs.append(result["predictions"])
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "no-mask"])
 def test_bad_input_is_one_line_exit_1(case, run_dir, tiny_tokenizer_manifest, tmp_path, capsys):
     spm_model = str(tiny_tokenizer_manifest.file(tiny_tokenizer_manifest.model.path))

@@ -86,3 +86,30 @@ def test_tokenize_finds_the_tokenizer_of_a_config(tmp_path, capsys):
 def test_tokenize_needs_config_or_tokenizer(capsys):
     assert main(["tokenize", "--text", "x"]) == 2
     assert "either CONFIG or --tokenizer" in capsys.readouterr().err
+
+
+def test_tokenize_normalizes_like_ingestion(model_path, tiny_tokenizer_manifest, capsys):
+    # The tiny corpus was ingested with NFC: "e" + U+0301 must read as "é", as in training.
+    assert tiny_tokenizer_manifest.normalization == "NFC"
+    composed, decomposed = "Le café du canapé", "Le cafe\u0301 du canape\u0301"
+    assert _reference(model_path, decomposed) != _reference(model_path, composed)
+    assert main(["tokenize", "--tokenizer", str(model_path), "--text", decomposed]) == 0
+    assert _plain(capsys.readouterr().out) == [_reference(model_path, composed)]
+
+
+def test_nfkc_tokenizer_folds_compatibility_characters(model_path):
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    ligature = "Le \ufb01let"  # "ﬁ" (U+FB01); NFKC gives "fi"
+    assert Tokenizer(model_path, "NFKC").encode([ligature]) == [
+        _reference(model_path, "Le filet")[1]]
+    assert Tokenizer(model_path).encode([ligature]) == [_reference(model_path, ligature)[1]]
+
+
+def test_not_a_model_names_the_file(tmp_path, capsys):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not a model\n")
+    assert main(["tokenize", "--tokenizer", str(bogus), "--text", "x"]) == 1
+    err = capsys.readouterr().err
+    assert str(bogus) in err and "not a SentencePiece model" in err
+    assert len(err.strip().splitlines()) == 1

@@ -131,3 +131,20 @@ def test_exact_k_copies_select_exactly_k(tmp_path_factory, tiny_corpus_manifest,
     _, labels = _copy(m, 0)
     n = (original >= NUM_SPECIAL).sum(1)
     np.testing.assert_array_equal((labels != -100).sum(1), np.floor(0.15 * n + 0.5))
+
+
+def test_shards_follow_the_tokenizer_model_bytes(
+    tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest, tiny_shard_manifest
+):
+    # A tokenizer retrained under the same digest (its model file replaced) must not reuse
+    # shards that another model encoded: the model's sha256 is part of their identity.
+    from mlm_pipeline.manifest import sha256_file
+    from mlm_pipeline.shards import shards_digest
+
+    tok = tiny_tokenizer_manifest
+    assert tiny_shard_manifest.inputs["tokenizer_model"] == sha256_file(tok.file(tok.model.path))
+    other = tok.model_copy(update={"model": tok.model.model_copy(update={"sha256": "0" * 64})})
+    assert other.digest == tok.digest
+    assert shards_digest(tiny_shard_config, tiny_corpus_manifest, other) != shards_digest(
+        tiny_shard_config, tiny_corpus_manifest, tok)
+    assert shards_digest(tiny_shard_config, tiny_corpus_manifest, tok) == tiny_shard_manifest.digest

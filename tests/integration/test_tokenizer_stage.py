@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 import re
 
 import pyarrow.parquet as pq
@@ -9,8 +11,8 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
-from mlm_pipeline.manifest import sha256_file
-from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.manifest import sha256_file, stage_dir
+from mlm_pipeline.tokenizer import STAGE, Tokenizer, tokenizer_digest, train_tokenizer
 
 
 def _train_lines(corpus) -> list[str]:
@@ -104,9 +106,50 @@ def test_too_small_vocab_names_the_minimum(tiny_corpus_manifest, tmp_path):
         train_tokenizer(TokenizerConfig(vocab_size=10), tiny_corpus_manifest, tmp_path)
 
 
-def test_input_sentence_size_below_sentencepiece_minimum():
-    # SentencePiece refuses input_sentence_size in [1, 100]: the config rejects it first.
-    from pydantic import ValidationError
+def _sentences(paragraphs: list[str]) -> list[str]:
+    """Documents of one sentence per line: enough lines to sample from."""
+    return ["\n".join(x.strip() + "." for x in p.split(". ") if x.strip()) for p in paragraphs]
 
-    with pytest.raises(ValidationError, match="input_sentence_size"):
-        TokenizerConfig(vocab_size=128, input_sentence_size=50)
+
+def _reservoir(items: list[str], k: int, seed: int) -> list[str]:
+    """Algorithm R (Vitter 1985) with random.Random(seed), kept items in input order:
+    the sample the stage documents, computed here independently."""
+    rng = random.Random(seed)
+    slots: list[int] = []
+    for i in range(len(items)):
+        if i < k:
+            slots.append(i)
+        elif (j := rng.randrange(i + 1)) < k:
+            slots[j] = i
+    return [items[i] for i in sorted(slots)]
+
+
+def test_sampled_training_is_deterministic(tmp_path, make_corpus_manifest, tiny_paragraphs):
+    corpus = make_corpus_manifest(tmp_path / "c", _sentences(tiny_paragraphs))
+    lines = _train_lines(corpus)
+    k = len(lines) // 3
+    cfg = TokenizerConfig(vocab_size=100, input_sentence_size=k)
+    first = train_tokenizer(cfg, corpus, tmp_path / "a")
+    second = train_tokenizer(cfg, corpus, tmp_path / "b")
+    # Two trainings of the same config and corpus give the same model, byte for byte.
+    assert first.model.sha256 == second.model.sha256
+    assert (first.training_sentences, first.sampled_from) == (k, len(lines))
+    want = "".join(x + "\n" for x in _reservoir(lines, k, seed=1)).encode("utf-8")
+    assert first.sample_digest == hashlib.sha256(want).hexdigest()
+
+
+def test_unsampled_training_reads_every_line(tiny_tokenizer_manifest, tiny_corpus_manifest):
+    n = len(_train_lines(tiny_corpus_manifest))
+    assert tiny_tokenizer_manifest.sampled_from == tiny_tokenizer_manifest.training_sentences == n
+
+
+def test_rerun_removes_a_killed_runs_temporary_files(tmp_path, tiny_corpus_manifest):
+    cfg = TokenizerConfig(vocab_size=128)
+    out_dir = stage_dir(tmp_path, STAGE, tokenizer_digest(cfg, tiny_corpus_manifest))
+    stale = out_dir / ".tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "train.txt").write_text("left by SIGKILL\n")
+    m = train_tokenizer(cfg, tiny_corpus_manifest, tmp_path)
+    assert not stale.exists()
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        [m.model.path, m.vocab.path, "manifest.json"])
