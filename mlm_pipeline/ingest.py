@@ -107,8 +107,10 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     Raises:
         FileNotFoundError: a source matches no file.
         ValueError: a file has an unsupported extension, is a `.json` file that is not
-            an array, or lacks the `text_field` column (CSV/Parquet); the training split
-            would be empty; an unknown `debian:` corpus name.
+            an array or has data after it, lacks the `text_field` column (CSV/Parquet) or
+            has it with a non-string type (Parquet), has a CSV quoted field never closed,
+            or is a truncated or corrupt compressed or Parquet file (each message names
+            the file); the training split would be empty; an unknown `debian:` corpus.
         ImportError: `near_dedup_threshold` is set but `datasketch` is not installed; a
             URL source needs a missing fsspec backend (e.g. `s3fs`).
         RuntimeError: a `debian:` corpus cannot be fetched (see `corpora.fetch_debian_corpus`).

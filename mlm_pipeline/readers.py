@@ -11,18 +11,26 @@ Each reader turns one input file into `Record`s, streaming (memory holds a chunk
   blank lines are skipped); id `<basename>:<line number>` unless an `id` field is present.
 * `.json`: a top-level array of objects, parsed incrementally element by element (memory:
   the largest element, not the file); id `<basename>:<element number, from 1>`. A file
-  that is not an array is a `ValueError`; a syntax error inside the array drops the rest
-  of the file as one `bad_json` record.
+  that is not an array, or has anything but whitespace after its closing `]`, is a
+  `ValueError` (naming the character offset); a syntax error inside the array drops the
+  rest of the file as one `bad_json` record (logged with its character offset).
 * `.csv`: a header row, then one record per row (RFC 4180 quoting, quoted fields may span
-  lines); id `<basename>:<data row number, from 1>`.
+  lines); id `<basename>:<data row number, from 1>`. A quoted field still open at the end
+  of the file is a `ValueError` naming the line where it opens (Python's `csv` would
+  otherwise return the rest of the file as that one field).
 * `.parquet`: one record per row, read in batches; id `<basename>:<row number, from 1>`.
 
 JSON objects, CSV rows and Parquet rows take the text from `text_field` and use the
 optional `id`, `source` and `lang` fields/columns. A CSV header or Parquet schema without
-`text_field` is a `ValueError`; a JSON object without it is a `missing_text` record.
+`text_field`, or a Parquet `text_field` column that is not of a string type, is a
+`ValueError`; a JSON object without it (or with a non-string value), a short CSV row and
+a null Parquet value are `missing_text` records.
 
 Compression, UTF-16/32 transcoding and the UTF-8 repairs (`bom`, `invalid_utf8`, `nul`)
-are `mlm_pipeline.sources`'s; a repair is counted once per record.
+are `mlm_pipeline.sources`'s; a repair is counted once per record. A truncated or corrupt
+compressed or Parquet file is a `ValueError` naming it. Drops and repairs are logged at
+WARNING once per file and reason, with the count and the first positions (line, element
+or row, as in the ids).
 
 This module imports neither torch nor prefect.
 """
@@ -31,20 +39,24 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import NamedTuple
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.sources import (
     COMPRESSIONS,
+    DAMAGED_DATA_ERRORS,
     SUPPORTED_SUFFIXES,
     Source,
     decode,
+    is_damaged_data,
     open_raw,
     open_utf8,
     raw_lines,
@@ -55,7 +67,18 @@ logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # characters read at a time (JSON arrays)
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_WARN_FIRST = 5  # bad records named individually per reason and file, then only counted
+_WARN_FIRST = 5  # positions named per file and reason in the warning, then "..."
+_NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # characters that may continue a JSON number
+_EOL = re.compile(r"\r\n|\r|\n")  # line ends, as a text stream with newline="" splits
+# Appended to a CSV stream as one more line: alone it is one row of two fields; inside a
+# quoted field left open (the comma quoted) it ends that field. Noncharacters, not meant
+# for interchange, so not found in real text (The Unicode Standard 15.0, section 23.7).
+_CSV_END = ("\ufdd0", "\ufdd1")
+_WHY = {"bad_json": "not valid JSON / not an object",
+        "missing_text": "field {field!r} missing or not a string",
+        "bom": "UTF-8 byte-order mark removed",
+        "invalid_utf8": "invalid UTF-8 replaced by U+FFFD",
+        "nul": "NUL characters removed"}
 
 
 class Record(NamedTuple):
@@ -81,6 +104,9 @@ class Record(NamedTuple):
 def read_records(path: Source, text_field: str, txt_document: str) -> Iterator[Record]:
     """Stream the records of one input file (format chosen by its name).
 
+    Drops and repairs are logged at WARNING once per reason when the file is done (or
+    the caller closes the iterator): the file, the count and the first positions.
+
     Args:
         path: the file (a local path or an fsspec URL).
         text_field: JSON field / CSV or Parquet column holding the text.
@@ -90,23 +116,51 @@ def read_records(path: Source, text_field: str, txt_document: str) -> Iterator[R
         Every record, bad ones (with `drop` set) included, in file order.
 
     Raises:
-        ValueError: unsupported name; a `.json` file that is not an array; a CSV header
-            or Parquet schema without `text_field` (the file is named).
+        ValueError: unsupported name; a `.json` file that is not an array or has data
+            after it; a CSV header or Parquet schema without `text_field`; a Parquet
+            `text_field` column of a non-string type; a CSV quoted field left open at
+            the end of the file; a truncated or corrupt compressed or Parquet file. The
+            message starts with the file's path or URL.
     """
     name = source_name(path)
     base = name
     for c in COMPRESSIONS:
         base = base.removesuffix(c)
     if base.endswith(".parquet"):
-        return _parquet(path, text_field)
-    readers = {".txt": lambda: _txt(path, txt_document == "file"),
-               ".jsonl": lambda: _jsonl(path, text_field), ".json": lambda: _json(path, text_field),
-               ".csv": lambda: _csv(path, text_field)}
-    for suffix, make in readers.items():
+        return _logged(path, "row", text_field, _parquet(path, text_field))
+    readers = {".txt": ("line", lambda: _txt(path, txt_document == "file")),
+               ".jsonl": ("line", lambda: _jsonl(path, text_field)),
+               ".json": ("element", lambda: _json(path, text_field)),
+               ".csv": ("data row", lambda: _csv(path, text_field))}
+    for suffix, (unit, make) in readers.items():
         if base.endswith(suffix):
-            return make()
+            return _logged(path, unit, text_field, make())
     raise ValueError(f"{path}: unsupported file type; expected one of "
                      f"{', '.join(SUPPORTED_SUFFIXES)}")
+
+
+def _logged(path: Source, unit: str, field: str,
+            rows: Generator[tuple[int, Record], None, None]) -> Iterator[Record]:
+    """The records of `rows` (`(position, record)` pairs); logs every drop and repair
+    reason once, with its count and first positions, when the file is done."""
+    seen: dict[str, list[int]] = {}  # reason -> [count, first positions...]
+    try:
+        for where, rec in rows:
+            if rec.drop is not None or rec.repairs:
+                for reason in (rec.drop, *sorted(rec.repairs)):
+                    if reason is not None:
+                        tally = seen.setdefault(reason, [0])
+                        tally[0] += 1
+                        if len(tally) <= _WARN_FIRST:
+                            tally.append(where)
+            yield rec
+    finally:  # also when the caller stops early (max_documents) or an error ends the file
+        rows.close()
+        for reason, (n, *first) in seen.items():
+            action = "dropped as" if reason in ("bad_json", "missing_text") else "repaired:"
+            at = ", ".join(map(str, first)) + (", ..." if n > len(first) else "")
+            logger.warning("%s: %d record(s) %s %s (%s), at %s %s", path, n, action, reason,
+                           _WHY[reason].format(field=field), unit, at)
 
 
 def _clean(value: str, fixes: set[str]) -> str:
@@ -128,41 +182,23 @@ def _meta(obj, name: str, pos: int) -> tuple[str, str, str | None]:
             else name, lang if isinstance(lang, str) else None)
 
 
-class _BadCounter:
-    """Counts bad records of one file; names the first few, summarizes at the end."""
-
-    def __init__(self, path: Source, field: str) -> None:
-        self.path, self.field, self.n = path, field, {"bad_json": 0, "missing_text": 0}
-
-    def __call__(self, reason: str, where: int) -> None:
-        self.n[reason] += 1
-        if self.n[reason] <= _WARN_FIRST:
-            what = ("not valid JSON / not an object" if reason == "bad_json"
-                    else f"field {self.field!r} missing or not a string")
-            logger.warning("%s:%d: %s; dropped", self.path, where, what)
-
-    def summary(self) -> None:
-        """Log one warning per drop reason with the file's total (after the first few)."""
-        for reason, n in self.n.items():
-            if n:
-                logger.warning("%s: %d records dropped as %s", self.path, n, reason)
-
-
-def _object_record(obj, field: str, name: str, pos: int, fixes: set[str],
-                   bad: _BadCounter) -> Record:
+def _object_record(obj, field: str, name: str, pos: int, fixes: set[str]) -> Record:
     if not isinstance(obj, dict):
-        bad("bad_json", pos)
         return Record(f"{name}:{pos}", "", name, fixes, "bad_json")
     if not isinstance(obj.get(field), str):
-        bad("missing_text", pos)
         return Record(f"{name}:{pos}", "", name, fixes, "missing_text")
     text = _clean(obj[field], fixes)
+    if "\x00" in text:  # a \u0000 escape
+        text = text.replace("\x00", "")
+        fixes.add("nul")
     doc_id, source, lang = _meta(obj, name, pos)
     return Record(doc_id, text, source, fixes, None, lang)
 
 
 # --------------------------------------------------------------------------------- formats
-def _txt(path: Source, by_file: bool) -> Iterator[Record]:
+# Each reader yields (position, record): the position (line, element or row, from 1) is
+# the one its ids use, for the warnings of `_logged`.
+def _txt(path: Source, by_file: bool) -> Iterator[tuple[int, Record]]:
     name = source_name(path)
     lines: list[str] = []
     start, repairs = 0, set()
@@ -171,7 +207,7 @@ def _txt(path: Source, by_file: bool) -> Iterator[Record]:
             line, fixes = decode(raw, lineno == 1)
             if not by_file and not line.strip():
                 if lines:
-                    yield Record(f"{name}:{start}", "\n".join(lines), name, repairs)
+                    yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
                     lines, repairs = [], set()
                 else:
                     repairs |= fixes & {"bom"}  # a BOM on a blank line: next document
@@ -181,24 +217,21 @@ def _txt(path: Source, by_file: bool) -> Iterator[Record]:
             lines.append(line)
             repairs |= fixes
     if lines:
-        yield Record(f"{name}:{start}", "\n".join(lines), name, repairs)
+        yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
 
 
-def _jsonl(path: Source, field: str) -> Iterator[Record]:
-    name, bad = source_name(path), _BadCounter(path, field)
-    try:
-        with open_utf8(path) as f:
-            for lineno, raw in enumerate(raw_lines(f, eol=re.compile(rb"\n")), 1):
-                line, fixes = decode(raw.removesuffix(b"\r"), lineno == 1)
-                if not line.strip():
-                    continue  # a blank line is no record
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    obj = None
-                yield _object_record(obj, field, name, lineno, fixes, bad)
-    finally:  # also when the caller stops early (max_documents)
-        bad.summary()
+def _jsonl(path: Source, field: str) -> Iterator[tuple[int, Record]]:
+    name = source_name(path)
+    with open_utf8(path) as f:
+        for lineno, raw in enumerate(raw_lines(f, eol=re.compile(rb"\n")), 1):
+            line, fixes = decode(raw.removesuffix(b"\r"), lineno == 1)
+            if not line.strip():
+                continue  # a blank line is no record
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = None
+            yield lineno, _object_record(obj, field, name, lineno, fixes)
 
 
 def _reopen_text(path: Source) -> tuple[io.TextIOWrapper, set[str]]:
@@ -215,17 +248,16 @@ def _reopen_text(path: Source) -> tuple[io.TextIOWrapper, set[str]]:
                             newline=""), set()
 
 
-def _json(path: Source, field: str) -> Iterator[Record]:
-    name, bad = source_name(path), _BadCounter(path, field)
-    dec = json.JSONDecoder()
+def _json(path: Source, field: str) -> Iterator[tuple[int, Record]]:
+    name, dec = source_name(path), json.JSONDecoder()
     f, pending = _reopen_text(path)
-    buf, pos, eof, k = "", 0, False, 0
-    want = _CHUNK
+    # buf[pos:] is unparsed; `done` characters (after any BOM) precede buf, for offsets.
+    buf, pos, done, eof, k, want = "", 0, 0, False, 0, _CHUNK
 
     def fill() -> bool:  # append more text; False at end of file
-        nonlocal buf, pos, eof
+        nonlocal buf, pos, done, eof
         chunk = f.read(want)
-        buf, pos = buf[pos:] + chunk, 0
+        buf, pos, done = buf[pos:] + chunk, 0, done + pos
         eof = not chunk
         return bool(chunk)
 
@@ -237,84 +269,140 @@ def _json(path: Source, field: str) -> Iterator[Record]:
             if pos < len(buf) or not fill():
                 return buf[pos:pos + 1]
 
+    def bad(where: int, why: str) -> tuple[int, Record]:  # ends the file
+        logger.warning("%s: char %d: %s; the rest of the file is one bad_json record",
+                       path, done + where, why)
+        return k + 1, Record(f"{name}:{k + 1}", "", name, pending, "bad_json")
+
     try:
         if skip_ws() != "[":
             raise ValueError(f"{path}: a .json input must be a top-level array of objects")
         pos += 1
-        if skip_ws() == "]":
-            return
-        while True:
+        empty = skip_ws() == "]"
+        while not empty:
             try:
                 obj, end = dec.raw_decode(buf, pos)
                 ok = True
-            except ValueError:
-                ok = False
-            # Failing, or ending exactly at the buffer's end (a number cut by the chunk),
-            # may be an element cut by the chunk end: read more and parse it again
-            # (a malformed element is known only at the end of the file). Reading twice
-            # as much per retry keeps the parsing of a large element linear.
-            if not (ok and end < len(buf)) and not eof:
+            except ValueError as e:
+                ok, err = False, e
+            # Failing may be an element cut by the chunk end, and so may a number with
+            # nothing but number characters after it up to the chunk end ("0." of
+            # "0.5"): read more and parse it again (a malformed element is known only at
+            # the end of the file). Reading twice as much per retry keeps the parsing of
+            # a large element linear.
+            if not eof and (not ok or (type(obj) in (int, float)
+                                       and _NUMBER_TAIL.fullmatch(buf, end))):
                 fill()
                 want *= 2
                 continue
             if not ok:
-                bad("bad_json", k + 1)
-                yield Record(f"{name}:{k + 1}", "", name, pending, "bad_json")
+                yield bad(getattr(err, "pos", pos), getattr(err, "msg", str(err)))
                 return
             pos, want, k = end, _CHUNK, k + 1
             fixes, pending = pending, set()
-            yield _object_record(obj, field, name, k, fixes, bad)
+            yield k, _object_record(obj, field, name, k, fixes)
             sep = skip_ws()
             if sep == "]":
-                return
+                break
             if sep != ",":
-                bad("bad_json", k + 1)
-                yield Record(f"{name}:{k + 1}", "", name, set(), "bad_json")
+                yield bad(pos, f"expected ',' or ']' after element {k}, found {sep!r}")
                 return
             pos += 1
             skip_ws()  # raw_decode does not skip leading whitespace
+        pos += 1
+        if skip_ws():
+            raise ValueError(f"{path}: char {done + pos}: extra data after the closing ']' "
+                             "of the top-level array")
     finally:
         f.close()
-        bad.summary()
 
 
-def _csv(path: Source, field: str) -> Iterator[Record]:
+def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
     name = source_name(path)
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # a document may be one huge field
     f, fixes = _reopen_text(path)
+    n_long, long_rows, width = 0, [], 0  # rows with more fields than the header (first few)
     try:
-        rows = csv.reader(f)
-        header = next(rows, None)
+        rows = csv.reader(itertools.chain(f, [",".join(_CSV_END)]))
+        header = next(rows)
+        if _csv_ended(path, header, rows.line_num):
+            header = None
         if header is None or field not in header:
             raise ValueError(f"{path}: CSV header {header} has no column {field!r}")
+        width = len(header)
         for k, row in enumerate(rows, 1):
-            if not row:
+            if not row or (row[-1].endswith(_CSV_END[1])  # cheap test first
+                           and _csv_ended(path, row, rows.line_num)):
                 continue
+            if len(row) > width:
+                n_long += 1
+                long_rows += [k] if n_long <= _WARN_FIRST else []
             obj = dict(zip(header, row))
             text = obj.get(field)
             if "\x00" in (text or ""):
                 text = text.replace("\x00", "")
                 fixes.add("nul")
             if text is None:  # a short row
-                yield Record(f"{name}:{k}", "", name, fixes, "missing_text")
+                yield k, Record(f"{name}:{k}", "", name, fixes, "missing_text")
             else:
                 doc_id, source, lang = _meta(obj, name, k)
-                yield Record(doc_id, _clean(text, fixes), source, fixes, None, lang or None)
+                yield k, Record(doc_id, _clean(text, fixes), source, fixes, None, lang or None)
             fixes = set()
     finally:
         f.close()
+        if n_long:  # e.g. an unquoted comma in a text: not lost silently
+            more = ", ..." if n_long > len(long_rows) else ""
+            logger.warning("%s: %d row(s) have more fields than the header's %d; the extra "
+                           "fields are ignored, at data row %s%s", path, n_long, width,
+                           ", ".join(map(str, long_rows)), more)
 
 
-def _parquet(path: Source, field: str) -> Iterator[Record]:
-    name = source_name(path)
+def _csv_ended(path: Source, row: list[str], line_num: int) -> bool:
+    """Whether `row` is the end mark appended to a CSV stream.
+
+    Raises:
+        ValueError: the end mark closed a quoted field left open; the message names the
+            line where that field opens (counted back from the end by its line ends).
+    """
+    last, mark = row[-1], ",".join(_CSV_END)
+    if not last.endswith(_CSV_END[1]):
+        return False
+    if row[-2:] == list(_CSV_END):
+        return True
+    if not last.endswith(mark):
+        return False
+    value = last[:-len(mark)]
+    # The mark is line `line_num`, the file's last line the one before; the value spans
+    # from its opening line to there, with one line end per line, except the last line's
+    # when the file has none.
+    opened = line_num - len(_EOL.findall(value)) - (not value.endswith(("\n", "\r")))
+    raise ValueError(f"{path}: line {opened}: quoted field opened here is never closed "
+                     "(no closing '\"' before the end of the file)")
+
+
+def _parquet(path: Source, field: str) -> Iterator[tuple[int, Record]]:
     with open_raw(path) as raw:
-        yield from _parquet_rows(path, pq.ParquetFile(raw), name, field)
+        try:
+            yield from _parquet_rows(path, pq.ParquetFile(raw), source_name(path), field)
+        except DAMAGED_DATA_ERRORS as e:
+            if not is_damaged_data(e):
+                raise
+            raise ValueError(f"{path}: truncated or corrupt Parquet file: {e}") from e
 
 
-def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str, field: str) -> Iterator[Record]:
+def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str,
+                  field: str) -> Iterator[tuple[int, Record]]:
     names = pf.schema_arrow.names
     if field not in names:
         raise ValueError(f"{path}: Parquet columns {names} have no column {field!r}")
+    kind = pf.schema_arrow.field(field).type
+    value_kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+    if not (pa.types.is_string(value_kind) or pa.types.is_large_string(value_kind)
+            or pa.types.is_string_view(value_kind)):
+        # A whole column of the wrong type would drop every row as missing_text: a
+        # wrong text_field or a wrong file, better stopped than counted.
+        raise ValueError(f"{path}: Parquet column {field!r} has type {kind}, not a string "
+                         "type; set text_field to a string column")
     cols = [field] + [c for c in ("id", "source", "lang") if c in names and c != field]
     k = 0
     for batch in pf.iter_batches(batch_size=1024, columns=cols):
@@ -323,12 +411,12 @@ def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str, field: str) -> It
             k += 1
             obj = {c: data[c][i] for c in cols}
             text = obj[field]
-            if not isinstance(text, str):
-                yield Record(f"{name}:{k}", "", name, set(), "missing_text")
+            if not isinstance(text, str):  # null
+                yield k, Record(f"{name}:{k}", "", name, set(), "missing_text")
                 continue
             fixes: set[str] = set()
             if "\x00" in text:
                 text = text.replace("\x00", "")
                 fixes.add("nul")
             doc_id, source, lang = _meta(obj, name, k)
-            yield Record(doc_id, text, source, fixes, None, lang)
+            yield k, Record(doc_id, text, source, fixes, None, lang)

@@ -5,9 +5,10 @@ imported only for URLs). This module expands `IngestConfig.sources` into files, 
 their bytes (the stage's cache key), and opens them as streams: decompressed by suffix
 (`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst` with pyarrow's zstd codec, so no extra
 dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
-present (not a repair). Lines are split and UTF-8 decoded here, with the repairs counted
-by `mlm_pipeline.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone surrogates
-(`invalid_utf8`), NUL (`nul`).
+present (not a repair). A truncated or corrupt compressed stream is a `ValueError` that
+names the file (`open_compressed`). Lines are split and UTF-8 decoded here, with the
+repairs counted by `mlm_pipeline.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone
+surrogates (`invalid_utf8`), NUL (`nul`).
 
 This module imports neither torch nor prefect.
 """
@@ -25,6 +26,7 @@ import logging
 import lzma
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -44,7 +46,14 @@ SUPPORTED_SUFFIXES = FORMATS + tuple(
     f + c for f in FORMATS if f != ".parquet" for c in COMPRESSIONS)
 #: An input: a local path, or an fsspec URL string (`s3://b/k.jsonl`, `file:///d/a.txt`).
 Source = Path | str
-_CHUNK = 1 << 20  # bytes read at a time  # bytes read at a time
+_CHUNK = 1 << 20  # bytes read at a time
+#: Compression of each suffix, as error messages name it.
+_CODECS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+#: What decompressors (and pyarrow's Parquet reader) raise on damaged data: EOFError for
+#: a truncated gzip/bzip2/xz stream, zlib.error and gzip.BadGzipFile (an OSError), lzma's
+#: LZMAError, a plain OSError from bz2 ("Invalid data stream") and pyarrow (zstd, Parquet
+#: pages), pyarrow's ArrowInvalid (a truncated or empty Parquet file).
+DAMAGED_DATA_ERRORS = (EOFError, zlib.error, lzma.LZMAError, pa.ArrowException, OSError)
 _EOL = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 # Longest BOM first: the UTF-32-LE BOM begins with the UTF-16-LE one.
@@ -211,11 +220,48 @@ def _url_hash_memo(url: str, ukey: str) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
+def is_damaged_data(e: BaseException) -> bool:
+    """Whether an exception of `DAMAGED_DATA_ERRORS` reports damaged data rather than a
+    failed read: an OSError of the system (errno set) or a subclass such as
+    FileNotFoundError or PermissionError is a read failure, not damage."""
+    if isinstance(e, OSError):
+        return type(e) in (OSError, gzip.BadGzipFile) and e.errno is None
+    return isinstance(e, DAMAGED_DATA_ERRORS)
+
+
+class _Decompressed:
+    """A decompressing stream whose errors on damaged data are `ValueError`s naming the
+    file, so that the CLI prints them as one line (the original error is the cause)."""
+
+    def __init__(self, path: Source, stream: IO[bytes], codec: str) -> None:
+        self._path, self._stream, self._codec = path, stream, codec
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to `n` decompressed bytes (b"" at the end).
+
+        Raises:
+            ValueError: the stream is truncated or corrupt (the file is named).
+        """
+        try:
+            return self._stream.read(n)
+        except DAMAGED_DATA_ERRORS as e:
+            if not is_damaged_data(e):
+                raise
+            raise ValueError(f"{self._path}: truncated or corrupt {self._codec} stream: "
+                             f"{e}") from e
+
+    def close(self) -> None:
+        """Close the decompressor."""
+        self._stream.close()
+
+
 def open_compressed(path: Source) -> tuple[IO[bytes], list[IO[bytes]]]:
     """Open a file for binary reading, decompressing by its suffix (streaming).
 
     Returns:
         The stream and every handle to close when done (the stream and the raw file).
+        Reading a truncated or corrupt compressed stream raises a `ValueError` that
+        starts with the file's path or URL, raised from the decompressor's error.
     """
     name, raw = source_name(path), open_raw(path)
     if name.endswith(".gz"):
@@ -228,7 +274,8 @@ def open_compressed(path: Source) -> tuple[IO[bytes], list[IO[bytes]]]:
         stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
     else:
         return raw, [raw]
-    return stream, [stream, raw]
+    wrapped = _Decompressed(path, stream, _CODECS[name[name.rindex("."):]])
+    return wrapped, [wrapped, raw]
 
 
 class _Chunks(io.RawIOBase):
@@ -264,7 +311,9 @@ def open_utf8(path: Source) -> io.BufferedReader:
     UTF-16/UTF-32 when it starts with their byte-order mark (the BOM is removed).
 
     Invalid UTF-16/32 (lone surrogates, a truncated last unit) becomes bytes that are
-    invalid UTF-8, so the UTF-8 decoder downstream replaces and counts them.
+    invalid UTF-8, so the UTF-8 decoder downstream replaces and counts them. Reading a
+    truncated or corrupt compressed file raises a `ValueError` naming it
+    (`open_compressed`).
     """
     raw, owners = open_compressed(path)
     head = b""

@@ -128,8 +128,42 @@ def test_json_incremental_small_chunks(tmp_path, monkeypatch):
     assert list(read_records(tmp_path / "d.json", "text", "paragraph")) == []
 
 
+NUMBERS = ('[0.5, 12345, -0.25e-3, 1E+10, {"text": "a"}, true, null, "s", 7, {"text": "b"},'
+           ' 3.0E-2, -0, 123456789012345678901234567890, {"text": "c"}]')
+
+
+@pytest.mark.parametrize("chunk", range(1, 12))
+def test_json_top_level_numbers_cut_by_any_chunk(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(readers, "_CHUNK", chunk)  # numbers cut at every position
+    (tmp_path / "n.json").write_text(NUMBERS)
+    want = [(f"n.json:{k}", d["text"], None) if isinstance(d, dict) else
+            (f"n.json:{k}", "", "bad_json") for k, d in enumerate(json.loads(NUMBERS), 1)]
+    recs = list(read_records(tmp_path / "n.json", "text", "paragraph"))
+    assert [(r.id, r.text, r.drop) for r in recs] == want
+
+
+@pytest.mark.parametrize("chunk", [1, 4, None])  # None: the module's read size
+def test_json_errors_give_the_character_offset(tmp_path, monkeypatch, caplog, chunk):
+    if chunk is not None:
+        monkeypatch.setattr(readers, "_CHUNK", chunk)
+    syntax = '[{"text": "ok"},\n {"text" "no colon"}, {"text": "lost"}]'
+    with pytest.raises(json.JSONDecodeError) as ref:
+        json.loads(syntax)
+    (tmp_path / "s.json").write_text(syntax)
+    with caplog.at_level("WARNING", logger="mlm_pipeline.readers"):
+        recs = list(read_records(tmp_path / "s.json", "text", "paragraph"))
+    assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json")]
+    assert f"s.json: char {ref.value.pos}: {ref.value.msg};" in caplog.text
+    extra = '[{"text": "a"}]  \n\n   {"text": "b"}'
+    with pytest.raises(json.JSONDecodeError) as ref:
+        json.loads(extra)
+    (tmp_path / "x.json").write_text(extra)
+    with pytest.raises(ValueError, match=rf"x\.json: char {ref.value.pos}: extra data"):
+        list(read_records(tmp_path / "x.json", "text", "paragraph"))
+
+
 def test_csv_multiline_bom_invalid_bytes_and_missing_column(tmp_path):
-    data = b"\xef\xbb\xbf" + csv_bytes(DOCS).replace("Premier".encode(), b"Pr\xffmier")
+    data = b"\xef\xbb\xbf" + csv_bytes(DOCS).replace(b"Premier", b"Pr\xffmier")
     (tmp_path / "a.csv").write_bytes(data)
     recs = list(read_records(tmp_path / "a.csv", "text", "paragraph"))
     assert [r.text for r in recs] == ["Pr\ufffdmier document, accentué."] + [
