@@ -86,7 +86,7 @@ DOCS_PER_FILE = 50_000
 BATCH_DOCS = 1_000
 DROP_REASONS = ("bad_json", "missing_text", "language", "empty", "too_short", "few_letters",
                 "duplicate", "near_duplicate")
-REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "split")
+REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "split", "extra_fields")
 _SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string())])
 _MAX_OFFSET = 2**31 - 1  # bytes one Arrow `string` array can hold (int32 offsets)
 

@@ -15,7 +15,8 @@ Each reader turns one input file into `Record`s, streaming (memory holds a chunk
   `ValueError` (naming the character offset); a syntax error inside the array drops the
   rest of the file as one `bad_json` record (logged with its character offset).
 * `.csv`: a header row, then one record per row (RFC 4180 quoting, quoted fields may span
-  lines); id `<basename>:<data row number, from 1>`. A quoted field still open at the end
+  lines); id `<basename>:<data row number, from 1>`. A row with more fields than the
+  header keeps the header's fields (repair `extra_fields`). A quoted field open at the end
   of the file is a `ValueError` naming the line where it opens (Python's `csv` would
   otherwise return the rest of the file as that one field).
 * `.parquet`: one record per row, read in batches; id `<basename>:<row number, from 1>`.
@@ -78,7 +79,8 @@ _WHY = {"bad_json": "not valid JSON / not an object",
         "missing_text": "field {field!r} missing or not a string",
         "bom": "UTF-8 byte-order mark removed",
         "invalid_utf8": "invalid UTF-8 replaced by U+FFFD",
-        "nul": "NUL characters removed"}
+        "nul": "NUL characters removed",
+        "extra_fields": "more fields than the CSV header; the extra fields are ignored"}
 
 
 class Record(NamedTuple):
@@ -321,7 +323,6 @@ def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
     name = source_name(path)
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # a document may be one huge field
     f, fixes = _reopen_text(path)
-    n_long, long_rows, width = 0, [], 0  # rows with more fields than the header (first few)
     try:
         rows = csv.reader(itertools.chain(f, [",".join(_CSV_END)]))
         header = next(rows)
@@ -329,14 +330,12 @@ def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
             header = None
         if header is None or field not in header:
             raise ValueError(f"{path}: CSV header {header} has no column {field!r}")
-        width = len(header)
         for k, row in enumerate(rows, 1):
             if not row or (row[-1].endswith(_CSV_END[1])  # cheap test first
                            and _csv_ended(path, row, rows.line_num)):
                 continue
-            if len(row) > width:
-                n_long += 1
-                long_rows += [k] if n_long <= _WARN_FIRST else []
+            if len(row) > len(header):  # e.g. an unquoted comma in a text
+                fixes.add("extra_fields")
             obj = dict(zip(header, row))
             text = obj.get(field)
             if "\x00" in (text or ""):
@@ -350,11 +349,6 @@ def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
             fixes = set()
     finally:
         f.close()
-        if n_long:  # e.g. an unquoted comma in a text: not lost silently
-            more = ", ..." if n_long > len(long_rows) else ""
-            logger.warning("%s: %d row(s) have more fields than the header's %d; the extra "
-                           "fields are ignored, at data row %s%s", path, n_long, width,
-                           ", ".join(map(str, long_rows)), more)
 
 
 def _csv_ended(path: Source, row: list[str], line_num: int) -> bool:

@@ -139,13 +139,14 @@ def test_every_drop_and_repair_is_logged_once_per_file_and_reason(tmp_path, capl
     assert {k: v for k, v in m.repaired.items() if v} == {"bom": 1, "invalid_utf8": 2, "nul": 1}
 
 
-def test_csv_row_with_extra_fields_is_logged(tmp_path, caplog):
+def test_csv_row_with_extra_fields_is_counted_and_logged(tmp_path, caplog):
     f = tmp_path / "x.csv"
     f.write_text('id,text\n1,hello, world\n2,"quoted, fine"\n3,a,b,c\n', encoding="utf-8")
     with caplog.at_level(logging.WARNING):
-        run(tmp_path, f)
+        m = run(tmp_path, f)
     [msg] = warnings_for(caplog, f)
-    assert "2 row(s) have more fields than the header's 2" in msg and msg.endswith("row 1, 3")
+    assert ": 2 record(s) repaired: extra_fields " in msg and msg.endswith("data row 1, 3")
+    assert m.repaired["extra_fields"] == 2 and m.documents_kept == 3
 
 
 # ------------------------------------------------------------------ C: unterminated CSV quote

@@ -27,7 +27,7 @@ ISSUE_LINES = [b"\xef\xbb\xbfab\r\n", b"cd\r", b"ef\n", "g\u2028h\n".encode(), b
                b"k\x00l\n"]
 ZERO_DROPS = {"bad_json": 0, "missing_text": 0, "language": 0, "empty": 0, "too_short": 0,
               "few_letters": 0, "duplicate": 0, "near_duplicate": 0}
-NO_REPAIRS = {"bom": 0, "invalid_utf8": 0, "nul": 0, "split": 0}
+NO_REPAIRS = {"bom": 0, "invalid_utf8": 0, "nul": 0, "split": 0, "extra_fields": 0}
 
 
 def records(m) -> list[tuple[str, str, str]]:
