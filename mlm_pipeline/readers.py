@@ -70,6 +70,9 @@ _CHUNK = 1 << 20  # characters read at a time (JSON arrays)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WARN_FIRST = 5  # positions named per file and reason in the warning, then "..."
 _NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # characters that may continue a JSON number
+# A parse error this close to the end of the buffered text may be an element cut there
+# (a literal, an escape such as the surrogate pair \ud83d\ude00): read more first.
+_CUT_MARGIN = 16
 _EOL = re.compile(r"\r\n|\r|\n")  # line ends, as a text stream with newline="" splits
 # Appended to a CSV stream as one more line: alone it is one row of two fields; inside a
 # quoted field left open (the comma quoted) it ends that field. Noncharacters, not meant
@@ -287,13 +290,14 @@ def _json(path: Source, field: str) -> Iterator[tuple[int, Record]]:
                 ok = True
             except ValueError as e:
                 ok, err = False, e
-            # Failing may be an element cut by the chunk end, and so may a number with
-            # nothing but number characters after it up to the chunk end ("0." of
-            # "0.5"): read more and parse it again (a malformed element is known only at
-            # the end of the file). Reading twice as much per retry keeps the parsing of
-            # a large element linear.
-            if not eof and (not ok or (type(obj) in (int, float)
-                                       and _NUMBER_TAIL.fullmatch(buf, end))):
+            # Failing near the chunk end (or inside a string still open there) may be an
+            # element cut by the chunk end, and so may a number with nothing but number
+            # characters after it up to the chunk end ("0." of "0.5"): read more and
+            # parse it again. An error earlier in the text is final, so a syntax error
+            # never reads the rest of a large file into memory. Reading twice as much
+            # per retry keeps the parsing of a large element linear.
+            if not eof and (_maybe_cut(err, buf) if not ok else (
+                    type(obj) in (int, float) and _NUMBER_TAIL.fullmatch(buf, end))):
                 fill()
                 want *= 2
                 continue
@@ -317,6 +321,14 @@ def _json(path: Source, field: str) -> Iterator[tuple[int, Record]]:
                              "of the top-level array")
     finally:
         f.close()
+
+
+def _maybe_cut(err: ValueError, buf: str) -> bool:
+    """Whether a failure of `raw_decode` on `buf` may come from the end of `buf` cutting
+    the element (only more text can tell), rather than from a syntax error before it."""
+    if not isinstance(err, json.JSONDecodeError):
+        return True
+    return err.msg.startswith("Unterminated string") or err.pos >= len(buf) - _CUT_MARGIN
 
 
 def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:

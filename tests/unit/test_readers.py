@@ -162,6 +162,21 @@ def test_json_errors_give_the_character_offset(tmp_path, monkeypatch, caplog, ch
         list(read_records(tmp_path / "x.json", "text", "paragraph"))
 
 
+def test_json_syntax_error_does_not_read_the_rest_into_memory(tmp_path):
+    import tracemalloc
+
+    tail = ", ".join([json.dumps({"text": "x" * 1000})] * 20_000)  # about 20 MB after it
+    (tmp_path / "big.json").write_text('[{"text": "ok"}, {"text": oops}, ' + tail + "]")
+    tracemalloc.start()
+    try:
+        recs = list(read_records(tmp_path / "big.json", "text", "paragraph"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json")]
+    assert peak < 8 * 2**20  # a few 1 MiB chunks, not the 20 MB after the error
+
+
 def test_csv_multiline_bom_invalid_bytes_and_missing_column(tmp_path):
     data = b"\xef\xbb\xbf" + csv_bytes(DOCS).replace(b"Premier", b"Pr\xffmier")
     (tmp_path / "a.csv").write_bytes(data)
