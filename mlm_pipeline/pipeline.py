@@ -88,6 +88,8 @@ def record_data(
     tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
     tracker.log_artifacts(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
     tracker.log_artifacts(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
+    # Beside the model, so `Tokenizer.load` of the downloaded model finds its normalization.
+    tracker.log_artifacts(run_id, tokenizer.path, "tokenizer")
     for m in (corpus, tokenizer, shards):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
 
@@ -187,9 +189,16 @@ def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
 
 
 def outputs_exist(manifest: Manifest) -> bool:
-    """True when every file a manifest lists is still on disk with its recorded size: a
-    result cached by the orchestrator is only reused if its outputs were not deleted."""
-    return load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest) is not None
+    """True when every file a manifest lists is still on disk with its recorded size (and,
+    for the tokenizer's few-MB model, its sha256): a result cached by the orchestrator is
+    only reused if its outputs were not deleted or changed."""
+    if load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest) is None:
+        return False
+    if isinstance(manifest, TokenizerManifest):
+        from mlm_pipeline.tokenizer import model_intact
+
+        return model_intact(manifest)
+    return True
 
 
 def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ Each reader turns one input file into `Record`s, streaming (memory holds a chunk
   of the file is a `ValueError` naming the line where it opens (Python's `csv` would
   otherwise return the rest of the file as that one field).
 * `.parquet`: one record per row, read in batches; id `<basename>:<row number, from 1>`.
+  Invalid UTF-8 in a string column (writers need not validate it) is replaced by U+FFFD
+  and counted (`invalid_utf8`).
 
 JSON objects, CSV rows and Parquet rows take the text from `text_field` and use the
 optional `id`, `source` and `lang` fields/columns. A CSV header or Parquet schema without
@@ -44,6 +46,7 @@ import itertools
 import json
 import logging
 import re
+import secrets
 import sys
 from collections.abc import Generator, Iterator
 from typing import NamedTuple
@@ -75,9 +78,10 @@ _NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # characters that may continue a JSON
 _CUT_MARGIN = 16
 _EOL = re.compile(r"\r\n|\r|\n")  # line ends, as a text stream with newline="" splits
 # Appended to a CSV stream as one more line: alone it is one row of two fields; inside a
-# quoted field left open (the comma quoted) it ends that field. Noncharacters, not meant
-# for interchange, so not found in real text (The Unicode Standard 15.0, section 23.7).
-_CSV_END = ("\ufdd0", "\ufdd1")
+# quoted field left open (the comma quoted) it ends that field. Noncharacters (The Unicode
+# Standard 15.0, section 23.7) around 128 random bits drawn per process: real data,
+# where noncharacters are allowed (Corrigendum #9), never holds this exact pair.
+_CSV_END = ("\ufdd0" + secrets.token_hex(8), secrets.token_hex(8) + "\ufdd1")
 _WHY = {"bad_json": "not valid JSON / not an object",
         "missing_text": "field {field!r} missing or not a string",
         "bom": "UTF-8 byte-order mark removed",
@@ -412,17 +416,39 @@ def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str,
     cols = [field] + [c for c in ("id", "source", "lang") if c in names and c != field]
     k = 0
     for batch in pf.iter_batches(batch_size=1024, columns=cols):
-        data = {c: batch.column(c).to_pylist() for c in cols}
+        data, invalid = {}, set()
+        for c in cols:
+            data[c], bad_rows = _column_values(batch.column(c))
+            invalid |= bad_rows
         for i in range(batch.num_rows):
             k += 1
             obj = {c: data[c][i] for c in cols}
             text = obj[field]
+            fixes: set[str] = {"invalid_utf8"} if i in invalid else set()
             if not isinstance(text, str):  # null
-                yield k, Record(f"{name}:{k}", "", name, set(), "missing_text")
+                yield k, Record(f"{name}:{k}", "", name, fixes, "missing_text")
                 continue
-            fixes: set[str] = set()
             if "\x00" in text:
                 text = text.replace("\x00", "")
                 fixes.add("nul")
             doc_id, source, lang = _meta(obj, name, k)
             yield k, Record(doc_id, text, source, fixes, None, lang)
+
+
+def _column_values(column: pa.Array) -> tuple[list, set[int]]:
+    """A column's values as Python objects, and the rows whose strings held invalid UTF-8
+    (Parquet writers need not validate it), decoded with U+FFFD in its place."""
+    try:
+        return column.to_pylist(), set()
+    except UnicodeDecodeError:
+        pass
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    values, invalid = [], set()
+    for i, raw in enumerate(column.cast(pa.large_binary()).to_pylist()):
+        try:
+            values.append(None if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            values.append(raw.decode("utf-8", "replace"))
+            invalid.add(i)
+    return values, invalid

@@ -55,7 +55,6 @@ path (never at import time).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import deque
@@ -209,13 +208,10 @@ def write_shards(
         logger.info("shards: reusing %s", out_dir)
         return cached
     watch = Stopwatch()
-    tok = Tokenizer.load(tokenizer)  # checks the special-token ids
+    tok = Tokenizer.load(tokenizer)  # checks the special-token ids and the model's sha256
     # Tokenizer.encode returns Python int lists; the processor's numpy output avoids an int
-    # object per token. It is built from the same model bytes, checked against the manifest.
-    proto = tok.path.read_bytes()
-    if hashlib.sha256(proto).hexdigest() != tokenizer.model.sha256:
-        raise ValueError(f"{tok.path}: sha256 differs from the tokenizer manifest {tokenizer.path}")
-    sp = spm.SentencePieceProcessor(model_proto=proto)
+    # object per token. Texts are ingested documents, already normalized.
+    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
     dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
     out_dir.mkdir(parents=True, exist_ok=True)
     # Temporary files of a killed earlier attempt: never shards, always rewritten.

@@ -23,30 +23,26 @@ it is compiled into the `.model` file, so any SentencePiece runtime reading the 
 the same ids. `remove_extra_whitespaces` (default) then collapses runs of spaces.
 
 The trainer's input file (the training split's documents as bounded lines) is written by
-`mlm_pipeline.documents`.
+`mlm_pipeline.documents`; `Tokenizer` (loading a model and encoding text) is in
+`mlm_pipeline.tokenizer_io`, re-exported here.
 
 This module imports neither torch nor prefect.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
-import unicodedata
 from pathlib import Path
 
-import numpy as np
 import sentencepiece as spm
 
 from mlm_pipeline.config import (
     CLS_ID,
-    MASK_ID,
-    NUM_SPECIAL,
     PAD_ID,
     SEP_ID,
     SPECIAL_TOKENS,
@@ -61,22 +57,27 @@ from mlm_pipeline.manifest import (
     compute_digest,
     file_entry,
     load_if_complete,
-    read_manifest,
+    sha256_file,
     stage_dir,
     write_manifest,
 )
+from mlm_pipeline.tokenizer_io import MASK_MARKER, Tokenizer, check_special
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["MASK_MARKER", "MODEL_FILE", "STAGE", "VOCAB_FILE", "Tokenizer", "tokenizer_digest",
+           "train_tokenizer"]  # Tokenizer and MASK_MARKER live in `tokenizer_io`
 
 STAGE = "tokenizer"
 MODEL_FILE = "spm.model"
 VOCAB_FILE = "spm.vocab"
-#: The literal marker that `Tokenizer.encode_with_mask` replaces by the [MASK] id.
-MASK_MARKER = "[MASK]"
 #: Seed of the training-sentence sample (`write_training_text`): a rerun samples the same
 #: lines. SentencePiece's own sampling is not used: with 0.2.3 its sampled models differed
 #: run to run despite `set_random_generator_seed` (three runs, three model hashes).
 _SAMPLING_SEED = 1
+#: Part of the digest: tokenizers trained before the stage sampled its own lines (and
+#: recorded `normalization`, `sampled_from`) are trained again, not reused.
+_SAMPLING = "reservoir-R"
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 #: Pieces `<0x00>` ... `<0xFF>` that `byte_fallback` adds, at ids 5-260 (after the specials).
@@ -86,8 +87,10 @@ _READ = re.compile(r"Loaded all (\d+) sentences")
 
 
 def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
-    """Identity of the tokenizer `train_tokenizer(cfg, corpus, ...)` writes: config + corpus."""
-    return compute_digest(STAGE, cfg, {"corpus": corpus.digest})
+    """Identity of the tokenizer `train_tokenizer(cfg, corpus, ...)` writes: config, corpus
+    and the sampling algorithm of the training text."""
+    return compute_digest(STAGE, {"tokenizer": cfg, "sampling": _SAMPLING},
+                          {"corpus": corpus.digest})
 
 
 def train_tokenizer(
@@ -126,9 +129,12 @@ def train_tokenizer(
     digest = tokenizer_digest(cfg, corpus)
     out_dir = stage_dir(work_dir, STAGE, digest)
     cached = load_if_complete(out_dir, TokenizerManifest, digest)
-    if cached is not None:
+    if cached is not None and model_intact(cached):
         logger.info("tokenizer: reusing %s", out_dir)
         return cached
+    if cached is not None:
+        logger.warning("tokenizer: %s differs from its manifest (sha256): training again",
+                       cached.file(cached.model.path))
     watch = Stopwatch()
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +151,7 @@ def train_tokenizer(
                 raise ValueError(
                     f"tokenizer: the training split of corpus {corpus.output_dir} has no text"
                 )
-            read = _run_trainer(cfg, tmp, lines)
+            read = _run_trainer(cfg, tmp, lines, candidates)
             _strip_temp_paths(tmp / MODEL_FILE)
             for name in (MODEL_FILE, VOCAB_FILE):
                 os.replace(tmp / name, out_dir / name)
@@ -181,7 +187,15 @@ def train_tokenizer(
     return manifest
 
 
-def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
+def model_intact(manifest: TokenizerManifest) -> bool:
+    """Whether the model file still has the sha256 its manifest records (a few MB read)."""
+    try:
+        return sha256_file(manifest.file(manifest.model.path)) == manifest.model.sha256
+    except OSError:
+        return False
+
+
+def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int, candidates: int) -> int:
     """Run the SentencePiece trainer in `tmp` and check its model; returns sentences read.
 
     Raises:
@@ -225,7 +239,7 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
     read = _read_trainer_log(log_path, lines)
     if error is not None:
         if m := _TOO_HIGH.search(str(error)):
-            raise ValueError(_too_high_message(cfg, int(m.group(2)), read)) from error
+            raise ValueError(_too_high_message(cfg, int(m.group(2)), read, candidates)) from error
         if m := _TOO_SMALL.search(str(error)):
             bytes_note = f" and {_BYTE_PIECES} byte pieces" if cfg.byte_fallback else ""
             raise ValueError(
@@ -238,8 +252,8 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int) -> int:
         raise error
     sp = spm.SentencePieceProcessor(model_file=str(tmp / MODEL_FILE))
     if sp.get_piece_size() < cfg.vocab_size:  # a trainer that silently built fewer pieces
-        raise ValueError(_too_high_message(cfg, sp.get_piece_size(), read))
-    _check_special(sp, tmp / MODEL_FILE, RuntimeError)
+        raise ValueError(_too_high_message(cfg, sp.get_piece_size(), read, candidates))
+    check_special(sp, tmp / MODEL_FILE, RuntimeError)
     return read
 
 
@@ -251,11 +265,15 @@ def _has_fileno(stream) -> bool:
     return True
 
 
-def _too_high_message(cfg: TokenizerConfig, supported: int, read: int) -> str:
+def _too_high_message(cfg: TokenizerConfig, supported: int, read: int, candidates: int) -> str:
+    more = "add text"
+    if candidates > read:  # the sample, not the corpus, is what is short
+        more = (f"raise tokenizer.input_sentence_size (the trainer saw {read} of the "
+                f"corpus's {candidates} sentences)")
     return (
         f"tokenizer.vocab_size={cfg.vocab_size} is more than this corpus supports: "
         f"SentencePiece ({cfg.model_type}) can build at most {supported} pieces from {read} "
-        "training sentences; lower tokenizer.vocab_size or add text"
+        f"training sentences; lower tokenizer.vocab_size or {more}"
     )
 
 
@@ -292,160 +310,3 @@ def _strip_temp_paths(path: Path) -> None:
     spec.model_prefix = Path(spec.model_prefix).name
     norm.normalization_rule_tsv = Path(norm.normalization_rule_tsv).name
     path.write_bytes(proto.SerializeToString())
-
-
-def _check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Exception]) -> None:
-    wrong = [
-        f"{piece} has id {sp.piece_to_id(piece)}"
-        for piece, want in SPECIAL_TOKENS.items()
-        if sp.piece_to_id(piece) != want or sp.id_to_piece(want) != piece
-    ]
-    if not sp.is_control(MASK_ID):
-        wrong.append(f"{MASK_MARKER} is not a control symbol")
-    if wrong:
-        raise error(f"{path}: special tokens differ from {SPECIAL_TOKENS}: {'; '.join(wrong)}")
-
-
-class Tokenizer:
-    """A trained SentencePiece model with the pipeline's fixed special-token ids.
-
-    Text given to `encode` and `encode_with_mask` is first brought to the Unicode
-    normalization form of the corpus the model was trained on (`normalization`), as
-    ingestion did to every training document: "cafe\u0301" and "caf\u00e9" encode alike.
-
-    Attributes:
-        path: the `.model` file it was loaded from.
-        model_sha256: hex sha256 of that file's bytes (equals the manifest's `model.sha256`).
-        normalization: `NFC`, `NFKC`, or None (text is encoded as given).
-        pad_id, unk_id, cls_id, sep_id, mask_id: the fixed special ids 0-4.
-    """
-
-    pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
-
-    def __init__(self, path: str | os.PathLike[str], normalization: str | None = None) -> None:
-        """Load a `.model` file (prefer `Tokenizer.load`, which finds `normalization`).
-
-        Raises:
-            ValueError: the file is not a SentencePiece model, the model does not have the
-                fixed special-token ids, or `normalization` is not NFC, NFD, NFKC or NFKD.
-        """
-        if normalization not in (None, "NFC", "NFD", "NFKC", "NFKD"):
-            raise ValueError(f"tokenizer: unknown normalization form {normalization!r}")
-        self.path = Path(path)
-        self.normalization = normalization
-        proto = self.path.read_bytes()
-        self.model_sha256 = hashlib.sha256(proto).hexdigest()
-        try:
-            self._sp = spm.SentencePieceProcessor(model_proto=proto)
-        except RuntimeError as exc:
-            raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
-        self._word_starts: np.ndarray | None = None
-        _check_special(self._sp, self.path, ValueError)
-
-    @classmethod
-    def load(cls, source: str | os.PathLike[str] | TokenizerManifest) -> Tokenizer:
-        """Load from a `TokenizerManifest`, its directory / `manifest.json`, or a `.model` file.
-
-        The normalization form comes from the manifest; for a `.model` file, from the
-        stage's `manifest.json` beside it when that lists this file (else None).
-
-        Raises:
-            FileNotFoundError: the path does not exist.
-            ValueError: the manifest is invalid, the file is not a SentencePiece model, or
-                the model lacks the fixed special ids.
-        """
-        if isinstance(source, TokenizerManifest):
-            return cls(source.file(source.model.path), source.normalization)
-        p = Path(source)
-        if p.is_dir() or p.name == "manifest.json":
-            m = read_manifest(p, TokenizerManifest)
-            return cls(m.file(m.model.path), m.normalization)
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer model not found: {p}")
-        beside = p.with_name("manifest.json")
-        try:
-            m = read_manifest(beside, TokenizerManifest)
-        except (OSError, ValueError):  # no stage manifest here: a model file on its own
-            return cls(p)
-        return cls(p, m.normalization if m.file(m.model.path).samefile(p) else None)
-
-    @property
-    def vocab_size(self) -> int:
-        """Pieces in the vocabulary, special tokens included."""
-        return self._sp.get_piece_size()
-
-    def word_starts(self) -> np.ndarray:
-        """Which ids begin a word, for whole-word masking.
-
-        Whole-word masking (Devlin et al. 2019, BERT repository README, "Whole Word
-        Masking" update; Cui et al. 2021 for Chinese) selects words, then masks all their
-        pieces. A word is an id flagged True followed by every following id flagged False.
-        An id is True when its piece starts with SentencePiece's word-boundary marker
-        "\u2581" (U+2581) or is one of the special ids 0-4 ([PAD], [UNK], [CLS], [SEP],
-        [MASK]: each is a word on its own); continuation pieces, byte-fallback pieces
-        `<0x..>` included, are False (the bytes of an unknown character continue the word
-        their "\u2581" or previous piece started).
-
-        Returns:
-            Bool array of shape `(vocab_size,)`, indexed by id (a fresh copy).
-        """
-        if self._word_starts is None:
-            pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
-            starts = np.fromiter((p.startswith("\u2581") for p in pieces), dtype=bool,
-                                 count=self.vocab_size)
-            starts[:NUM_SPECIAL] = True
-            self._word_starts = starts
-        return self._word_starts.copy()
-
-    def encode(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
-        """Encode a batch of texts to piece ids (no [CLS] / [SEP] added).
-
-        A literal "[MASK]" in a text is ordinary text: id 4 never comes out of `encode`.
-
-        Args:
-            texts: documents or sentences (normalized first, see the class docstring).
-            num_threads: SentencePiece encoder threads; 0 or less uses SentencePiece's
-                default (-1: one per hardware thread).
-
-        Returns:
-            One list of ids in `[0, vocab_size)` per text, in order.
-        """
-        return self._sp.encode(
-            [self._normalize(t) for t in texts], out_type=int,
-            num_threads=num_threads if num_threads > 0 else -1,
-        )
-
-    def _normalize(self, text: str) -> str:
-        return unicodedata.normalize(self.normalization, text) if self.normalization else text
-
-    def encode_with_mask(self, text: str) -> list[int]:
-        """Encode a fill-mask probe: each literal "[MASK]" becomes the [MASK] id (4).
-
-        The text is split on the marker and each part encoded on its own, so each part gets
-        SentencePiece's word-start marker: "l'[MASK]s" reads as "l'", [MASK], " s".
-
-        Returns:
-            Piece ids with `MASK_ID` at each marker (no [CLS] / [SEP] added).
-        """
-        ids: list[int] = []
-        for i, part in enumerate(self._normalize(text).split(MASK_MARKER)):
-            if i:
-                ids.append(MASK_ID)
-            ids.extend(self._sp.encode(part, out_type=int))
-        return ids
-
-    def decode(self, ids) -> str:
-        """Decode ids (any iterable of ints, e.g. a numpy row) to text; control ids vanish."""
-        return self._sp.decode([int(i) for i in ids])
-
-    def id_to_piece(self, i: int) -> str:
-        """The piece string of id `i` (e.g. "▁chat", "[SEP]")."""
-        return self._sp.id_to_piece(int(i))
-
-    def piece_to_id(self, piece: str) -> int:
-        """The id of `piece`; `unk_id` when it is not in the vocabulary."""
-        return self._sp.piece_to_id(piece)
-
-    def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
-

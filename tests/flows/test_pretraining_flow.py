@@ -68,7 +68,12 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     assert run.data.metrics["eval/mlm_accuracy"] == summary["metrics"]["eval/mlm_accuracy"]
     # artifacts: tokenizer and final checkpoint
     names = {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")}
-    assert names == {"tokenizer/spm.model", "tokenizer/spm.vocab"}
+    assert names == {"tokenizer/spm.model", "tokenizer/spm.vocab", "tokenizer/manifest.json"}
+    # The downloaded model knows its corpus's normalization (tiny ingests with NFC).
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    got = Path(client.download_artifacts(run.info.run_id, "tokenizer", str(tmp_path)))
+    assert Tokenizer.load(got / "spm.model").normalization == "NFC"
     ckpt = client.list_artifacts(run.info.run_id, "checkpoints")
     assert [a.path for a in ckpt] == ["checkpoints/step-00000006"]
     files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, ckpt[0].path)}

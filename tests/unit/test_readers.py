@@ -177,6 +177,30 @@ def test_json_syntax_error_does_not_read_the_rest_into_memory(tmp_path):
     assert peak < 8 * 2**20  # a few 1 MiB chunks, not the 20 MB after the error
 
 
+def test_parquet_invalid_utf8_is_replaced_and_counted(tmp_path):
+    import numpy as np
+
+    values = [b"ok", b"caf\xe9 latin-1", None, b"fine"]  # a Parquet string with bad bytes
+    ends = np.cumsum([0] + [len(v or b"") for v in values], dtype=np.int32)
+    texts = pa.Array.from_buffers(
+        pa.string(), len(values),
+        [pa.array([v is not None for v in values]).buffers()[1],
+         pa.py_buffer(ends.tobytes()), pa.py_buffer(b"".join(v or b"" for v in values))])
+    pq.write_table(pa.table({"text": texts, "id": ["a", "b", "c", "d"]}), tmp_path / "u.parquet")
+    recs = list(read_records(tmp_path / "u.parquet", "text", "paragraph"))
+    assert [(r.id, r.text, r.drop, r.repairs) for r in recs] == [
+        ("a", "ok", None, set()), ("b", "caf\ufffd latin-1", None, {"invalid_utf8"}),
+        ("u.parquet:3", "", "missing_text", set()), ("d", "fine", None, set())]
+
+
+def test_csv_noncharacters_in_real_data_are_text(tmp_path):
+    data = 'text,a,b\nreal row,\ufdd0,\ufdd1\n"quoted ends,\ufdd0,\ufdd1",x,y\nlast,1,2\n'
+    (tmp_path / "n.csv").write_text(data, encoding="utf-8")
+    recs = list(read_records(tmp_path / "n.csv", "text", "paragraph"))
+    assert [r.text for r in recs] == ["real row", "quoted ends,\ufdd0,\ufdd1", "last"]
+    assert [r.drop for r in recs] == [None, None, None]
+
+
 def test_csv_multiline_bom_invalid_bytes_and_missing_column(tmp_path):
     data = b"\xef\xbb\xbf" + csv_bytes(DOCS).replace(b"Premier", b"Pr\xffmier")
     (tmp_path / "a.csv").write_bytes(data)

@@ -1,0 +1,228 @@
+"""A trained SentencePiece tokenizer: loading it, checking it, encoding new text.
+
+`Tokenizer` wraps a `.model` file that `mlm_pipeline.tokenizer.train_tokenizer` wrote,
+with the fixed special-token ids of `config.SPECIAL_TOKENS`. Loading through the stage's
+manifest checks that the file is the one the manifest describes (sha256), and gives the
+Unicode normalization form of the corpus, which `encode` applies to new text as ingestion
+did to every training document.
+
+This module imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from mlm_pipeline.config import (
+    CLS_ID,
+    MASK_ID,
+    NUM_SPECIAL,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+)
+from mlm_pipeline.manifest import TokenizerManifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+#: The literal marker that `Tokenizer.encode_with_mask` replaces by the [MASK] id.
+MASK_MARKER = "[MASK]"
+_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Exception]) -> None:
+    """Check the fixed special-token ids of a loaded model.
+
+    Raises:
+        error: a special token has another id, or [MASK] is not a control symbol (the
+            file is named).
+    """
+    wrong = [
+        f"{piece} has id {sp.piece_to_id(piece)}"
+        for piece, want in SPECIAL_TOKENS.items()
+        if sp.piece_to_id(piece) != want or sp.id_to_piece(want) != piece
+    ]
+    if not sp.is_control(MASK_ID):
+        wrong.append(f"{MASK_MARKER} is not a control symbol")
+    if wrong:
+        raise error(f"{path}: special tokens differ from {SPECIAL_TOKENS}: {'; '.join(wrong)}")
+
+
+class Tokenizer:
+    """A trained SentencePiece model with the pipeline's fixed special-token ids.
+
+    Text given to `encode` and `encode_with_mask` is first brought to the Unicode
+    normalization form of the corpus the model was trained on (`normalization`), as
+    ingestion did to every training document: "cafe\u0301" and "caf\u00e9" encode alike.
+
+    Attributes:
+        path: the `.model` file it was loaded from.
+        model_sha256: hex sha256 of that file's bytes (equals the manifest's `model.sha256`).
+        normalization: `NFC`, `NFKC`, or None (text is encoded as given).
+        pad_id, unk_id, cls_id, sep_id, mask_id: the fixed special ids 0-4.
+    """
+
+    pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
+
+    def __init__(self, path: str | os.PathLike[str], normalization: str | None = None) -> None:
+        """Load a `.model` file (prefer `Tokenizer.load`, which finds `normalization`).
+
+        Raises:
+            ValueError: the file is not a SentencePiece model, the model does not have the
+                fixed special-token ids, or `normalization` is not NFC, NFD, NFKC or NFKD.
+        """
+        if normalization not in (None, *_FORMS):
+            raise ValueError(f"tokenizer: unknown normalization form {normalization!r}")
+        self.path = Path(path)
+        self.normalization = normalization
+        proto = self.path.read_bytes()
+        self.model_sha256 = hashlib.sha256(proto).hexdigest()
+        try:
+            if not proto:
+                raise RuntimeError("empty file")
+            self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        except (RuntimeError, IndexError) as exc:  # IndexError: some truncated protos
+            raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
+        self._word_starts: np.ndarray | None = None
+        check_special(self._sp, self.path, ValueError)
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str] | TokenizerManifest) -> Tokenizer:
+        """Load from a `TokenizerManifest`, a stage directory or its `manifest.json`, or a
+        `.model` file.
+
+        With a manifest (given, or read from the directory), the model is the file it
+        lists in that directory (so a copied or moved stage directory loads its own copy),
+        its sha256 must equal the manifest's, and `normalization` is the manifest's. A
+        `.model` file takes the normalization of a tokenizer manifest beside it that
+        describes the same bytes (sha256); without one, text is encoded as given, with a
+        warning.
+
+        Raises:
+            FileNotFoundError: the path does not exist.
+            ValueError: the manifest is invalid, the model file differs from its manifest
+                (sha256), the file is not a SentencePiece model, or it lacks the fixed
+                special ids.
+        """
+        if isinstance(source, TokenizerManifest):
+            return cls._checked(source, source.file(source.model.path))
+        p = Path(source)
+        if p.is_dir() or p.name == "manifest.json":
+            path = p / "manifest.json" if p.is_dir() else p
+            m = read_manifest(path, TokenizerManifest)
+            return cls._checked(m, path.parent / m.model.path)
+        if not p.is_file():
+            raise FileNotFoundError(f"tokenizer model not found: {p}")
+        tok = cls(p)
+        try:
+            m = read_manifest(p.with_name("manifest.json"), TokenizerManifest)
+        except (OSError, ValueError):  # no stage manifest here: a model file on its own
+            m = None
+        if m is not None and m.model.sha256 == tok.model_sha256:
+            tok.normalization = m.normalization
+        else:
+            logger.warning("%s: no tokenizer manifest.json beside it describes this model, "
+                           "so its corpus's Unicode normalization is unknown: text is "
+                           "encoded without normalization", p)
+        return tok
+
+    @classmethod
+    def _checked(cls, m: TokenizerManifest, path: Path) -> Tokenizer:
+        tok = cls(path, m.normalization)
+        if tok.model_sha256 != m.model.sha256:
+            raise ValueError(
+                f"{path}: sha256 {tok.model_sha256} differs from {m.model.sha256} in its "
+                f"tokenizer manifest {m.path}: the model file was changed; delete "
+                f"{path.parent} and rerun to train it again")
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        """Pieces in the vocabulary, special tokens included."""
+        return self._sp.get_piece_size()
+
+    def word_starts(self) -> np.ndarray:
+        """Which ids begin a word, for whole-word masking.
+
+        Whole-word masking (Devlin et al. 2019, BERT repository README, "Whole Word
+        Masking" update; Cui et al. 2021 for Chinese) selects words, then masks all their
+        pieces. A word is an id flagged True followed by every following id flagged False.
+        An id is True when its piece starts with SentencePiece's word-boundary marker
+        "\u2581" (U+2581) or is one of the special ids 0-4 ([PAD], [UNK], [CLS], [SEP],
+        [MASK]: each is a word on its own); continuation pieces, byte-fallback pieces
+        `<0x..>` included, are False (the bytes of an unknown character continue the word
+        their "\u2581" or previous piece started).
+
+        Returns:
+            Bool array of shape `(vocab_size,)`, indexed by id (a fresh copy).
+        """
+        if self._word_starts is None:
+            pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+            starts = np.fromiter((p.startswith("\u2581") for p in pieces), dtype=bool,
+                                 count=self.vocab_size)
+            starts[:NUM_SPECIAL] = True
+            self._word_starts = starts
+        return self._word_starts.copy()
+
+    def encode(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        """Encode a batch of texts to piece ids (no [CLS] / [SEP] added).
+
+        A literal "[MASK]" in a text is ordinary text: id 4 never comes out of `encode`.
+
+        Args:
+            texts: documents or sentences (normalized first, see the class docstring).
+            num_threads: SentencePiece encoder threads; 0 or less uses SentencePiece's
+                default (-1: one per hardware thread).
+
+        Returns:
+            One list of ids in `[0, vocab_size)` per text, in order.
+        """
+        return self._sp.encode(
+            [self._normalize(t) for t in texts], out_type=int,
+            num_threads=num_threads if num_threads > 0 else -1,
+        )
+
+    def _normalize(self, text: str) -> str:
+        return unicodedata.normalize(self.normalization, text) if self.normalization else text
+
+    def encode_with_mask(self, text: str) -> list[int]:
+        """Encode a fill-mask probe: each literal "[MASK]" becomes the [MASK] id (4).
+
+        The text is split on the marker and each part encoded on its own, so each part gets
+        SentencePiece's word-start marker: "l'[MASK]s" reads as "l'", [MASK], " s".
+
+        Returns:
+            Piece ids with `MASK_ID` at each marker (no [CLS] / [SEP] added).
+        """
+        ids: list[int] = []
+        # Split first: normalization must not make a marker (NFKC turns the fullwidth
+        # "［ＭＡＳＫ］" into "[MASK]").
+        for i, part in enumerate(text.split(MASK_MARKER)):
+            if i:
+                ids.append(MASK_ID)
+            ids.extend(self._sp.encode(self._normalize(part), out_type=int))
+        return ids
+
+    def decode(self, ids) -> str:
+        """Decode ids (any iterable of ints, e.g. a numpy row) to text; control ids vanish."""
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, i: int) -> str:
+        """The piece string of id `i` (e.g. "▁chat", "[SEP]")."""
+        return self._sp.id_to_piece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        """The id of `piece`; `unk_id` when it is not in the vocabulary."""
+        return self._sp.piece_to_id(piece)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
