@@ -100,7 +100,7 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
     assert "eval/mlm_accuracy" in run.data.metrics
     # artifacts went through the server into its artifact store
     assert {a.path for a in mlflow.list_artifacts(run.info.run_id, "tokenizer")} == {
-        "tokenizer/spm.model", "tokenizer/spm.vocab"}
+        "tokenizer/spm.model", "tokenizer/spm.vocab", "tokenizer/manifest.json"}
     local = mlflow.download_artifacts(run.info.run_id, "tokenizer/spm.model",
                                       str(deployed["tmp"]))
     assert Path(local).stat().st_size > 0
