@@ -1,5 +1,6 @@
 """Text cleaning helpers of the ingestion stage: splitting of oversized documents, the
-letter-share filter and near-duplicate detection.
+letter-share filter, the compact digest set of exact deduplication and near-duplicate
+detection.
 
 Imports neither torch nor prefect; `datasketch` (the optional `near-dedup` extra) only
 when a `NearDuplicateFilter` is created.
@@ -8,6 +9,7 @@ when a `NearDuplicateFilter` is created.
 from __future__ import annotations
 
 import re
+from array import array
 
 #: MinHash permutations (datasketch's default; estimate error ~ 1/sqrt(128) = 0.09) and
 #: word n-gram size of the shingles (5, as in Lee et al. 2022, "Deduplicating Training
@@ -106,3 +108,71 @@ class NearDuplicateFilter:
         self._lsh.insert(self._n, mh)
         self._n += 1
         return False
+
+
+class DigestSet:
+    """An exact set of 128-bit digests (exact deduplication) in flat arrays.
+
+    Open addressing with linear probing (Knuth, The Art of Computer Programming vol. 3,
+    section 6.4, Algorithm L) over two arrays of signed 64-bit integers (the digest's
+    halves) and a byte array of used slots: 17 bytes per slot, at most `MAX_LOAD` of the
+    slots used (the table doubles past it), so 24-49 bytes per digest, against about 116
+    for a Python `set` of 16-byte `bytes` (CPython 3.11, measured). The home slot is the
+    low bits of the digest's second half, uniform for a cryptographic digest.
+    """
+
+    #: Largest share of used slots before the table doubles.
+    MAX_LOAD = 0.7
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        """Start with `capacity` slots (rounded up to a power of two, at least 8)."""
+        self._alloc(max(8, 1 << (max(capacity, 1) - 1).bit_length()))
+        self._n = 0
+
+    def _alloc(self, slots: int) -> None:
+        self._used = bytearray(slots)
+        self._hi = array("q", bytes(8 * slots))
+        self._lo = array("q", bytes(8 * slots))
+        self._mask = slots - 1
+        self._limit = int(slots * self.MAX_LOAD)
+
+    def add(self, digest: bytes) -> bool:
+        """Insert `digest`; True when it was already in the set (nothing inserted).
+
+        Raises:
+            ValueError: `digest` is not 16 bytes long.
+        """
+        if len(digest) != 16:
+            raise ValueError(f"DigestSet: digests are 16 bytes, got {len(digest)}")
+        hi = int.from_bytes(digest[:8], "little", signed=True)
+        lo = int.from_bytes(digest[8:], "little", signed=True)
+        used, his, los, mask = self._used, self._hi, self._lo, self._mask
+        i = lo & mask
+        while used[i]:
+            if los[i] == lo and his[i] == hi:
+                return True
+            i = (i + 1) & mask
+        used[i], his[i], los[i] = 1, hi, lo
+        self._n += 1
+        if self._n > self._limit:
+            self._grow()
+        return False
+
+    def _grow(self) -> None:
+        old = zip(self._used, self._hi, self._lo)
+        self._alloc(2 * (self._mask + 1))
+        used, his, los, mask = self._used, self._hi, self._lo, self._mask
+        for was_used, hi, lo in old:
+            if was_used:
+                i = lo & mask
+                while used[i]:
+                    i = (i + 1) & mask
+                used[i], his[i], los[i] = 1, hi, lo
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the table's arrays."""
+        return len(self._used) + 8 * (len(self._hi) + len(self._lo))
