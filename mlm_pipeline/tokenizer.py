@@ -77,7 +77,7 @@ VOCAB_FILE = "spm.vocab"
 _SAMPLING_SEED = 1
 #: Part of the digest: tokenizers trained before the stage sampled its own lines (and
 #: recorded `normalization`, `sampled_from`) are trained again, not reused.
-_SAMPLING = "reservoir-R"
+_SAMPLING = "reservoir-R/pcg64-raw"
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 #: Pieces `<0x00>` ... `<0xFF>` that `byte_fallback` adds, at ids 5-260 (after the specials).

@@ -154,3 +154,27 @@ def tiny_model_config() -> ModelConfig:
     return ModelConfig(
         hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, dropout=0.0
     )
+
+
+def reference_reservoir_sample(items: list, k: int, seed: int) -> list:
+    """Algorithm R (Vitter 1985) as `documents.write_training_text` documents it, one item
+    at a time: item t >= k draws j = min(floor(u * (t + 1)), t), u = (x >> 11) * 2**-53,
+    x the next raw output of numpy's PCG64(seed); the kept items in input order."""
+    import math
+
+    import numpy as np
+
+    bits = np.random.PCG64(seed)
+    slots = list(range(min(k, len(items))))
+    for t in range(k, len(items)):
+        u = (int(bits.random_raw()) >> 11) * 2.0**-53
+        if (j := min(math.floor(u * (t + 1)), t)) < k:
+            slots[j] = t
+    return [items[i] for i in sorted(slots)]
+
+
+@pytest.fixture(scope="session")
+def reservoir_sample():
+    """`reference_reservoir_sample(items, k, seed)`: the training-text sample, computed
+    independently of the module."""
+    return reference_reservoir_sample

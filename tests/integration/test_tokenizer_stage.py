@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 
 import pyarrow.parquet as pq
@@ -111,20 +110,9 @@ def _sentences(paragraphs: list[str]) -> list[str]:
     return ["\n".join(x.strip() + "." for x in p.split(". ") if x.strip()) for p in paragraphs]
 
 
-def _reservoir(items: list[str], k: int, seed: int) -> list[str]:
-    """Algorithm R (Vitter 1985) with random.Random(seed), kept items in input order:
-    the sample the stage documents, computed here independently."""
-    rng = random.Random(seed)
-    slots: list[int] = []
-    for i in range(len(items)):
-        if i < k:
-            slots.append(i)
-        elif (j := rng.randrange(i + 1)) < k:
-            slots[j] = i
-    return [items[i] for i in sorted(slots)]
-
-
-def test_sampled_training_is_deterministic(tmp_path, make_corpus_manifest, tiny_paragraphs):
+def test_sampled_training_is_deterministic(
+    tmp_path, make_corpus_manifest, tiny_paragraphs, reservoir_sample
+):
     corpus = make_corpus_manifest(tmp_path / "c", _sentences(tiny_paragraphs))
     lines = _train_lines(corpus)
     k = len(lines) // 3
@@ -134,7 +122,7 @@ def test_sampled_training_is_deterministic(tmp_path, make_corpus_manifest, tiny_
     # Two trainings of the same config and corpus give the same model, byte for byte.
     assert first.model.sha256 == second.model.sha256
     assert (first.training_sentences, first.sampled_from) == (k, len(lines))
-    want = "".join(x + "\n" for x in _reservoir(lines, k, seed=1)).encode("utf-8")
+    want = "".join(x + "\n" for x in reservoir_sample(lines, k, seed=1)).encode("utf-8")
     assert first.sample_digest == hashlib.sha256(want).hexdigest()
 
 
