@@ -156,7 +156,7 @@ def _write(f, sha, batch: pa.Array | list[str], which: np.ndarray | None) -> Non
     else:
         lines = batch if which is None else batch.take(pa.array(which))
         whole = pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines)
-        joined = pc.binary_join(whole, "\n")[0].as_buffer()
+        joined = pc.binary_join(whole, pa.scalar("\n", lines.type))[0].as_buffer()
         data = memoryview(joined)
         if len(lines):
             f.write(data)

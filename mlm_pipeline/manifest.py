@@ -184,7 +184,10 @@ def read_manifest(path: str | os.PathLike[str], cls: type[M]) -> M:
 
 def load_if_complete(out_dir: Path, cls: type[M], digest: str) -> M | None:
     """Return the manifest in `out_dir` when it exists, has `digest`, and every file it
-    lists still exists with the recorded size; otherwise None (the stage must run)."""
+    lists still exists with the recorded size; otherwise None (the stage must run).
+
+    A stage directory that was moved or copied (its work directory with it) is reused
+    where it is: the returned manifest's `output_dir` is `out_dir`, resolved."""
     p = out_dir / "manifest.json"
     if not p.is_file():
         return None
@@ -198,7 +201,9 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str) -> M | None:
         f = out_dir / entry.path
         if not f.is_file() or f.stat().st_size != entry.bytes:
             return None
-    return m
+    here = str(out_dir.resolve())
+    return m if Path(m.output_dir).resolve() == Path(here) else m.model_copy(
+        update={"output_dir": here})
 
 
 def _file_entries(obj: Any) -> list[FileEntry]:

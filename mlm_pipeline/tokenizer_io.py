@@ -117,8 +117,9 @@ class Tokenizer:
         p = Path(source)
         if p.is_dir() or p.name == "manifest.json":
             path = p / "manifest.json" if p.is_dir() else p
-            m = read_manifest(path, TokenizerManifest)
-            return cls._checked(m, path.parent / m.model.path)
+            m = read_manifest(path, TokenizerManifest)  # this directory, wherever made
+            m = m.model_copy(update={"output_dir": str(path.parent.resolve())})
+            return cls._checked(m, m.file(m.model.path))
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {p}")
         tok = cls(p)

@@ -29,6 +29,13 @@ def test_copied_stage_directory_loads_its_own_model(stage, tmp_path, caplog):
             tok = Tokenizer.load(source)
         assert tok.path == copy / "spm.model" and tok.normalization == "NFC"
     assert "normalization is unknown" not in caplog.text
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto.FromString((copy / "spm.model").read_bytes())
+    proto.pieces[10].score -= 1.0  # still a model, other bytes
+    (copy / "spm.model").write_bytes(proto.SerializeToString())
+    with pytest.raises(ValueError, match=f"in its tokenizer manifest {copy.resolve()}"):
+        Tokenizer.load(copy)
 
 
 def test_bare_model_file_encodes_without_normalization_and_says_so(stage, tmp_path, caplog):
