@@ -148,22 +148,19 @@ def _write(f, sha, batch: pa.Array | list[str], which: np.ndarray | None) -> Non
 
     An Arrow batch is joined by Arrow and written from its buffer: no Python string per
     sentence."""
-    if which is not None and not len(which):
+    if which is not None:
+        batch = [batch[i] for i in which] if isinstance(batch, list) else batch.take(which)
+    if not len(batch):
         return
     if isinstance(batch, list):
-        texts = batch if which is None else [batch[i] for i in which]
-        data = memoryview("".join(t + "\n" for t in texts).encode("utf-8"))
+        chunks = ["".join(t + "\n" for t in batch).encode("utf-8")]
     else:
-        lines = batch if which is None else batch.take(pa.array(which))
-        whole = pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines)
-        joined = pc.binary_join(whole, pa.scalar("\n", lines.type))[0].as_buffer()
-        data = memoryview(joined)
-        if len(lines):
-            f.write(data)
-            sha.update(data)
-        data = memoryview(b"\n" if len(lines) else b"")
-    f.write(data)
-    sha.update(data)
+        whole = pa.ListArray.from_arrays(pa.array([0, len(batch)], pa.int32()), batch)
+        joined = pc.binary_join(whole, pa.scalar("\n", batch.type))[0].as_buffer()
+        chunks = [memoryview(joined), b"\n"]
+    for chunk in chunks:
+        f.write(chunk)
+        sha.update(chunk)
 
 
 def split_long_line(line: str, max_bytes: int) -> Iterator[str]:
@@ -211,8 +208,6 @@ def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
             start, size = i, 0
         size += n
     yield word[start:]
-
-
 
 
 def text_tasks(

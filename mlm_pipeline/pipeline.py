@@ -192,12 +192,13 @@ def outputs_exist(manifest: Manifest) -> bool:
     """True when every file a manifest lists is still on disk with its recorded size (and,
     for the tokenizer's few-MB model, its sha256): a result cached by the orchestrator is
     only reused if its outputs were not deleted or changed."""
-    if load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest) is None:
+    found = load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest)
+    if found is None:
         return False
-    if isinstance(manifest, TokenizerManifest):
+    if isinstance(found, TokenizerManifest):
         from mlm_pipeline.tokenizer import model_intact
 
-        return model_intact(manifest)
+        return model_intact(found)
     return True
 
 

@@ -113,13 +113,13 @@ class Tokenizer:
                 special ids.
         """
         if isinstance(source, TokenizerManifest):
-            return cls._checked(source, source.file(source.model.path))
+            return cls._checked(source)
         p = Path(source)
         if p.is_dir() or p.name == "manifest.json":
             path = p / "manifest.json" if p.is_dir() else p
             m = read_manifest(path, TokenizerManifest)  # this directory, wherever made
             m = m.model_copy(update={"output_dir": str(path.parent.resolve())})
-            return cls._checked(m, m.file(m.model.path))
+            return cls._checked(m)
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {p}")
         tok = cls(p)
@@ -136,7 +136,8 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def _checked(cls, m: TokenizerManifest, path: Path) -> Tokenizer:
+    def _checked(cls, m: TokenizerManifest) -> Tokenizer:
+        path = m.file(m.model.path)
         tok = cls(path, m.normalization)
         if tok.model_sha256 != m.model.sha256:
             raise ValueError(
