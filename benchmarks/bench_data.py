@@ -55,13 +55,13 @@ def job_ingest_shards(corpus: str, out: str, model: str, mode: str, rows_per_sha
 
     from mlm_pipeline.config import IngestConfig, ShardConfig
     from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest, read_manifest
-    from mlm_pipeline.shards import write_shards
+    from mlm_pipeline.shards.stage import write_shards
 
     tok = read_manifest(model, TokenizerManifest)
     cfg = IngestConfig(sources=[corpus], validation_fraction=0.0)
     shutil.rmtree(out + "/" + mode, ignore_errors=True)  # never time a cache hit
     if mode == "warm":
-        from mlm_pipeline.ingest import ingest
+        from mlm_pipeline.ingest.stage import ingest
 
         ingest(cfg, out + "/pre")
         print(json.dumps({}))
@@ -71,7 +71,7 @@ def job_ingest_shards(corpus: str, out: str, model: str, mode: str, rows_per_sha
                                  CorpusManifest)
     start = time.perf_counter()
     if mode == "all":
-        from mlm_pipeline.ingest import ingest
+        from mlm_pipeline.ingest.stage import ingest
 
         corpus_m = ingest(cfg, out + "/all")
     shard_cfg = ShardConfig(seq_len=SEQ_LEN, **(
@@ -156,7 +156,7 @@ def job_spm_train(corpus_manifest: str, out: str) -> None:
 
     from mlm_pipeline.config import TokenizerConfig
     from mlm_pipeline.manifest import CorpusManifest, read_manifest
-    from mlm_pipeline.tokenizer import train_tokenizer
+    from mlm_pipeline.tokenizer.stage import train_tokenizer
 
     shutil.rmtree(out + "/tokenizer", ignore_errors=True)  # never time a cache hit
     m = train_tokenizer(TokenizerConfig(vocab_size=VOCAB),
@@ -232,7 +232,7 @@ SMALL_SHARD = 8192
 
 def make_corpus(work: Path, scale: int) -> Path:
     """The default French corpus, `scale` times, each copy's documents made distinct."""
-    from mlm_pipeline.corpora import default_cache_dir, fetch_debian_corpus
+    from mlm_pipeline.ingest.corpora import default_cache_dir, fetch_debian_corpus
 
     path = work / f"corpus-{scale}x.jsonl"
     if path.exists():
@@ -273,7 +273,7 @@ def main() -> None:
 
     # tokenizer training (ingest first, untimed, so both train on the same text)
     from mlm_pipeline.config import IngestConfig
-    from mlm_pipeline.ingest import ingest
+    from mlm_pipeline.ingest.stage import ingest
 
     corpus_m = ingest(IngestConfig(sources=[str(corpus)], validation_fraction=0.0),
                       work / "tok")

@@ -30,7 +30,7 @@ model ends its LR decay when its time is up; `--budget-s` is also a hard stop
 (`train.max_time_s` for ours). The time counts the training loop only (not model
 construction or calibration).
 
-Evaluation: one path for all four, `mlm_pipeline.evaluate.masked_lm_metrics` (fp32), on
+Evaluation: one path for all four, `mlm_pipeline.evaluate.stage.masked_lm_metrics` (fp32), on
 the first `--eval-rows` validation rows masked by `mask_tokens` with the config's
 `eval.seed` at mlm_probability 0.15 (80/10/10): the same positions and the same corrupted
 inputs for every model. Hugging Face models are wrapped to return logits at the masked
@@ -62,11 +62,11 @@ from mlm_pipeline.config import (
     TrainConfig,
     load_config,
 )
-from mlm_pipeline.evaluate import masked_lm_metrics, most_frequent_token
-from mlm_pipeline.ingest import ingest
+from mlm_pipeline.evaluate.stage import masked_lm_metrics, most_frequent_token
+from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
-from mlm_pipeline.shards import write_shards
-from mlm_pipeline.tokenizer import train_tokenizer
+from mlm_pipeline.shards.stage import write_shards
+from mlm_pipeline.tokenizer.stage import train_tokenizer
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import RowCursor, ShardDataset

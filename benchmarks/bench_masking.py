@@ -10,7 +10,7 @@ Both sides corrupt the same batches of token ids on the CPU with one thread
   timing (its `torch_call` would build it with a Python loop per row; the `clone` stays in,
   because the collator overwrites its input). HF's whole-word masking needs a fast
   tokenizer's offset mapping, so our whole-word modes are compared with its token mode.
-- ours: `mlm_pipeline.masking.mask_tokens` (keyed randomness) with `bernoulli`, `exact_k`,
+- ours: `mlm_pipeline.masking.keyed.mask_tokens` (keyed randomness) with `bernoulli`, `exact_k`,
   and whole-word selection with both, each call with new global row ids (as in training,
   so that the masks differ from call to call like HF's).
 
@@ -39,7 +39,7 @@ from transformers import DataCollatorForLanguageModeling
 
 from mlm_pipeline.config import NUM_SPECIAL, SPECIAL_TOKENS
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest, read_manifest
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking.keyed import mask_tokens
 
 MLM_PROBABILITY = 0.15
 SYNTHETIC_VOCAB = 32000
@@ -71,7 +71,7 @@ def newest_manifest(work: Path, stage: str) -> list[Path]:
 def load_data(work: str | None, rows_needed: int) -> tuple[np.ndarray, np.ndarray, int, str]:
     """(rows (N, L) int64, word_starts (V,) bool, vocab_size, description)."""
     if work is not None:
-        from mlm_pipeline.shard_io import open_shard
+        from mlm_pipeline.shards.format import open_shard
         from mlm_pipeline.tokenizer import Tokenizer
 
         paths = newest_manifest(Path(work), "shards")

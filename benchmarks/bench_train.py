@@ -8,7 +8,7 @@ seq_len 128, batch 32, 2 CPU threads. A step is forward + backward + AdamW step 
 weight decay 0.01, the same optimizer settings for both sides; `--fused` uses
 `AdamW(fused=True)`, else torch's default, foreach). Masking (mlm_probability 0.15,
 Bernoulli, 80/10/10) is done before timing for both sides: ours with
-`mlm_pipeline.masking.mask_tokens`, Hugging Face's with a copy of
+`mlm_pipeline.masking.keyed.mask_tokens`, Hugging Face's with a copy of
 `DataCollatorForLanguageModeling.torch_mask_tokens`; no attention mask (packed rows).
 
 Pairs:
@@ -37,7 +37,7 @@ import time
 import torch
 
 from mlm_pipeline.config import NUM_SPECIAL, ModelConfig
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking.keyed import mask_tokens
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import measure_cpu_matmul_flops
 

@@ -27,7 +27,6 @@ from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel, Field
 
 from flows.progress import PrefectProgressSink
-from mlm_pipeline import pipeline
 from mlm_pipeline.config import PipelineConfig, load_config
 from mlm_pipeline.manifest import (
     CorpusManifest,
@@ -38,6 +37,7 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.sinks import MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.tracking import records as pipeline
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
 
@@ -95,7 +95,7 @@ def _shards_key(context, parameters) -> str:
     p = parameters
     cfg = p["cfg"]
     return _in_work_dir(cfg, "shards-" + shards_digest(
-        cfg.shards, p["corpus"], p["tokenizer"], cfg.masking, cfg.train.seed
+        cfg.shards, p["corpus"], p["tokenizer"], cfg.masking
     ))
 
 
@@ -139,10 +139,10 @@ def shards_task(
     cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
 ) -> ShardManifest:
     """Encode and pack both splits into Arrow shards (plus the masked copies of the
-    training split with precomputed masking, keyed by the training seed)."""
+    training split with precomputed masking, keyed by `masking.seed`)."""
     from mlm_pipeline.shards import write_shards
 
-    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking, cfg.train.seed)
+    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking)
 
 
 @task(name="record-data", **_NOT_CACHED, **_IO)
@@ -184,7 +184,7 @@ def evaluate_task(
     """Held-out masked-token metrics and fill-mask probes."""
     from mlm_pipeline.evaluate import evaluate
 
-    return evaluate(cfg, trained, shards, tokenizer, cfg.work_dir)
+    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir)
 
 
 @task(name="record-results", **_NOT_CACHED, **_IO)
@@ -222,7 +222,9 @@ def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
         tokenizer = _fresh(tokenizer_task, cfg, corpus)
         shards = _fresh(shards_task, cfg, corpus, tokenizer)
         record_data_task(cfg, run_id, corpus, tokenizer, shards)
-        pipeline.check_evaluable(shards)
+        from mlm_pipeline.evaluate import check_evaluable  # torch: not at import time
+
+        check_evaluable(shards)
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)

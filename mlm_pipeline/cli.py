@@ -36,7 +36,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Fail on a bad config or a mistyped input path before paying for Prefect's start-up
     # (and before its task-failure tracebacks).
     cfg = load_config(args.config, args.set)
-    from mlm_pipeline.sources import check_local_sources
+    from mlm_pipeline.ingest.sources import check_local_sources
 
     check_local_sources(cfg.ingest)
     from flows.pretraining import PretrainParams, mlm_pretraining
@@ -44,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
     result = mlm_pretraining(PretrainParams(config=args.config, overrides=list(args.set)))
     if args.summary_json:
-        from mlm_pipeline.pipeline import write_summary
+        from mlm_pipeline.tracking.records import write_summary
 
         write_summary(result, args.summary_json)
     _print_summary(result, cfg.tracking.experiment_name)
@@ -122,7 +122,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 
 def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
 
-    from mlm_pipeline.corpora import default_cache_dir, fetch_debian_corpus
+    from mlm_pipeline.ingest.corpora import default_cache_dir, fetch_debian_corpus
 
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     for name in args.names:
@@ -133,7 +133,7 @@ def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
 
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
 
-    from mlm_pipeline.evaluate import fill_mask
+    from mlm_pipeline.evaluate.stage import fill_mask
     from mlm_pipeline.tokenizer import Tokenizer
     from mlm_pipeline.train.checkpoint import load_model, read_state
 
@@ -189,14 +189,14 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
             in `cfg.work_dir` (the message says to run `mlm-pipeline run` first).
         FileNotFoundError: a source of `cfg.ingest.sources` matches no file.
     """
-    from mlm_pipeline.ingest import ingest_digest
+    from mlm_pipeline.ingest.stage import ingest_digest
     from mlm_pipeline.manifest import (
         CorpusManifest,
         TokenizerManifest,
         load_if_complete,
         stage_dir,
     )
-    from mlm_pipeline.tokenizer import STAGE, tokenizer_digest
+    from mlm_pipeline.tokenizer.stage import STAGE, tokenizer_digest
 
     digest = ingest_digest(cfg.ingest)
     corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), CorpusManifest, digest)

@@ -22,6 +22,9 @@ SPECIAL_TOKENS: dict[str, int] = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 #: First id of an ordinary (non-special) piece; ids `[0, NUM_SPECIAL)` are special.
 NUM_SPECIAL = len(SPECIAL_TOKENS)
+#: Label of a position that is not predicted (PyTorch `cross_entropy`'s default
+#: `ignore_index`, and Hugging Face's): the one definition for masking, model and metrics.
+IGNORE_INDEX = -100
 
 
 class StrictModel(BaseModel):
@@ -35,7 +38,7 @@ class IngestConfig(StrictModel):
 
     sources: list[str] = Field(default_factory=lambda: ["debian:fr"], min_length=1)
     """Inputs, in order. `debian:NAME` fetches a built-in French corpus from Debian packages
-    (names: see `mlm_pipeline.corpora.DEBIAN_CORPORA`, `debian:fr` = the default set); any
+    (names: see `mlm_pipeline.ingest.corpora.DEBIAN_CORPORA`, `debian:fr` = the default set); any
     other entry is a path, directory, glob or fsspec URL (`s3://`, `https://`, `file://`)
     of `.txt`, `.jsonl`, `.json`, `.parquet` or `.csv` files, optionally compressed
     (`.gz`, `.zst`, `.bz2`, `.xz`)."""
@@ -126,9 +129,17 @@ class MaskingConfig(StrictModel):
     (Devlin et al. 2019). `exact_k`: exactly round(mlm_probability * n) distinct maskable
     positions per row (n = maskable tokens in the row), so every row of a full batch predicts
     the same number of tokens (static shapes for compiled code)."""
+    seed: int = 0
+    """Key of the training masks: the mask of a row is a pure function of (seed, epoch, row)
+    (evaluation masks use `eval.seed`)."""
     whole_word: bool = False
     """Select whole words (a piece starting with "▁" plus its continuation pieces), the rate
     still measured in tokens (whole-word masking, Devlin et al. 2019, google-research/bert)."""
+
+    def masks_record(self) -> dict[str, Any]:
+        """The settings that decide a mask besides the seed, as JSON values: what shard
+        manifests record as `masking` next to `masking_seed` (and what digests hash)."""
+        return self.model_dump(mode="json", exclude={"seed"})
 
     @model_validator(mode="after")
     def _check_split(self) -> MaskingConfig:

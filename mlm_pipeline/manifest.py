@@ -339,7 +339,7 @@ class ShardManifest(Manifest):
     vocab_size: int
     """Size of the vocabulary the ids index."""
     packing: str
-    """How rows are built (documented in `mlm_pipeline.shards`)."""
+    """How rows are built (documented in `mlm_pipeline.shards.stage`)."""
     train: ShardSplit
     """Training rows."""
     validation: ShardSplit

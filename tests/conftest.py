@@ -125,7 +125,7 @@ def tiny_tokenizer_manifest(
     tiny_tokenizer_config, tiny_corpus_manifest, tiny_work_dir
 ) -> TokenizerManifest:
     """A SentencePiece unigram model with 128 pieces trained on the tiny corpus."""
-    from mlm_pipeline.tokenizer import train_tokenizer
+    from mlm_pipeline.tokenizer.stage import train_tokenizer
 
     return train_tokenizer(tiny_tokenizer_config, tiny_corpus_manifest, tiny_work_dir)
 
@@ -141,7 +141,7 @@ def tiny_shard_manifest(
     tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest, tiny_work_dir
 ) -> ShardManifest:
     """Packed rows of 16 tokens of the tiny corpus (several train shards, one validation)."""
-    from mlm_pipeline.shards import write_shards
+    from mlm_pipeline.shards.stage import write_shards
 
     return write_shards(
         tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest, tiny_work_dir

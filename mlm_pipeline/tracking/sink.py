@@ -8,7 +8,7 @@ from every process, which offline workers cannot reach and which users never agr
 user's own setting wins.
 
 Limit (MLflow 3.17 `mlflow/utils/validation.py`): 1000 metrics per `log_batch`, keys as in
-`sinks.check_key`. Runs, params and artifacts are `mlm_pipeline.tracking`'s.
+`sinks.check_key`. Runs, params and artifacts are `mlm_pipeline.tracking.tracker`'s.
 """
 
 from __future__ import annotations

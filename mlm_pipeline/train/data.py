@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mlm_pipeline.manifest import ShardManifest
-from mlm_pipeline.shard_io import (
+from mlm_pipeline.shards.format import (
     masked_copies,
     open_masked_shard,
     open_shard,

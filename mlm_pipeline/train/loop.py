@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config import IGNORE_INDEX, PipelineConfig
 from mlm_pipeline.manifest import (
     ShardManifest,
     Stopwatch,
@@ -40,8 +40,8 @@ from mlm_pipeline.manifest import (
     compute_digest,
     write_manifest,
 )
-from mlm_pipeline.maskers import Masker, build_masker
-from mlm_pipeline.shard_io import verify_shards
+from mlm_pipeline.masking.maskers import Masker, build_masker
+from mlm_pipeline.shards.format import verify_shards
 from mlm_pipeline.sinks import JsonlSink, MetricsSink
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import (
@@ -49,7 +49,7 @@ from mlm_pipeline.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from mlm_pipeline.train.data import RowCursor, ShardDataset
+from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
 from mlm_pipeline.train.model import BertMLM, document_ids_from_sep
 from mlm_pipeline.train.perf import (
     adamw_impl,
@@ -124,7 +124,7 @@ def accumulate_gradients(
         (sum of per-token losses, number of masked tokens) over all micro-batches, as
         0-dim tensors on the model's device (no host sync).
     """
-    total = sum((batch[1] != -100).sum() for batch in micro_batches)
+    total = sum((batch[1] != IGNORE_INDEX).sum() for batch in micro_batches)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     for input_ids, labels, *rest in micro_batches:
         with autocast:
@@ -136,13 +136,16 @@ def accumulate_gradients(
 
 
 def build_train_masker(cfg: PipelineConfig, shards: ShardManifest,
-                       tokenizer: TokenizerManifest, seed: int) -> Masker:
-    """`build_masker` for this run, with the tokenizer's word starts when
-    `masking.whole_word` is set (bool (V,), True where a piece begins a word)."""
-    if not cfg.masking.whole_word:
-        return build_masker(cfg.masking, shards.vocab_size, seed, shards)
-    word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
-    return build_masker(cfg.masking, shards.vocab_size, seed, shards, word_starts=word_starts)
+                       tokenizer: TokenizerManifest) -> Masker:
+    """`build_masker` for this run: the masked copies' reader in precomputed mode, the
+    tokenizer's word starts (bool (V,), True where a piece begins a word) when
+    `masking.whole_word` is set."""
+    mc = cfg.masking
+    copies = PrecomputedShardDataset(shards) if mc.mode == "precomputed" else None
+    word_starts = None
+    if mc.whole_word and mc.mode == "dynamic":
+        word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
+    return build_masker(mc, shards.vocab_size, shards, word_starts=word_starts, copies=copies)
 
 
 def _truncate_metrics_log(path: Path, step: int) -> None:
@@ -235,7 +238,7 @@ def train(
         ),
     )
     cursor = RowCursor(len(dataset), tc.micro_batch_size, tc.seed)
-    masker = build_train_masker(cfg, shards, tokenizer, tc.seed)
+    masker = build_train_masker(cfg, shards, tokenizer)
 
     ckpt_root = out / "checkpoints"
     step, tokens_seen = 0, 0

@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlm_pipeline.config import SEP_ID, ModelConfig
+from mlm_pipeline.config import IGNORE_INDEX, SEP_ID, ModelConfig
 from mlm_pipeline.train.attention import Dropout, SelfAttention, rope_tables
 
 #: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
 #: are multiples of 64 map onto full tensor-core tiles (NVIDIA "Matrix multiplication
 #: background" guide; nanoGPT pads GPT-2's 50257 to 50304 for a ~25% speed-up).
 VOCAB_PAD_MULTIPLE = 64
-IGNORE_INDEX = -100
 #: The head's rows (predicted positions) are padded up to a multiple of this (see
 #: `BertMLM.forward`), so its tensors take few distinct sizes from step to step.
 HEAD_ROW_MULTIPLE = 64

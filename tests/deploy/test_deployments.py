@@ -15,7 +15,6 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-
 pytestmark = pytest.mark.slow
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 

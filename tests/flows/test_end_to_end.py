@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking.keyed import mask_tokens
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,8 +2,8 @@
 
 import importlib
 import json
-import shutil
 import pkgutil
+import shutil
 from pathlib import Path
 
 import pytest

@@ -267,7 +267,10 @@ def test_urls_pools_and_bucket_agree_across_services(compose):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy, from mlflow's import
 def test_mlflow_accepts_the_workers_and_the_browser_and_nobody_else(compose):
-    from mlflow.server.security_utils import get_default_allowed_hosts, is_allowed_host_header
+    from mlflow.server.security_utils import (
+        get_default_allowed_hosts,
+        is_allowed_host_header,
+    )
 
     command = compose["services"]["mlflow"]["command"]
     allowed_ref = command[command.index("--allowed-hosts") + 1]

@@ -12,8 +12,8 @@ import yaml
 
 from mlm_pipeline.cli import main
 from mlm_pipeline.config import load_config
-from mlm_pipeline.ingest import ingest
-from mlm_pipeline.tokenizer import train_tokenizer
+from mlm_pipeline.ingest.stage import ingest
+from mlm_pipeline.tokenizer.stage import train_tokenizer
 
 TINY_FR = Path(__file__).parents[1] / "assets" / "tiny_fr.txt"
 TEXTS = ["Le chat dort sur le canapé.", "Les documents sont écrits en français"]

@@ -9,9 +9,9 @@ import unicodedata
 
 import pytest
 
-from mlm_pipeline import corpora
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest, read_documents
+from mlm_pipeline.ingest import corpora
+from mlm_pipeline.ingest.stage import ingest, read_documents
 
 pytestmark = pytest.mark.slow
 

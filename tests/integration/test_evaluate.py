@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlm_pipeline.evaluate import masked_lm_metrics, most_frequent_token
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.config import MaskingConfig
+from mlm_pipeline.evaluate.stage import masked_lm_metrics, most_frequent_token
+from mlm_pipeline.masking import KeyedMasking
+from mlm_pipeline.masking.keyed import mask_tokens
 from mlm_pipeline.train import BertMLM
 from mlm_pipeline.train.data import ShardDataset
 
@@ -22,9 +24,8 @@ def model_and_data(tiny_model_config, tiny_shard_manifest):
 
 def _metrics(model, data, manifest, batch_size):
     return masked_lm_metrics(
-        model, data, vocab_size=manifest.vocab_size, seed=99, mlm_probability=0.15,
-        mask_replace_prob=0.8, random_replace_prob=0.1, batch_size=batch_size,
-        baseline_token=most_frequent_token(manifest),
+        model, data, masking=KeyedMasking(MaskingConfig(), manifest.vocab_size, seed=99),
+        batch_size=batch_size, baseline_token=most_frequent_token(manifest),
     )
 
 

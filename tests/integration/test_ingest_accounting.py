@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest
+from mlm_pipeline.ingest.stage import ingest
 
 LIMIT = 1000  # IngestConfig's smallest max_document_chars
 # Paragraphs of about 600 characters: each fits the limit, no two joined by a blank line do.

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mlm_pipeline import readers
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest
+from mlm_pipeline.ingest import readers
+from mlm_pipeline.ingest.stage import ingest
 
 zstandard = pytest.importorskip("zstandard")
 

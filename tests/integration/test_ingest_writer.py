@@ -8,9 +8,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mlm_pipeline import ingest as ingest_mod
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest
+from mlm_pipeline.ingest import stage as ingest_mod
+from mlm_pipeline.ingest.stage import ingest
 
 # Texts of 1-, 2- and 4-byte UTF-8 characters (Latin-1, CJK, emoji), of uneven lengths.
 TEXTS = [f"Document {i} : {'é' * i}{'漢字' * (i % 3)}{'🙂' * (i % 2)} fin." for i in range(11)]

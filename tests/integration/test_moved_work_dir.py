@@ -9,12 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.config import IngestConfig, ShardConfig, TokenizerConfig
-from mlm_pipeline.documents import write_training_text
-from mlm_pipeline.ingest import ingest
+from mlm_pipeline.ingest.documents import write_training_text
+from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import CorpusManifest, file_entry
-from mlm_pipeline.pipeline import outputs_exist
-from mlm_pipeline.shards import write_shards
-from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.shards.stage import write_shards
+from mlm_pipeline.tokenizer.stage import Tokenizer, train_tokenizer
+from mlm_pipeline.tracking.records import outputs_exist
 
 TINY_FR = Path(__file__).parents[1] / "assets" / "tiny_fr.txt"
 

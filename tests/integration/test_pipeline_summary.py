@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlm_pipeline.manifest import EvalManifest, Manifest, TrainManifest
-from mlm_pipeline.pipeline import summary, summary_markdown
-from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.tracking.records import summary, summary_markdown
+from mlm_pipeline.tracking.tracker import MlflowTracker
 
 
 def _base(stage: str, created_at: float, wall: float) -> dict:

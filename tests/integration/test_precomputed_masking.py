@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, ShardConfig, TrainConfig
-from mlm_pipeline.maskers import build_masker
-from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
-from mlm_pipeline.shard_io import open_masked_shard, open_shard
-from mlm_pipeline.shards import shards_digest, write_shards
+from mlm_pipeline.manifest import compute_digest
+from mlm_pipeline.masking.keyed import MASKING_ALGORITHM, mask_tokens
+from mlm_pipeline.masking.maskers import build_masker
+from mlm_pipeline.shards.format import open_masked_shard, open_shard
+from mlm_pipeline.shards.stage import shards_digest, write_shards
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
 from mlm_pipeline.train.data import PrecomputedShardDataset
@@ -27,14 +28,14 @@ from mlm_pipeline.train.data import PrecomputedShardDataset
 SEQ_LEN, DUPE, SEED, VOCAB = 64, 5, 11, 128
 MASK, NUM_SPECIAL = 4, 5
 SHARD_CFG = ShardConfig(seq_len=SEQ_LEN, rows_per_shard=16, encode_batch_size=4)
-MASKING = MaskingConfig(mode="precomputed", dupe_factor=DUPE)
+MASKING = MaskingConfig(mode="precomputed", dupe_factor=DUPE, seed=SEED)
 
 
 @pytest.fixture(scope="module")
 def precomputed(tmp_path_factory, tiny_corpus_manifest, tiny_tokenizer_manifest):
     work = tmp_path_factory.mktemp("precomputed")
     return write_shards(SHARD_CFG, tiny_corpus_manifest, tiny_tokenizer_manifest, work,
-                        MASKING, SEED)
+                        MASKING)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_layout_names_schema_and_unmasked_rows(precomputed, dynamic):
     assert [e.path for e in m.validation.shards] == [e.path for e in dynamic.validation.shards]
     for a, b in zip(m.validation.shards, dynamic.validation.shards):
         assert a.sha256 == b.sha256
-    assert m.config["masking"] == MASKING.model_dump(mode="json")
+    assert m.config["masking"] == MASKING.masks_record()
     assert m.config["masking_seed"] == SEED
     assert m.digest != dynamic.digest
 
@@ -140,11 +141,30 @@ def test_digest_depends_on_masking_only_when_precomputed(
     args = (tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest)
     old = shards_digest(*args)
     assert old == tiny_shard_manifest.digest
-    assert shards_digest(*args, MaskingConfig(dupe_factor=3), 99) == old
-    pre = shards_digest(*args, MASKING, SEED)
+    assert shards_digest(*args, MaskingConfig(dupe_factor=3, seed=99)) == old
+    pre = shards_digest(*args, MASKING)
     assert pre != old
-    assert shards_digest(*args, MASKING, SEED + 1) != pre
-    assert shards_digest(*args, MASKING.model_copy(update={"dupe_factor": 2}), SEED) != pre
+    assert shards_digest(*args, MASKING.model_copy(update={"seed": SEED + 1})) != pre
+    assert shards_digest(*args, MASKING.model_copy(update={"dupe_factor": 2})) != pre
+
+
+def test_digest_unchanged_by_the_seed_moving_into_the_masking_config(
+    tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest
+):
+    """Before the move, `shards_digest(cfg, corpus, tok, masking, seed)` hashed the masking
+    config without a seed field and the training seed beside it: the same value now."""
+    masking_then = {k: v for k, v in MASKING.model_dump(mode="json").items() if k != "seed"}
+    shard_cfg = tiny_shard_config.model_dump(
+        mode="json", exclude={"num_threads", "encode_batch_size", "encode_batch_bytes"})
+    then = compute_digest(
+        "shards",
+        {"shards": shard_cfg, "masking": masking_then, "seed": SEED,
+         "masking_algorithm": MASKING_ALGORITHM},
+        {"corpus": tiny_corpus_manifest.digest, "tokenizer": tiny_tokenizer_manifest.digest,
+         "tokenizer_model": tiny_tokenizer_manifest.model.sha256},
+    )
+    assert shards_digest(tiny_shard_config, tiny_corpus_manifest, tiny_tokenizer_manifest,
+                         MASKING) == then
 
 
 def test_digest_ignores_scheduling_settings(
@@ -155,8 +175,8 @@ def test_digest_ignores_scheduling_settings(
     for update in ({"num_threads": 3}, {"encode_batch_size": 7},
                    {"encode_batch_bytes": 100}):
         assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs) == base
-        assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs, MASKING,
-                             SEED) == shards_digest(tiny_shard_config, *inputs, MASKING, SEED)
+        assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs,
+                             MASKING) == shards_digest(tiny_shard_config, *inputs, MASKING)
     for update in ({"seq_len": 32}, {"rows_per_shard": 65}):
         assert shards_digest(tiny_shard_config.model_copy(update=update), *inputs) != base
 
@@ -167,7 +187,7 @@ def test_cached_rerun_does_not_rewrite(precomputed, tiny_corpus_manifest,
     before = [f.stat().st_mtime_ns for f in files]
     work = precomputed.file("").parent.parent
     again = write_shards(SHARD_CFG, tiny_corpus_manifest, tiny_tokenizer_manifest, work,
-                         MASKING, SEED)
+                         MASKING)
     assert again == precomputed
     assert [f.stat().st_mtime_ns for f in files] == before
 
@@ -199,22 +219,25 @@ def _losses(manifest):
 
 def test_masker_mismatch_is_an_error(precomputed, dynamic):
     with pytest.raises(ValueError, match="no precomputed masked copies"):
-        build_masker(MaskingConfig(mode="precomputed", dupe_factor=1), VOCAB, 0,
-                     dynamic.model_copy(update={"config": {
-                         **dynamic.config, "masking": MaskingConfig(
-                             mode="precomputed", dupe_factor=1).model_dump(mode="json"),
-                         "masking_seed": 0, "masking_algorithm": MASKING_ALGORITHM}}))
+        one = MaskingConfig(mode="precomputed", dupe_factor=1)
+        fake = dynamic.model_copy(update={"config": {
+            **dynamic.config, "masking": one.masks_record(),
+            "masking_seed": 0, "masking_algorithm": MASKING_ALGORITHM}})
+        build_masker(one, VOCAB, fake, copies=PrecomputedShardDataset(fake))
+    copies = PrecomputedShardDataset(precomputed)
     with pytest.raises(ValueError, match="were written with"):
-        build_masker(MASKING, VOCAB, SEED + 1, precomputed)
+        build_masker(MASKING.model_copy(update={"seed": SEED + 1}), VOCAB, precomputed,
+                     copies=copies)
     with pytest.raises(ValueError, match="were written with"):
-        build_masker(MASKING.model_copy(update={"dupe_factor": 2}), VOCAB, SEED, precomputed)
+        build_masker(MASKING.model_copy(update={"dupe_factor": 2}), VOCAB, precomputed,
+                     copies=copies)
     with pytest.raises(ValueError, match="were written with"):
-        build_masker(MASKING, VOCAB, SEED, dynamic)
+        build_masker(MASKING, VOCAB, dynamic, copies=copies)
     # copies made by an earlier version of the hash are refused
     stale = precomputed.model_copy(update={"config": {
         **precomputed.config, "masking_algorithm": MASKING_ALGORITHM - 1}})
     with pytest.raises(ValueError, match="were written with"):
-        build_masker(MASKING, VOCAB, SEED, stale)
+        build_masker(MASKING, VOCAB, stale, copies=copies)
 
 
 def test_training_five_steps_and_exact_resume(tmp_path, tiny_model_config, precomputed,

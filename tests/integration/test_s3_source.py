@@ -3,7 +3,7 @@
 The endpoint and credentials reach s3fs through fsspec's configuration from the
 environment (`FSSPEC_S3_ENDPOINT_URL`, `FSSPEC_S3_KEY`, `FSSPEC_S3_SECRET`: fsspec turns
 `FSSPEC_<PROTOCOL>_<KWARG>` into a keyword argument of that protocol's file system), so
-neither the pipeline config nor `mlm_pipeline.sources` needs an S3 option.
+neither the pipeline config nor `mlm_pipeline.ingest.sources` needs an S3 option.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
 from mlm_pipeline.config import IngestConfig  # noqa: E402
-from mlm_pipeline.ingest import ingest  # noqa: E402
+from mlm_pipeline.ingest.stage import ingest  # noqa: E402
 
 BUCKET = "mlm-corpus"
 JSONL_DOCS = ["Le chat dort sur le canapé du salon.", "Les oiseaux chantent dans le jardin.",

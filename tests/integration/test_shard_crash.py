@@ -18,8 +18,8 @@ import pytest
 
 from mlm_pipeline.config import ShardConfig
 from mlm_pipeline.manifest import ShardManifest, load_if_complete, stage_dir
-from mlm_pipeline.shard_io import open_shard, verify_shards
-from mlm_pipeline.shards import shards_digest, write_shards
+from mlm_pipeline.shards.format import open_shard, verify_shards
+from mlm_pipeline.shards.stage import shards_digest, write_shards
 
 CFG = ShardConfig(seq_len=16, rows_per_shard=24, encode_batch_size=4)
 
@@ -28,7 +28,7 @@ import os, signal, sys
 import pyarrow.ipc
 from mlm_pipeline.config import ShardConfig
 from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest, read_manifest
-from mlm_pipeline.shards import write_shards
+from mlm_pipeline.shards.stage import write_shards
 
 corpus_path, tokenizer_path, work_dir, cfg_json, kill_at = sys.argv[1:]
 
@@ -80,7 +80,7 @@ def test_killed_writer_leaves_no_partial_shard_and_rerun_completes(
     killed = _run_child(tiny_corpus_manifest, tiny_tokenizer_manifest, work_dir, kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
 
-    digest = shards_digest(CFG, tiny_corpus_manifest, tiny_tokenizer_manifest, None, 0)
+    digest = shards_digest(CFG, tiny_corpus_manifest, tiny_tokenizer_manifest)
     out_dir = stage_dir(work_dir, "shards", digest)
     assert not (out_dir / "manifest.json").exists()
     assert load_if_complete(out_dir, ShardManifest, digest) is None

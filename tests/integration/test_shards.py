@@ -15,9 +15,9 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import ShardConfig
-from mlm_pipeline.shard_io import open_shard, verify_shards
-from mlm_pipeline.pipeline import check_evaluable
-from mlm_pipeline.shards import write_shards
+from mlm_pipeline.evaluate import check_evaluable
+from mlm_pipeline.shards.format import open_shard, verify_shards
+from mlm_pipeline.shards.stage import write_shards
 
 CLS, SEP = 2, 3
 
@@ -161,7 +161,7 @@ def test_empty_validation_split_writes_no_shard(
 ):
     paragraphs = list(tiny_paragraphs[:9]) + ["Oui."]  # index 9 -> validation
     corpus = make_corpus_manifest(tmp_path / "corpus", paragraphs)
-    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.shards"):
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.shards.stage"):
         m = write_shards(ShardConfig(seq_len=32), corpus, tiny_tokenizer_manifest, tmp_path)
     v = m.validation
     assert v.shards == [] and v.rows == 0 and v.documents == 1

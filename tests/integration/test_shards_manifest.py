@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, ShardConfig
-from mlm_pipeline.masking import MASKING_ALGORITHM, mask_tokens
-from mlm_pipeline.shard_io import (
+from mlm_pipeline.masking.keyed import MASKING_ALGORITHM, mask_tokens
+from mlm_pipeline.shards.format import (
     masked_copies,
     open_masked_shard,
     open_shard,
     split_shards,
 )
-from mlm_pipeline.shards import write_shards
+from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer import Tokenizer
 
 SEQ_LEN, DUPE, SEED, NUM_SPECIAL = 32, 2, 5, 5
@@ -23,8 +23,9 @@ SHARD_CFG = ShardConfig(seq_len=SEQ_LEN, rows_per_shard=40, encode_batch_size=8)
 
 
 def _write(tmp_path_factory, corpus, tokenizer, masking):
-    return write_shards(SHARD_CFG, corpus, tokenizer, tmp_path_factory.mktemp("m"), masking,
-                        SEED)
+    if masking is not None:
+        masking = masking.model_copy(update={"seed": SEED})
+    return write_shards(SHARD_CFG, corpus, tokenizer, tmp_path_factory.mktemp("m"), masking)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +39,11 @@ def exact_words(tmp_path_factory, tiny_corpus_manifest, tiny_tokenizer_manifest)
 def test_manifest_records_copies_and_masking(exact_words):
     masking, m = exact_words
     assert m.train.masked_copies == DUPE and m.validation.masked_copies == 0
-    assert m.masking == {**masking.model_dump(mode="json"), "seed": SEED,
+    assert m.masking == {**masking.masks_record(), "seed": SEED,
                          "algorithm": MASKING_ALGORITHM}
     assert m.masking["selection"] == "exact_k" and m.masking["whole_word"] is True
     # the keys maskers.build_masker compares stay where they were
-    assert m.config["masking"] == masking.model_dump(mode="json")
+    assert m.config["masking"] == masking.masks_record()
     assert m.config["masking_seed"] == SEED
     n = len([e for e in m.train.shards if "copy" not in e.path])
     assert len(m.train.shards) == n * (DUPE + 1) and n > 1
@@ -139,7 +140,7 @@ def test_shards_follow_the_tokenizer_model_bytes(
     # A tokenizer retrained under the same digest (its model file replaced) must not reuse
     # shards that another model encoded: the model's sha256 is part of their identity.
     from mlm_pipeline.manifest import sha256_file
-    from mlm_pipeline.shards import shards_digest
+    from mlm_pipeline.shards.stage import shards_digest
 
     tok = tiny_tokenizer_manifest
     assert tiny_shard_manifest.inputs["tokenizer_model"] == sha256_file(tok.file(tok.model.path))

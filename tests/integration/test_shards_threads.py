@@ -13,8 +13,8 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import ShardConfig
-from mlm_pipeline.shard_io import open_shard
-from mlm_pipeline.shards import write_shards
+from mlm_pipeline.shards.format import open_shard
+from mlm_pipeline.shards.stage import write_shards
 
 CLS, SEP, SEQ_LEN = 2, 3, 16
 
@@ -137,7 +137,7 @@ def test_byte_capped_batches_give_the_same_shards(
 
 @pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
 def test_byte_slices_bound_bytes_and_keep_every_document(kind):
-    from mlm_pipeline.documents import byte_slices
+    from mlm_pipeline.ingest.documents import byte_slices
 
     rng = np.random.default_rng(0)
     texts = ["é" * int(n) for n in rng.integers(0, 400, size=300)] + ["x" * 5000, ""]
@@ -155,7 +155,7 @@ def test_byte_slices_bound_bytes_and_keep_every_document(kind):
 
 
 def test_text_tasks_are_bounded_and_keep_order(tmp_path):
-    from mlm_pipeline.documents import text_tasks
+    from mlm_pipeline.ingest.documents import text_tasks
 
     rng = np.random.default_rng(1)
     files, texts = [], []

@@ -10,8 +10,8 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import MASK_ID, TokenizerConfig
-from mlm_pipeline.pipeline import outputs_exist
-from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.tokenizer.stage import Tokenizer, train_tokenizer
+from mlm_pipeline.tracking.records import outputs_exist
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
-from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.tokenizer.stage import Tokenizer, train_tokenizer
 
 #: Characters that appear nowhere in tests/assets/tiny_fr.txt (checked in the test).
 UNSEEN = "龍𝔘"

@@ -11,7 +11,12 @@ import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
 from mlm_pipeline.manifest import sha256_file, stage_dir
-from mlm_pipeline.tokenizer import STAGE, Tokenizer, tokenizer_digest, train_tokenizer
+from mlm_pipeline.tokenizer.stage import (
+    STAGE,
+    Tokenizer,
+    tokenizer_digest,
+    train_tokenizer,
+)
 
 
 def _train_lines(corpus) -> list[str]:

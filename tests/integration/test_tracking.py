@@ -14,7 +14,11 @@ import pytest
 
 from mlm_pipeline.config import PipelineConfig, TrackingConfig, flatten
 from mlm_pipeline.tracking.sink import MlflowSink
-from mlm_pipeline.tracking import MlflowTracker, git_commit, resolve_tracking_uri
+from mlm_pipeline.tracking.tracker import (
+    MlflowTracker,
+    git_commit,
+    resolve_tracking_uri,
+)
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
@@ -84,7 +88,7 @@ def test_start_run_logs_flattened_config_and_tags(tracker, client, root):
 def test_many_and_long_params_are_batched_and_truncated(tracker, client, caplog):
     params = {f"p.{i:03d}": i for i in range(250)}
     params["long"] = "x" * (MAX_PARAM_VAL_LENGTH + 1000)
-    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking"):
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.tracker"):
         run_id = tracker.start_run(params, {})
     got = client.get_run(run_id).data.params
     assert len(got) == 251
@@ -274,7 +278,7 @@ def test_from_config_and_run_url(uri):
 def test_import_is_cheap_and_telemetry_is_off_by_default(tmp_path):
     code = (
         "import os, sys\n"
-        "import mlm_pipeline.tracking as t\n"
+        "import mlm_pipeline.tracking.tracker as t\n"
         "heavy = [m for m in ('mlflow', 'torch', 'prefect') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "t.MlflowTracker('http://127.0.0.1:9').client\n"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, TrainConfig
-from mlm_pipeline.maskers import build_masker
+from mlm_pipeline.masking.maskers import build_masker
 from mlm_pipeline.train import BertMLM, train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
 from mlm_pipeline.train.data import ShardDataset
@@ -75,7 +75,7 @@ def test_resume_is_exact(tmp_path, tiny_model_config, tiny_shard_manifest,
 
 def test_accumulation_equals_one_large_batch(tiny_model_config, tiny_shard_manifest):
     dataset = ShardDataset(tiny_shard_manifest, "train")
-    masker = build_masker(MaskingConfig(), tiny_shard_manifest.vocab_size, seed=5)
+    masker = build_masker(MaskingConfig(seed=5), tiny_shard_manifest.vocab_size)
     rows = torch.arange(12)
     input_ids, labels = masker(dataset.get(rows.numpy()), rows, 0)
 

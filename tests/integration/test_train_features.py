@@ -12,8 +12,15 @@ import textwrap
 import pytest
 import torch
 
-from mlm_pipeline.config import SEP_ID, EvalConfig, MaskingConfig, PipelineConfig, TrainConfig
+from mlm_pipeline.config import (
+    SEP_ID,
+    EvalConfig,
+    MaskingConfig,
+    PipelineConfig,
+    TrainConfig,
+)
 from mlm_pipeline.evaluate import evaluate, masked_lm_metrics
+from mlm_pipeline.masking import KeyedMasking
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model, load_model_state
@@ -58,8 +65,8 @@ def test_document_attention_trains_and_changes_evaluation(
 ):
     assert _has_inner_document_boundary(ShardDataset(tiny_shard_manifest, "train"))
     assert _has_inner_document_boundary(ShardDataset(tiny_shard_manifest, "validation"))
-    on = _cfg(tmp_path, tiny_model_config, document_attention=True)
-    off = _cfg(tmp_path, tiny_model_config, document_attention=False)
+    on = _cfg(tmp_path, tiny_model_config, document_attention=True, precision="fp32")
+    off = _cfg(tmp_path, tiny_model_config, document_attention=False, precision="fp32")
     m_on = train(on, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "on")
     m_off = train(off, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "off")
     losses_on = [r["train/loss"] for r in _records(m_on)]
@@ -68,12 +75,22 @@ def test_document_attention_trains_and_changes_evaluation(
     # Same seed, same init, same masks: only the attention pattern differs.
     assert losses_on[0] != losses_off[0]
 
-    e_on = evaluate(on, m_on, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
-    e_off = evaluate(off, m_on, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
+    # Evaluation takes the setting from the run it evaluates (its manifest's config).
+    e_on = evaluate(EVAL, m_on, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
+    e_off = evaluate(EVAL, m_off, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
     assert e_on.digest != e_off.digest
     assert e_on.metrics["eval/masked_tokens"] == e_off.metrics["eval/masked_tokens"]
-    assert e_on.metrics["eval/loss"] != e_off.metrics["eval/loss"]
     assert torch.isfinite(torch.tensor(e_on.metrics["eval/loss"]))
+    model_on = load_model(m_on.file(m_on.checkpoint_dir), "cpu")
+    validation = ShardDataset(tiny_shard_manifest, "validation")
+    keyed = KeyedMasking(MaskingConfig(), tiny_shard_manifest.vocab_size, seed=EVAL.seed)
+    with_docs, without = (
+        masked_lm_metrics(model_on, validation, masking=keyed, batch_size=8,
+                          document_attention=flag)
+        for flag in (True, False)
+    )
+    assert e_on.metrics["eval/loss"] == pytest.approx(with_docs["eval/loss"], rel=1e-6)
+    assert with_docs["eval/loss"] != without["eval/loss"]
 
 
 @pytest.mark.parametrize(
@@ -87,18 +104,17 @@ def test_training_and_evaluation_use_the_masking_options(
     cfg = _cfg(tmp_path, tiny_model_config, masking=masking, max_steps=2, precision="fp32")
     m = train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     assert m.steps == 2
-    e = evaluate(cfg, m, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
+    e = evaluate(cfg.eval, m, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
     word_starts = torch.from_numpy(Tokenizer.load(tiny_tokenizer_manifest).word_starts())
-    common = dict(vocab_size=tiny_shard_manifest.vocab_size, seed=EVAL.seed,
-                  mlm_probability=0.15, mask_replace_prob=0.8, random_replace_prob=0.1,
-                  batch_size=8)
+    vocab = tiny_shard_manifest.vocab_size
     model = load_model(m.file(m.checkpoint_dir), "cpu")
     validation = ShardDataset(tiny_shard_manifest, "validation")
     want = masked_lm_metrics(
-        model, validation, **common, selection=masking.selection,
-        word_starts=word_starts if masking.whole_word else None,
+        model, validation, batch_size=8,
+        masking=KeyedMasking(masking, vocab, word_starts, seed=EVAL.seed),
     )
-    plain = masked_lm_metrics(model, validation, **common)
+    plain = masked_lm_metrics(model, validation, batch_size=8,
+                              masking=KeyedMasking(MaskingConfig(), vocab, seed=EVAL.seed))
     for key in ("eval/loss", "eval/mlm_accuracy", "eval/masked_tokens"):
         assert e.metrics[key] == pytest.approx(want[key], rel=1e-6), key
     # ...and the option changed which positions were evaluated

@@ -9,7 +9,7 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from mlm_pipeline.documents import split_long_line, write_training_text
+from mlm_pipeline.ingest.documents import split_long_line, write_training_text
 
 MAX_BYTES = 40
 
@@ -49,7 +49,7 @@ def corpus(tmp_path_factory, make_corpus_manifest):
 @pytest.fixture(autouse=True)
 def _small_reads(monkeypatch):
     # 64 documents per Parquet read: the 540 training documents come in 9 batches.
-    monkeypatch.setattr("mlm_pipeline.documents._TRAINING_TEXT_ROWS", 64)
+    monkeypatch.setattr("mlm_pipeline.ingest.documents._TRAINING_TEXT_ROWS", 64)
 
 
 @pytest.mark.parametrize("k", ["all", "exact", "half", 1, 7])

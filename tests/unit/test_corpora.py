@@ -1,10 +1,10 @@
-"""Unit tests of `mlm_pipeline.corpora` and `mlm_pipeline.page_text` that need no network."""
+"""Unit tests of `mlm_pipeline.ingest.corpora` and `mlm_pipeline.ingest.page_text` that need no network."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlm_pipeline import corpora, page_text
+from mlm_pipeline.ingest import corpora, page_text
 
 
 def test_html_to_text_keeps_visible_text_and_pre_layout():

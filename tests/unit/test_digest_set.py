@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mlm_pipeline.cleaning import DigestSet
+from mlm_pipeline.ingest.cleaning import DigestSet
 
 
 def _check_against_set(digests: list[bytes], capacity: int) -> DigestSet:

@@ -1,4 +1,4 @@
-"""Unit tests of `mlm_pipeline.ingest` on tiny corpora written in tmp_path."""
+"""Unit tests of `mlm_pipeline.ingest.stage` on tiny corpora written in tmp_path."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from mlm_pipeline import cleaning, sources
-from mlm_pipeline import ingest as ingest_mod
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest, read_documents
+from mlm_pipeline.ingest import cleaning, sources
+from mlm_pipeline.ingest import stage as ingest_mod
+from mlm_pipeline.ingest.stage import ingest, read_documents
 
 # The issue's bytes: BOM, CRLF line, lone-CR line, LF line, U+2028 inside a line, an
 # invalid UTF-8 byte, a NUL.
@@ -285,7 +285,7 @@ def test_rerun_is_cached(tmp_path, caplog):
     out = Path(m1.output_dir)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     assert "manifest.json" in before and len(before) >= 2
-    caplog.set_level("INFO", logger="mlm_pipeline.ingest")
+    caplog.set_level("INFO", logger="mlm_pipeline.ingest.stage")
     m2 = run(tmp_path, [tmp_path / "a.txt"], validation_fraction=0.3)
     assert m2 == m1
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
@@ -295,8 +295,8 @@ def test_rerun_is_cached(tmp_path, caplog):
 
 
 def test_cheap_modules_import_neither_torch_nor_prefect():
-    code = ("import sys, mlm_pipeline.ingest, mlm_pipeline.corpora, mlm_pipeline.readers, "
-            "mlm_pipeline.sources, mlm_pipeline.cleaning; "
+    code = ("import sys, mlm_pipeline.ingest.stage, mlm_pipeline.ingest.corpora, mlm_pipeline.ingest.readers, "
+            "mlm_pipeline.ingest.sources, mlm_pipeline.ingest.cleaning; "
             "bad = {'torch', 'prefect', 'datasketch', 'fsspec'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

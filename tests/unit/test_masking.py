@@ -1,4 +1,4 @@
-"""Unit tests of `mlm_pipeline.masking`: statistics, keyed determinism, the hash itself."""
+"""Unit tests of `mlm_pipeline.masking.keyed`: statistics, keyed determinism, the hash itself."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig
-from mlm_pipeline.maskers import DynamicMasker, Masker, build_masker
-from mlm_pipeline.masking import mask_tokens, mix64_, special_tokens_mask
+from mlm_pipeline.masking.keyed import mask_tokens, mix64_, special_tokens_mask
+from mlm_pipeline.masking.maskers import DynamicMasker, Masker, build_masker
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 M64 = (1 << 64) - 1
@@ -376,7 +376,7 @@ def test_bad_input_raises(call, exc):
 
 def test_build_masker_uses_config_and_restores_state():
     cfg = MaskingConfig(mlm_probability=0.3, mask_replace_prob=0.5, random_replace_prob=0.25)
-    masker = build_masker(cfg, vocab_size=400, seed=21)
+    masker = build_masker(cfg.model_copy(update={"seed": 21}), vocab_size=400)
     assert isinstance(masker, Masker) and isinstance(masker, DynamicMasker)
     ids = make_rows(32, 40, 400)
     rows = torch.arange(1000, 1032)
@@ -387,10 +387,10 @@ def test_build_masker_uses_config_and_restores_state():
     )
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
-    resumed = build_masker(cfg, vocab_size=400, seed=0)
+    resumed = build_masker(cfg, vocab_size=400)
     resumed.load_state_dict(masker.state_dict())
     again = resumed(ids, rows, 4)
     assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
 
     with pytest.raises(ValueError, match="vocab_size"):
-        build_masker(cfg, vocab_size=401, seed=0).load_state_dict(masker.state_dict())
+        build_masker(cfg, vocab_size=401).load_state_dict(masker.state_dict())

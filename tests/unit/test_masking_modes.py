@@ -15,8 +15,8 @@ import torch
 from test_masking import MASK, make_rows, ref_exact_k, ref_mask_row, ref_words
 
 from mlm_pipeline.config import MaskingConfig
-from mlm_pipeline.maskers import DynamicMasker, build_masker
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking import KeyedMasking, build_masker
+from mlm_pipeline.masking.keyed import mask_tokens
 
 VOCAB = 300
 P, PM, PR = 0.15, 0.8, 0.1
@@ -234,7 +234,8 @@ def test_dynamic_masker_passes_selection_and_word_starts():
     cfg = MaskingConfig(selection="exact_k", whole_word=True)
     ids = make_rows(16, 40, VOCAB)
     rows = torch.arange(50, 66)
-    masker = build_masker(cfg, VOCAB, seed=4, word_starts=WORD_STARTS.numpy())
+    masker = build_masker(cfg.model_copy(update={"seed": 4}), VOCAB,
+                          word_starts=WORD_STARTS.numpy())
     got = masker(ids, rows, 3)
     want = mask_tokens(ids, vocab_size=VOCAB, row_index=rows, seed=4, epoch=3,
                        selection="exact_k", word_starts=WORD_STARTS)
@@ -242,25 +243,25 @@ def test_dynamic_masker_passes_selection_and_word_starts():
     state = masker.state_dict()
     assert state["selection"] == "exact_k" and state["whole_word"] is True
 
-    resumed = build_masker(cfg, VOCAB, seed=0, word_starts=WORD_STARTS)
+    resumed = build_masker(cfg, VOCAB, word_starts=WORD_STARTS)
     resumed.load_state_dict(state)
     again = resumed(ids, rows, 3)
     assert torch.equal(again[1], got[1])
     for other in (MaskingConfig(selection="bernoulli", whole_word=True),
                   MaskingConfig(selection="exact_k")):
         with pytest.raises(ValueError, match="selection|whole_word"):
-            build_masker(other, VOCAB, 0, word_starts=WORD_STARTS).load_state_dict(state)
+            build_masker(other, VOCAB, word_starts=WORD_STARTS).load_state_dict(state)
     with pytest.raises(ValueError, match="algorithm"):
         resumed.load_state_dict({**state, "algorithm": 1})
 
 
 def test_whole_word_needs_word_starts():
     with pytest.raises(ValueError, match="word_starts"):
-        build_masker(MaskingConfig(whole_word=True), VOCAB, 0)
+        build_masker(MaskingConfig(whole_word=True), VOCAB)
     with pytest.raises(ValueError, match="word_starts"):
-        DynamicMasker(MaskingConfig(whole_word=True), VOCAB, 0, np.ones(VOCAB - 1, bool))
+        KeyedMasking(MaskingConfig(whole_word=True), VOCAB, np.ones(VOCAB - 1, bool))
     # Without whole_word, word starts are ignored (token selection).
-    masker = build_masker(MaskingConfig(), VOCAB, 0, word_starts=WORD_STARTS)
+    masker = build_masker(MaskingConfig(), VOCAB, word_starts=WORD_STARTS)
     ids = make_rows(4, 20, VOCAB)
     assert torch.equal(masker(ids, torch.arange(4), 0)[1], mask_tokens(ids, vocab_size=VOCAB)[1])
 

@@ -1,4 +1,4 @@
-"""Unit tests of `mlm_pipeline.readers` (formats, compression, decoding) through `ingest`,
+"""Unit tests of `mlm_pipeline.ingest.readers` (formats, compression, decoding) through `ingest`,
 on fixtures written in tmp_path with independent writers (json, csv, pyarrow, zstandard,
 bz2, lzma, gzip)."""
 
@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mlm_pipeline import readers, sources
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import ingest
-from mlm_pipeline.readers import read_records
+from mlm_pipeline.ingest import readers, sources
+from mlm_pipeline.ingest.readers import read_records
+from mlm_pipeline.ingest.stage import ingest
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -150,7 +150,7 @@ def test_json_errors_give_the_character_offset(tmp_path, monkeypatch, caplog, ch
     with pytest.raises(json.JSONDecodeError) as ref:
         json.loads(syntax)
     (tmp_path / "s.json").write_text(syntax)
-    with caplog.at_level("WARNING", logger="mlm_pipeline.readers"):
+    with caplog.at_level("WARNING", logger="mlm_pipeline.ingest.readers"):
         recs = list(read_records(tmp_path / "s.json", "text", "paragraph"))
     assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json")]
     assert f"s.json: char {ref.value.pos}: {ref.value.msg};" in caplog.text
@@ -253,7 +253,7 @@ def test_directory_picks_every_supported_suffix(tmp_path, caplog):
         (d / name).write_bytes(COMPRESS[comp](raw))
     (d / "skip.md").write_text("not read")
     (d / "notes.docx").write_bytes(b"PK")
-    with caplog.at_level("WARNING", logger="mlm_pipeline.sources"):
+    with caplog.at_level("WARNING", logger="mlm_pipeline.ingest.sources"):
         m = run(tmp_path, [d])
     assert [Path(s.path).name for s in m.sources] == names
     # skipped files are not silent: counted and named

@@ -85,7 +85,7 @@ def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
 
 def test_params_record_the_warmup_in_effect():
     from mlm_pipeline.config import load_config
-    from mlm_pipeline.pipeline import run_params
+    from mlm_pipeline.tracking.records import run_params
 
     params = run_params(load_config("tiny", ["train.max_steps=200"]))
     assert params["train.warmup_ratio"] == 0.06 and params["train.warmup_in_effect"] == 12

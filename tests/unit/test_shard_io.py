@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from mlm_pipeline.shard_io import open_shard, write_arrow, write_arrow_from_body
+from mlm_pipeline.shards.format import open_shard, write_arrow, write_arrow_from_body
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])

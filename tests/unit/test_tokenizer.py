@@ -8,7 +8,7 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS
-from mlm_pipeline.documents import split_long_line
+from mlm_pipeline.ingest.documents import split_long_line
 from mlm_pipeline.tokenizer import Tokenizer
 
 

@@ -4,7 +4,7 @@ Users' machines may reach nothing but package registries, so the default corpus 
 that Debian ships: translated documentation in HTML (and, optionally, man pages). A
 corpus is downloaded with `apt-get download` (nothing is installed), unpacked with
 `dpkg-deb -x` into a temporary directory, converted to plain text by
-`mlm_pipeline.page_text` (for a non-English corpus, lines of untranslated English
+`mlm_pipeline.ingest.page_text` (for a non-English corpus, lines of untranslated English
 dropped) and written as JSONL, one document per line: `{"id", "text", "source",
 "lang"}`, sorted by id, NFC, without control characters, paragraphs separated by a blank
 line, exact-duplicate texts removed.
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mlm_pipeline.page_text import drop_english_lines, html_to_text, render_man
+from mlm_pipeline.ingest.page_text import drop_english_lines, html_to_text, render_man
 
 logger = logging.getLogger(__name__)
 
-#: Bump when the text extraction (`_extract`, `mlm_pipeline.page_text`) changes, so
+#: Bump when the text extraction (`_extract`, `mlm_pipeline.ingest.page_text`) changes, so
 #: cached JSONL corpora are rebuilt.
 EXTRACTOR_VERSION = 1
 

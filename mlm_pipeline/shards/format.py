@@ -3,7 +3,7 @@
 A shard is an Arrow IPC file (Feather v2, uncompressed) holding one record batch of
 fixed-size-list columns, `(rows, seq_len)` each: `input_ids` (uint16 or uint32), plus
 `labels` (int32, -100 where not predicted) for precomputed masked copies. The layout and
-the packing of rows are documented in `mlm_pipeline.shards`. This module imports numpy and
+the packing of rows are documented in `mlm_pipeline.shards.stage`. This module imports numpy and
 pyarrow only.
 """
 
@@ -25,7 +25,7 @@ from mlm_pipeline.manifest import FileEntry, ShardManifest, sha256_file
 
 logger = logging.getLogger(__name__)
 
-#: Name of a masked copy's shard: copy index, shard index (`mlm_pipeline.shards` docstring).
+#: Name of a masked copy's shard: copy index, shard index (`mlm_pipeline.shards.stage` docstring).
 MASKED_COPY_NAME = re.compile(r"train-copy(\d+)-(\d{5})\.arrow")
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlm_pipeline.config import NUM_SPECIAL, PipelineConfig
+from mlm_pipeline.config import IGNORE_INDEX, NUM_SPECIAL, EvalConfig, MaskingConfig
 from mlm_pipeline.manifest import (
     EvalManifest,
     ShardManifest,
@@ -37,12 +37,11 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.masking import mask_tokens
+from mlm_pipeline.masking.maskers import KeyedMasking
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import ShardDataset
 from mlm_pipeline.train.model import document_ids_from_sep
-from mlm_pipeline.train.perf import resolve_device, resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +51,12 @@ def masked_lm_metrics(
     model: torch.nn.Module,
     dataset: ShardDataset,
     *,
-    vocab_size: int,
-    seed: int,
-    mlm_probability: float,
-    mask_replace_prob: float,
-    random_replace_prob: float,
+    masking: KeyedMasking,
     batch_size: int,
     max_rows: int | None = None,
     baseline_token: int | None = None,
     device: torch.device | str = "cpu",
     precision: str = "fp32",
-    selection: str = "bernoulli",
-    word_starts: torch.Tensor | None = None,
     document_attention: bool = False,
 ) -> dict[str, float]:
     """Token-weighted masked-LM metrics over the first `max_rows` rows of `dataset`.
@@ -72,16 +65,13 @@ def masked_lm_metrics(
         model: a `BertMLM` (its `forward(input_ids, labels=..., document_ids=...)` returns
             logits (N, V) at the N masked positions, in row-major order).
         dataset: validation rows, (rows, seq_len).
-        vocab_size: V, the real vocabulary size.
-        seed: masking key; positions depend on (seed, row index) only.
-        mlm_probability, mask_replace_prob, random_replace_prob: masking rates.
+        masking: the evaluation masks (`KeyedMasking` with the eval seed), applied with
+            epoch 0 to global validation row indices: positions depend on (seed, row)
+            and the row's ids only.
         batch_size: rows per forward pass; the metrics do not depend on it.
         max_rows: evaluate on rows [0, max_rows); None for all.
         baseline_token: id whose constant prediction gives `eval/baseline_accuracy`.
         device, precision: where and how to run the model (`bf16` autocast or `fp32`).
-        selection: `bernoulli` or `exact_k` position selection (see `mask_tokens`).
-        word_starts: bool (V,), True where a piece begins a word: whole-word selection;
-            None selects tokens.
         document_attention: run the model with `document_ids` from the [SEP] tokens of
             the unmasked rows (tokens attend within their document only).
 
@@ -105,20 +95,9 @@ def masked_lm_metrics(
     for start in range(0, rows, batch_size):
         index = torch.arange(start, min(start + batch_size, rows), dtype=torch.long)
         original = dataset.get(index.numpy())
-        input_ids, labels = mask_tokens(
-            original,
-            vocab_size=vocab_size,
-            row_index=index,
-            seed=seed,
-            epoch=0,
-            mlm_probability=mlm_probability,
-            mask_replace_prob=mask_replace_prob,
-            random_replace_prob=random_replace_prob,
-            selection=selection,
-            word_starts=word_starts,
-        )
+        input_ids, labels = masking(original, index, 0)
         input_ids, labels = input_ids.to(device), labels.to(device)
-        targets = labels[labels != -100]
+        targets = labels[labels != IGNORE_INDEX]
         if targets.numel() == 0:
             continue
         document_ids = document_ids_from_sep(original).to(device) if document_attention else None
@@ -190,14 +169,14 @@ def fill_mask(
     return results
 
 
-def _run_probes(model, tok: Tokenizer, cfg: PipelineConfig, seq_len: int,
+def _run_probes(model, tok: Tokenizer, cfg: EvalConfig, seq_len: int,
                 device: torch.device) -> list[dict[str, Any]]:
     """Fill-mask on each probe; a probe that cannot run (no [MASK] within `seq_len`
     tokens) is reported with an `error` instead of failing the evaluation."""
     results = []
-    for text in cfg.eval.probes:
+    for text in cfg.probes:
         try:
-            results += fill_mask(model, tok, [text], seq_len=seq_len, top_k=cfg.eval.top_k,
+            results += fill_mask(model, tok, [text], seq_len=seq_len, top_k=cfg.top_k,
                                  device=device)
         except ValueError as exc:
             results.append({"text": text, "error": str(exc)})
@@ -211,8 +190,26 @@ def most_frequent_token(shards: ShardManifest) -> int:
     return int(counts.argmax())
 
 
+def check_evaluable(shards: ShardManifest) -> None:
+    """Fail before training when the run could not be evaluated at its end.
+
+    Raises:
+        ValueError: the validation split has no rows (evaluation would fail after the
+            whole training run); the message names the shards directory and the fields
+            to change.
+    """
+    seq_len = shards.seq_len
+    if shards.validation.rows == 0:
+        raise ValueError(
+            f"{shards.output_dir}: the validation split has no rows of {seq_len} tokens "
+            f"({shards.validation.documents} documents, {shards.validation.tokens_in} tokens), "
+            "so the run could not be evaluated; raise ingest.validation_fraction or lower "
+            "shards.seq_len"
+        )
+
+
 def evaluate(
-    cfg: PipelineConfig,
+    cfg: EvalConfig,
     trained: TrainManifest,
     shards: ShardManifest,
     tokenizer: TokenizerManifest,
@@ -220,10 +217,13 @@ def evaluate(
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split and run the fill-mask probes.
 
+    Masks follow the training run's masking settings (`trained.config["masking"]`) keyed
+    by `cfg.seed`; the model runs on the run's device and precision
+    (`trained.device`, `trained.precision`) and with its document attention setting.
+
     Args:
-        cfg: pipeline config (`eval`, `masking`, `train.device`, `train.precision`,
-            `train.document_attention` are used).
-        trained: the training run to evaluate (its final checkpoint).
+        cfg: the `eval` config section.
+        trained: the training run to evaluate (its final checkpoint and its config).
         shards: the shards it was trained on (validation rows are evaluated).
         tokenizer: its tokenizer (for the probes).
         work_dir: outputs go to `<work_dir>/evaluate/<digest>/`.
@@ -235,37 +235,32 @@ def evaluate(
         ValueError: when the validation split has no rows.
     """
     watch = Stopwatch()
+    mc = MaskingConfig(**trained.config["masking"])
+    document_attention = bool(trained.config["train"].get("document_attention", False))
     digest = compute_digest(
         "evaluate",
         # The key is added only when set, so digests of earlier evaluations still match.
-        {"eval": cfg.eval, "masking": cfg.masking,
-         **({"document_attention": True} if cfg.train.document_attention else {})},
+        # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
+        {"eval": cfg, "masking": mc.masks_record(),
+         **({"document_attention": True} if document_attention else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
     out = stage_dir(work_dir, "evaluate", digest)
     out.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
+    device = torch.device(trained.device)
     model = load_model(trained.file(trained.checkpoint_dir), device)
-    mc = cfg.masking
     tok = Tokenizer.load(tokenizer)
     word_starts = torch.from_numpy(tok.word_starts()) if mc.whole_word else None
     metrics = masked_lm_metrics(
         model,
         ShardDataset(shards, "validation"),
-        vocab_size=shards.vocab_size,
-        seed=cfg.eval.seed,
-        mlm_probability=mc.mlm_probability,
-        mask_replace_prob=mc.mask_replace_prob,
-        random_replace_prob=mc.random_replace_prob,
-        batch_size=cfg.eval.batch_size,
-        max_rows=cfg.eval.max_rows,
+        masking=KeyedMasking(mc, shards.vocab_size, word_starts, seed=cfg.seed),
+        batch_size=cfg.batch_size,
+        max_rows=cfg.max_rows,
         baseline_token=most_frequent_token(shards),
         device=device,
-        precision=precision,
-        selection=mc.selection,
-        word_starts=word_starts,
-        document_attention=cfg.train.document_attention,
+        precision=trained.precision,
+        document_attention=document_attention,
     )
     probes = _run_probes(model, tok, cfg, shards.seq_len, device)
     for probe in probes:
@@ -284,9 +279,9 @@ def evaluate(
         stage="evaluate",
         digest=digest,
         output_dir=str(out),
-        config={"eval": cfg.eval.model_dump(mode="json"),
-                "masking": mc.model_dump(mode="json"),
-                "document_attention": cfg.train.document_attention},
+        config={"eval": cfg.model_dump(mode="json"),
+                "masking": mc.masks_record(),
+                "document_attention": document_attention},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,

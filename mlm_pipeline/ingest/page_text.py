@@ -1,6 +1,6 @@
 """Plain text of documentation pages: HTML pages, man pages and text cleaning.
 
-Used by `mlm_pipeline.corpora` to turn the files of unpacked Debian packages into
+Used by `mlm_pipeline.ingest.corpora` to turn the files of unpacked Debian packages into
 documents: `html_to_text` (stdlib `html.parser`; navigation, tables of contents, headers,
 footers and scripts left out, `<pre>` layout kept), `render_man` (gzipped roff rendered by
 groff), `clean_text` (NFC, no control characters, paragraphs separated by a blank line).

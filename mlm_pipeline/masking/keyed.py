@@ -90,7 +90,7 @@ import math
 import torch
 from torch import Tensor
 
-from mlm_pipeline.config import MASK_ID, NUM_SPECIAL
+from mlm_pipeline.config import IGNORE_INDEX, MASK_ID, NUM_SPECIAL, MaskingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,12 @@ _POSITION_BITS = 20
 MAX_SEQ_LEN = 1 << _POSITION_BITS
 #: Row ids must lie in [0, MAX_ROWS): the counter's row field.
 MAX_ROWS = 1 << (64 - _POSITION_BITS)
-IGNORE_INDEX = -100
 #: Version of the algorithm in the module docstring; a checkpoint whose masker state
 #: carries another version is refused (its masks would not be reproduced).
 MASKING_ALGORITHM = 2
 SELECTIONS = ("bernoulli", "exact_k")
+#: The defaults of `mask_tokens`' keyword arguments: the config's, defined once there.
+_DEFAULTS = MaskingConfig()
 _LOW32 = (1 << 32) - 1
 _INT64_MAX = (1 << 63) - 1
 
@@ -321,12 +322,12 @@ def mask_tokens(
     *,
     vocab_size: int,
     row_index: Tensor | None = None,
-    seed: int = 0,
+    seed: int = _DEFAULTS.seed,
     epoch: int = 0,
-    mlm_probability: float = 0.15,
-    mask_replace_prob: float = 0.8,
-    random_replace_prob: float = 0.1,
-    selection: str = "bernoulli",
+    mlm_probability: float = _DEFAULTS.mlm_probability,
+    mask_replace_prob: float = _DEFAULTS.mask_replace_prob,
+    random_replace_prob: float = _DEFAULTS.random_replace_prob,
+    selection: str = _DEFAULTS.selection,
     word_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Corrupt a batch for masked-language modelling (Devlin et al. 2019, §3.1: 80/10/10).
@@ -359,7 +360,7 @@ def mask_tokens(
 
     Returns:
         `(input_ids, labels)`, both int64 (B, L) on the device of `input_ids`: the corrupted
-        ids, and the original ids at selected positions with -100 elsewhere.
+        ids, and the original ids at selected positions with `IGNORE_INDEX` (-100) elsewhere.
 
     Raises:
         TypeError: `input_ids` is not an integer tensor.
@@ -436,3 +437,4 @@ def mask_tokens(
     else:
         corrupted = ids.masked_fill(changed, MASK_ID)
     return corrupted, labels
+

@@ -23,8 +23,8 @@ it is compiled into the `.model` file, so any SentencePiece runtime reading the 
 the same ids. `remove_extra_whitespaces` (default) then collapses runs of spaces.
 
 The trainer's input file (the training split's documents as bounded lines) is written by
-`mlm_pipeline.documents`; `Tokenizer` (loading a model and encoding text) is in
-`mlm_pipeline.tokenizer_io`, re-exported here.
+`mlm_pipeline.ingest.documents`; `Tokenizer` (loading a model and encoding text) is in
+`mlm_pipeline.tokenizer.tokenizer`, re-exported here.
 
 This module imports neither torch nor prefect.
 """
@@ -49,7 +49,7 @@ from mlm_pipeline.config import (
     UNK_ID,
     TokenizerConfig,
 )
-from mlm_pipeline.documents import write_training_text
+from mlm_pipeline.ingest.documents import write_training_text
 from mlm_pipeline.manifest import (
     CorpusManifest,
     Stopwatch,
@@ -61,7 +61,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.tokenizer_io import MASK_MARKER, Tokenizer, check_special
+from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, Tokenizer, check_special
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a pipeline run records: lineage tags, data accounting, results and the summary.
 
 The flow in `flows/` calls these between stages; they turn stage manifests into MLflow
-tags, metrics and artifacts (through the `mlm_pipeline.tracking` package, the only MLflow
+tags, metrics and artifacts (through the `mlm_pipeline.tracking.tracker` package, the only MLflow
 user) and into the summary a user reads at the end of a run. No torch, no prefect.
 """
 
@@ -21,7 +21,7 @@ from mlm_pipeline.manifest import (
     TrainManifest,
     load_if_complete,
 )
-from mlm_pipeline.tracking import MlflowTracker, git_commit
+from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 
 
 def run_params(cfg: PipelineConfig) -> dict[str, Any]:
@@ -162,24 +162,6 @@ def summary(
     }
 
 
-def check_evaluable(shards: ShardManifest) -> None:
-    """Fail before training when the run could not be evaluated at its end.
-
-    Raises:
-        ValueError: the validation split has no rows (evaluation would fail after the
-            whole training run); the message names the shards directory and the fields
-            to change.
-    """
-    seq_len = shards.seq_len
-    if shards.validation.rows == 0:
-        raise ValueError(
-            f"{shards.output_dir}: the validation split has no rows of {seq_len} tokens "
-            f"({shards.validation.documents} documents, {shards.validation.tokens_in} tokens), "
-            "so the run could not be evaluated; raise ingest.validation_fraction or lower "
-            "shards.seq_len"
-        )
-
-
 def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
     """Write the run summary as indented JSON; returns the path."""
     p = Path(path)
@@ -196,7 +178,7 @@ def outputs_exist(manifest: Manifest) -> bool:
     if found is None:
         return False
     if isinstance(found, TokenizerManifest):
-        from mlm_pipeline.tokenizer import model_intact
+        from mlm_pipeline.tokenizer.stage import model_intact
 
         return model_intact(found)
     return True

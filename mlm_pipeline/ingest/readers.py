@@ -30,7 +30,7 @@ optional `id`, `source` and `lang` fields/columns. A CSV header or Parquet schem
 a null Parquet value are `missing_text` records.
 
 Compression, UTF-16/32 transcoding and the UTF-8 repairs (`bom`, `invalid_utf8`, `nul`)
-are `mlm_pipeline.sources`'s; a repair is counted once per record. A truncated or corrupt
+are `mlm_pipeline.ingest.sources`'s; a repair is counted once per record. A truncated or corrupt
 compressed or Parquet file is a `ValueError` naming it. Drops and repairs are logged at
 WARNING once per file and reason, with the count and the first positions (line, element
 or row, as in the ids).
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mlm_pipeline.sources import (
+from mlm_pipeline.ingest.sources import (
     COMPRESSIONS,
     DAMAGED_DATA_ERRORS,
     SUPPORTED_SUFFIXES,

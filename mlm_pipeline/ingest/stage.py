@@ -1,10 +1,10 @@
 """Stage 1, ingestion: raw text files -> cleaned, deduplicated Parquet documents per split.
 
 Inputs (`IngestConfig.sources`, in order): `debian:NAME` (a built-in corpus, see
-`mlm_pipeline.corpora`), a file, a directory (recursively: every supported suffix), a
-glob, or an fsspec URL of any of these (`mlm_pipeline.sources`: resolution, content
+`mlm_pipeline.ingest.corpora`), a file, a directory (recursively: every supported suffix), a
+glob, or an fsspec URL of any of these (`mlm_pipeline.ingest.sources`: resolution, content
 hashes, decompression, UTF-16/32). Formats (`.txt`, `.jsonl`, `.json`, `.csv`,
-`.parquet`) are `mlm_pipeline.readers`'s. Every record read is repaired or dropped, and
+`.parquet`) are `mlm_pipeline.ingest.readers`'s. Every record read is repaired or dropped, and
 every repair and drop is counted in the manifest:
 
 * Repairs (counted once per record read, kept or dropped): `bom`, `invalid_utf8`, `nul`
@@ -57,8 +57,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mlm_pipeline.cleaning import DigestSet, NearDuplicateFilter, letter_share, split_text
 from mlm_pipeline.config import IngestConfig
+from mlm_pipeline.ingest.cleaning import (
+    DigestSet,
+    NearDuplicateFilter,
+    letter_share,
+    split_text,
+)
+from mlm_pipeline.ingest.readers import read_records
+from mlm_pipeline.ingest.sources import (
+    Source,
+    content_hash,
+    resolve_sources,
+    source_name,
+    source_size,
+)
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -69,14 +82,6 @@ from mlm_pipeline.manifest import (
     load_if_complete,
     stage_dir,
     write_manifest,
-)
-from mlm_pipeline.readers import read_records
-from mlm_pipeline.sources import (
-    Source,
-    content_hash,
-    resolve_sources,
-    source_name,
-    source_size,
 )
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A trained SentencePiece tokenizer: loading it, checking it, encoding new text.
 
-`Tokenizer` wraps a `.model` file that `mlm_pipeline.tokenizer.train_tokenizer` wrote,
+`Tokenizer` wraps a `.model` file that `mlm_pipeline.tokenizer.stage.train_tokenizer` wrote,
 with the fixed special-token ids of `config.SPECIAL_TOKENS`. Loading through the stage's
 manifest checks that the file is the one the manifest describes (sha256), and gives the
 Unicode normalization form of the corpus, which `encode` applies to new text as ingestion

@@ -38,12 +38,12 @@ the training split gets `dupe_factor` masked copies, copy `c` of shard `i` named
 Each holds two columns: `input_ids`, `fixed_size_list<uint16|uint32>[seq_len]` (the
 corrupted ids, storage dtype of the split), and `labels`, `fixed_size_list<int32>[seq_len]`
 (the original id where the position is predicted, -100 elsewhere). They are made by
-`mlm_pipeline.masking.mask_tokens` keyed by `(seed, epoch=c, row_index=global train row)`,
+`mlm_pipeline.masking.KeyedMasking` keyed by `(masking.seed, epoch=c, row_index=global train row)`,
 so a copy equals what dynamic masking gives in epoch `c`. The copies' entries follow the
 unmasked ones in `ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one
 copy; `ShardSplit.masked_copies` = `dupe_factor`, `ShardManifest.masking` = the masking
-config and seed); `shard_io.masked_copies` and `shard_io.split_shards` tell them apart by
-that count (by name for manifests written before it). `maskers.write_masked_copies` writes
+config and seed); `format.masked_copies` and `format.split_shards` tell them apart by
+that count (by name for manifests written before it). `masked_copies.write_masked_copies` writes
 them. The copies use the config's `selection` and
 `whole_word` (word starts from `Tokenizer.word_starts`). The validation split is never
 masked here: evaluation masks it with its own fixed seed. Torch is imported only when
@@ -69,7 +69,7 @@ import pyarrow as pa
 import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
-from mlm_pipeline.documents import text_tasks
+from mlm_pipeline.ingest.documents import text_tasks
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -82,7 +82,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.shard_io import write_arrow_from_body
+from mlm_pipeline.shards.format import write_arrow_from_body
 from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -111,11 +111,11 @@ def shards_digest(
     corpus: CorpusManifest,
     tokenizer: TokenizerManifest,
     masking: MaskingConfig | None = None,
-    seed: int = 0,
 ) -> str:
-    """Identity of the shards `write_shards(cfg, corpus, tokenizer, work_dir, masking, seed)`
-    writes. Without precomputed masking it depends on neither `masking` nor `seed`; with
-    it, on both. It never depends on `num_threads`, `encode_batch_size` or
+    """Identity of the shards `write_shards(cfg, corpus, tokenizer, work_dir, masking)`
+    writes. Without precomputed masking it does not depend on `masking`; with it, on all
+    of it (seed included; hashed as before the seed moved into `MaskingConfig`, so
+    digests are unchanged). It never depends on `num_threads`, `encode_batch_size` or
     `encode_batch_bytes`: they schedule the work and do not change the shards, so changing
     them reuses the cached shards. The tokenizer enters by its digest and its model file's
     sha256: shards are never reused with a model other than the one that encoded them."""
@@ -125,11 +125,11 @@ def shards_digest(
         return compute_digest(STAGE, shard_cfg, inputs)
     # The masking algorithm's version is part of the identity: copies made by an earlier
     # hash must never be mistaken for what dynamic masking gives today.
-    from mlm_pipeline.masking import MASKING_ALGORITHM  # torch, only on this path
+    from mlm_pipeline.masking.keyed import MASKING_ALGORITHM  # torch, only on this path
 
     return compute_digest(
         STAGE,
-        {"shards": shard_cfg, "masking": masking, "seed": seed,
+        {"shards": shard_cfg, "masking": masking.masks_record(), "seed": masking.seed,
          "masking_algorithm": MASKING_ALGORITHM},
         inputs,
     )
@@ -173,7 +173,6 @@ def write_shards(
     tokenizer: TokenizerManifest,
     work_dir: str | os.PathLike[str],
     masking: MaskingConfig | None = None,
-    seed: int = 0,
 ) -> ShardManifest:
     """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
 
@@ -187,9 +186,8 @@ def write_shards(
         tokenizer: the trained tokenizer.
         work_dir: pipeline work directory; output goes to `<work_dir>/shards/<digest[:16]>`.
         masking: with `mode="precomputed"`, also write `dupe_factor` masked copies of the
-            training split (module docstring); None or `dynamic` writes only token rows.
-        seed: masking seed of the copies (the training seed, `TrainConfig.seed`); unused
-            without precomputed masking.
+            training split, keyed by `masking.seed` (module docstring); None or
+            `dynamic` writes only token rows.
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
@@ -201,7 +199,7 @@ def write_shards(
             row of `seq_len` tokens), the tokenizer model differs from its manifest, or a
             Parquet file is malformed (the file is named).
     """
-    digest = shards_digest(cfg, corpus, tokenizer, masking, seed)
+    digest = shards_digest(cfg, corpus, tokenizer, masking)
     out_dir = stage_dir(work_dir, STAGE, digest)
     cached = load_if_complete(out_dir, ShardManifest, digest)
     if cached is not None:
@@ -240,18 +238,20 @@ def write_shards(
     masking_record = None
     if _precomputed(masking):
         train = splits["train"]
-        from mlm_pipeline.maskers import write_masked_copies  # torch: only on this path
+        from mlm_pipeline.shards.masked_copies import (
+            write_masked_copies,  # torch: only here
+        )
 
-        copies = write_masked_copies(train.shards, out_dir, masking, seed, tok, cfg.seq_len)
+        copies = write_masked_copies(train.shards, out_dir, masking, tok, cfg.seq_len)
         splits["train"] = train.model_copy(update={"shards": train.shards + copies,
                                                    "masked_copies": masking.dupe_factor})
-        from mlm_pipeline.masking import MASKING_ALGORITHM
+        from mlm_pipeline.masking.keyed import MASKING_ALGORITHM
 
-        masking_record = masking.model_dump(mode="json") | {
-            "seed": seed, "algorithm": MASKING_ALGORITHM}
+        masking_record = masking.masks_record() | {
+            "seed": masking.seed, "algorithm": MASKING_ALGORITHM}
         # Also beside the shard config, where `maskers.build_masker` checks that a trainer's
         # masking matches the copies.
-        config |= {"masking": masking.model_dump(mode="json"), "masking_seed": seed,
+        config |= {"masking": masking.masks_record(), "masking_seed": masking.seed,
                    "masking_algorithm": MASKING_ALGORITHM}
     manifest = ShardManifest(
         stage=STAGE,

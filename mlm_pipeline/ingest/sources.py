@@ -7,7 +7,7 @@ their bytes (the stage's cache key), and opens them as streams: decompressed by 
 dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
 present (not a repair). A truncated or corrupt compressed stream is a `ValueError` that
 names the file (`open_compressed`). Lines are split and UTF-8 decoded here, with the
-repairs counted by `mlm_pipeline.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone
+repairs counted by `mlm_pipeline.ingest.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone
 surrogates (`invalid_utf8`), NUL (`nul`).
 
 This module imports neither torch nor prefect.
@@ -33,8 +33,8 @@ from typing import IO
 
 import pyarrow as pa
 
-from mlm_pipeline import corpora
 from mlm_pipeline.config import IngestConfig
+from mlm_pipeline.ingest import corpora
 from mlm_pipeline.manifest import sha256_file
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,8 @@
+"""Stage 2, the tokenizer: SentencePiece trained on a seeded sample of the training split
+(`stage`), and the `Tokenizer` that loads, checks and encodes with it (`tokenizer`).
+"""
+
+from mlm_pipeline.tokenizer.stage import model_intact, tokenizer_digest, train_tokenizer
+from mlm_pipeline.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer", "model_intact", "tokenizer_digest", "train_tokenizer"]

@@ -1,0 +1,312 @@
+"""The one place that talks to MLflow: the run lifecycle here (`MlflowTracker` and the
+tracking-URI helpers), batched step metrics in `mlm_pipeline.tracking.sink` (`MlflowSink`).
+
+`MlflowTracker` owns one `MlflowClient` and takes an explicit `run_id` everywhere: MLflow's
+active run is per thread, and Prefect tasks may run in other threads.
+
+mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
+torch or prefect); the client comes from `sink._mlflow_client`, which turns MLflow's
+telemetry off unless the environment sets it (why: see `mlm_pipeline.tracking.sink`).
+
+Artifacts with a SQLite backend: MLflow 3.17 puts a new experiment's artifacts under
+`<cwd>/mlruns/<experiment_id>` (the default artifact root `./mlruns`, resolved against the
+working directory of whichever process creates the experiment), so runs started from
+different directories scatter their artifacts. `MlflowTracker` creates experiments on a
+SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (characters
+other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
+experiments keep their location; an MLflow server decides for itself.
+
+Limits (MLflow 3.17 `mlflow/utils/validation.py`): 100 params or tags per `log_batch`, param
+values up to 6000 characters, tag values up to 8000, keys as in `sinks.check_key`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlparse
+from urllib.request import pathname2url, url2pathname
+
+from mlm_pipeline.config import TrackingConfig
+from mlm_pipeline.sinks import check_key
+from mlm_pipeline.tracking.sink import MlflowSink, _mlflow_client
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+__all__ = ["MlflowTracker", "git_commit", "resolve_tracking_uri", "sqlite_db_path"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+
+def resolve_tracking_uri(cfg: TrackingConfig) -> str:
+    """The tracking URI: `cfg.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else
+    `sqlite:///<absolute cwd>/mlflow.db` (MLflow 3's own default, made absolute so that
+    workers in other directories reach the same database)."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    if env := os.environ.get("MLFLOW_TRACKING_URI"):
+        return env
+    return "sqlite:///" + pathname2url(str(Path.cwd().resolve() / "mlflow.db"))
+
+
+def sqlite_db_path(tracking_uri: str) -> Path | None:
+    """Absolute path of the database file of a `sqlite:///` URI; None for other URIs and
+    in-memory databases."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    raw = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    if not raw or raw == ":memory:":
+        return None
+    return Path(url2pathname(raw)).resolve()  # url2pathname also undoes %-quoting
+
+
+def git_commit() -> str | None:
+    """Commit (40 hex) of the checkout this package runs from; None when the package is not
+    the top of a git work tree's `mlm_pipeline/` (an installed wheel) or git is missing."""
+    pkg = Path(__file__).resolve().parents[1]  # mlm_pipeline/ (this is tracking/__init__.py)
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=pkg, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # A wheel installed in a venv inside some other repository must not report that commit.
+    if len(out) != 2 or Path(out[0]).resolve() != pkg.parent:
+        return None
+    return out[1]
+
+
+class MlflowTracker:
+    """MLflow run lifecycle with an explicit `run_id` (no global active run).
+
+    Args:
+        tracking_uri: MLflow tracking URI (see `resolve_tracking_uri`).
+        experiment_name: experiment to create runs in; created when missing.
+        run_name: name of runs created by `start_run`; None lets MLflow pick one.
+    """
+
+    def __init__(
+        self, tracking_uri: str, experiment_name: str = "mlm-pipeline", run_name: str | None = None
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self._client: MlflowClient | None = None
+        self._experiment_ids: dict[str, str] = {}  # run_id -> experiment_id
+
+    @classmethod
+    def from_config(cls, cfg: TrackingConfig) -> MlflowTracker:
+        """A tracker for `cfg` (URI resolved with `resolve_tracking_uri`)."""
+        return cls(resolve_tracking_uri(cfg), cfg.experiment_name, cfg.run_name)
+
+    @property
+    def client(self) -> MlflowClient:
+        """The `MlflowClient`, created on first use (no connection before that)."""
+        if self._client is None:
+            self._client = _mlflow_client(self.tracking_uri)
+        return self._client
+
+    def experiment_id(self) -> str:
+        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB) if missing.
+
+        Raises:
+            ValueError: the experiment exists but is deleted (restore it or pick a new name).
+        """
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.experiment_name)
+        if exp is None:
+            db = sqlite_db_path(self.tracking_uri)
+            # A path component of the name: no separators, no `..`, no hidden directory.
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.experiment_name).lstrip(".") or "_"
+            location = str(db.parent / "mlartifacts" / safe) if db else None
+            try:
+                return self.client.create_experiment(self.experiment_name, location)
+            except MlflowException:  # another worker created it first
+                exp = self.client.get_experiment_by_name(self.experiment_name)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage != "active":
+            raise ValueError(
+                f"MLflow experiment {self.experiment_name!r} (id {exp.experiment_id}) is deleted:"
+                f" `mlflow experiments restore --experiment-id {exp.experiment_id}` or set"
+                " tracking.experiment_name"
+            )
+        return exp.experiment_id
+
+    def start_run(self, params: Mapping[str, object], tags: Mapping[str, str] | None = None) -> str:
+        """Create a run, log `params` and `tags`; returns the run id.
+
+        Args:
+            params: key -> value, e.g. `config.flatten(cfg)`; values are logged as `str(value)`,
+                cut to 6000 characters with a warning.
+            tags: key -> value, cut to 8000 characters with a warning; e.g. the code's
+                commit as `mlflow.source.git.commit` (see `git_commit`), which the UI shows.
+
+        Raises:
+            ValueError: a param key is not MLflow-legal (see `check_key`), or the experiment
+                is deleted.
+        """
+        for key in params:
+            check_key(key)
+        exp_id = self.experiment_id()
+        run = self.client.create_run(exp_id, run_name=self.run_name)
+        run_id = run.info.run_id
+        self._experiment_ids[run_id] = exp_id
+        try:
+            self.log_params(run_id, params)
+            self.set_tags(run_id, tags or {})
+        except BaseException:  # leave no run stuck in RUNNING
+            self.end_run(run_id, "FAILED")
+            raise
+        logger.info("MLflow run %s in experiment %r (%s)", run_id, self.experiment_name,
+                    self.run_url(run_id) or self.tracking_uri)
+        return run_id
+
+    def resume_run(self, run_id: str, params: Mapping[str, object],
+                   tags: Mapping[str, str] | None = None) -> str:
+        """Reopen an existing run (status RUNNING again) to continue it; returns `run_id`.
+
+        Params already logged must keep their values (MLflow params are immutable); new
+        params are added and tags updated.
+
+        Raises:
+            ValueError: the run does not exist, or a param would change value (the keys
+                are named).
+        """
+        try:
+            run = self.client.get_run(run_id)
+        except Exception as exc:  # mlflow.exceptions.MlflowException
+            raise ValueError(f"cannot resume MLflow run {run_id!r}: {exc}") from exc
+        old = run.data.params
+        changed = sorted(k for k, v in params.items()
+                         if k in old and old[k] != _truncate("param", k, str(v),
+                                                             MAX_PARAM_VALUE_LENGTH))
+        if changed:
+            raise ValueError(
+                f"cannot resume MLflow run {run_id}: these params would change: "
+                + ", ".join(f"{k} ({old[k]!r} -> {params[k]!r})" for k in changed)
+            )
+        self._experiment_ids[run_id] = run.info.experiment_id
+        self.client.update_run(run_id, status="RUNNING")
+        self.log_params(run_id, {k: v for k, v in params.items() if k not in old})
+        self.set_tags(run_id, tags or {})
+        logger.info("MLflow run %s resumed", run_id)
+        return run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
+        """Log params in batches of 100 (values stringified, cut to 6000 characters).
+
+        Raises:
+            ValueError: a key is not MLflow-legal (see `check_key`).
+        """
+        from mlflow.entities import Param
+
+        items = []
+        for key, value in params.items():
+            check_key(key)
+            items.append(Param(key, _truncate("param", key, str(value), MAX_PARAM_VALUE_LENGTH)))
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Set tags in batches of 100 (values stringified, cut to 8000 characters)."""
+        from mlflow.entities import RunTag
+
+        items = [
+            RunTag(k, _truncate("tag", k, str(v), MAX_TAG_VALUE_LENGTH)) for k, v in tags.items()
+        ]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def sink(
+        self, run_id: str, flush_every: int = 50, flush_interval_s: float = 10.0
+    ) -> MlflowSink:
+        """An `MlflowSink` for `run_id` on this tracker's URI."""
+        return MlflowSink(run_id, self.tracking_uri, flush_every, flush_interval_s, self.client)
+
+    def log_metrics(
+        self, run_id: str, metrics: Mapping[str, float], step: int | None = None
+    ) -> None:
+        """Log a few metrics at once (e.g. evaluation results); non-finite values are
+        dropped with a warning. `step` None logs at step 0 (MLflow's default).
+
+        Raises:
+            ValueError: a key is not MLflow-legal (see `check_key`).
+            TypeError: a value is not a number.
+        """
+        sink = self.sink(run_id, flush_every=1 << 30, flush_interval_s=math.inf)
+        sink.log(dict(metrics), 0 if step is None else step)
+        sink.close()
+
+    def log_artifacts(
+        self, run_id: str, local_path: str | os.PathLike[str], artifact_path: str | None = None
+    ) -> None:
+        """Copy a file, or a directory's files, into the run's artifacts under `artifact_path`.
+
+        Raises:
+            FileNotFoundError: `local_path` is neither a file nor a directory.
+        """
+        path = Path(local_path)
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        elif path.is_file():
+            self.client.log_artifact(run_id, str(path), artifact_path)
+        else:
+            raise FileNotFoundError(f"log_artifacts: {local_path} is neither a file nor a directory")
+
+    def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
+        """Write `obj` as indented JSON to the run artifact `artifact_file` (e.g.
+        `manifests/train.json`); non-JSON values (paths, ...) are written with `str`."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / posixpath.basename(artifact_file)
+            text = json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n"
+            path.write_text(text, encoding="utf-8")
+            self.client.log_artifact(run_id, str(path), posixpath.dirname(artifact_file) or None)
+
+    def end_run(self, run_id: str, status: RunStatus = "FINISHED") -> None:
+        """Mark the run terminated with `status`.
+
+        Raises:
+            ValueError: `status` is not FINISHED, FAILED or KILLED.
+        """
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"end_run: status {status!r} must be FINISHED, FAILED or KILLED")
+        self.client.set_terminated(run_id, status)
+
+    def run_url(self, run_id: str, experiment_id: str | None = None) -> str | None:
+        """The run's page in the MLflow UI when the tracking URI is http(s), else None."""
+        if urlparse(self.tracking_uri).scheme not in ("http", "https"):
+            return None
+        exp = experiment_id or self._experiment_ids.get(run_id)
+        if exp is None:
+            exp = self.get_run(run_id).info.experiment_id
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+
+    def get_run(self, run_id: str) -> Run:
+        """`MlflowClient.get_run` (params, metrics, tags, status)."""
+        return self.client.get_run(run_id)
+
+
+def _truncate(kind: str, key: str, value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    logger.warning("MLflow %s %r: value of %d characters cut to %d", kind, key, len(value), limit)
+    return value[:limit]
