@@ -1,8 +1,16 @@
 """mlm-pipeline: pretrain BERT-style masked language models end to end.
 
-Stages (one module each): `ingest` -> `tokenizer` -> `shards` -> `train` -> `evaluate`,
-with `masking` shared by shards and training and `tracking` the only MLflow user.
-Importing this package imports neither torch nor prefect.
+One package per stage, in pipeline order: `ingest` -> `tokenizer` -> `masking` -> `shards`
+-> `train` -> `evaluate` -> `tracking` (the only MLflow user), over a ground floor that
+every stage may use: `config` (typed configs), `manifest` (stage manifests and digests) and
+`sinks` (metric sinks). A stage imports only the ground floor and the stages before it;
+nothing here imports Prefect or `flows` (`tests/unit/test_boundaries.py`).
+
+Every stage has one contract, `verb(stage_config, input_manifests..., work_dir) -> Manifest`:
+it computes its own output directory from a digest of its config and its inputs' digests,
+writes its files atomically and returns a small pydantic manifest; the digest is its cache
+key and lineage (README, "Architecture", has the table of stages). Importing this package
+imports neither torch nor prefect.
 """
 
 __version__ = "0.1.0"
