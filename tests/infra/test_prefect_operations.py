@@ -1,0 +1,64 @@
+"""Production Prefect settings shipped in prefect.yaml and infra/: the zombie-run automation,
+heartbeats in every job environment, and one run at a time on the retraining and GPU
+deployments (checked offline against Prefect's own schemas)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+AUTOMATION = ROOT / "infra" / "automations" / "crash-zombie-flows.yaml"
+TEMPLATE = ROOT / "infra" / "k8s" / "gpu-work-pool-template.json"
+
+
+def _deployments() -> dict[str, dict]:
+    config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    return {d["name"]: d for d in config["deployments"]}
+
+
+def test_zombie_automation_is_a_valid_prefect_automation():
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.schemas.automations import AutomationCore, Posture
+
+    (spec,) = yaml.safe_load(AUTOMATION.read_text())["automations"]
+    automation = AutomationCore.model_validate(spec)
+    trigger = automation.trigger
+    assert trigger.posture == Posture.Proactive
+    assert trigger.after == {"prefect.flow-run.heartbeat"}
+    assert "prefect.flow-run.heartbeat" in trigger.expect
+    assert trigger.for_each == {"prefect.resource.id"}
+    (action,) = automation.actions
+    assert action.type == "change-flow-run-state" and action.state == StateType.CRASHED
+
+
+def _heartbeat_s(env: dict) -> int:
+    return int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"])
+
+
+@pytest.mark.parametrize("name", ["local-cpu", "scheduled-retrain", "gpu"])
+def test_every_deployment_sends_heartbeats_the_automation_can_see(name):
+    (spec,) = yaml.safe_load(AUTOMATION.read_text())["automations"]
+    env = _deployments()[name]["work_pool"]["job_variables"]["env"]
+    beat = _heartbeat_s(env)
+    # Prefect ignores values of 30 s or less; the automation waits for several missed beats.
+    assert 30 < beat and spec["trigger"]["within"] >= 2 * beat
+    assert env["PREFECT_LOGGING_EXTRA_LOGGERS"] == "mlm_pipeline"
+
+
+def test_gpu_job_template_sends_heartbeats():
+    env = json.loads(TEMPLATE.read_text())["job_configuration"]["env"]
+    assert _heartbeat_s(env) > 30
+
+
+@pytest.mark.parametrize("name", ["scheduled-retrain", "gpu"])
+def test_retraining_and_gpu_runs_queue_one_at_a_time(name):
+    from prefect.client.schemas.objects import ConcurrencyOptions
+
+    limit = _deployments()[name]["concurrency_limit"]
+    assert limit["limit"] == 1
+    assert ConcurrencyOptions(collision_strategy=limit["collision_strategy"]
+                              ).collision_strategy.value == "ENQUEUE"
