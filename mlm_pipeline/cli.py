@@ -4,6 +4,7 @@
     mlm-pipeline config CONFIG [--set key=value ...]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
     mlm-pipeline fill-mask CHECKPOINT_OR_RUN_DIR TOKENIZER_MODEL TEXT [TEXT ...]
+    mlm-pipeline export CHECKPOINT_OR_RUN_DIR OUT_DIR [--tokenizer PATH] [--force]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. Without
@@ -147,6 +148,25 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mlm_pipeline.train.export import export_checkpoint
+
+    try:
+        checkpoint = resolve_checkpoint(Path(args.source))
+    except FileNotFoundError as exc:
+        later = (" (MLflow run ids and models:/ URIs are not supported yet)"
+                 if not Path(args.source).exists() else "")
+        raise ValueError(f"export: SOURCE {args.source!r} is not a checkpoint directory "
+                         f"(…/checkpoints/step-XXXXXXXX) or a training run directory holding "
+                         f"one{later}: {exc}") from exc
+    out = export_checkpoint(checkpoint, args.out_dir, tokenizer=args.tokenizer,
+                            overwrite=args.force)
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    print(json.dumps({"checkpoint": str(checkpoint), "out_dir": str(out), "files": files},
+                     indent=2))
+    return 0
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or the newest complete checkpoint under a training run
     directory or its `checkpoints/` directory.
@@ -242,7 +262,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
-    fetch-corpus, fill-mask, tokenize)."""
+    fetch-corpus, fill-mask, export, tokenize)."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
     )
@@ -278,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="+", help="texts containing [MASK]")
     p.add_argument("--top-k", type=int, default=5)
     p.set_defaults(func=_cmd_fill_mask)
+
+    p = sub.add_parser("export", help="write a Hugging Face transformers model directory "
+                       "from a checkpoint (bert preset)")
+    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), "
+                   "or a training run directory (its newest checkpoint)")
+    p.add_argument("out_dir", help="model directory to create (config.json, "
+                   "model.safetensors, tokenizer files, README.md)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer stage directory (default: "
+                   "found by the checkpoint's tokenizer digest in its work directory)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("tokenize", help="show how the tokenizer segments a text")
     p.add_argument("config", nargs="?",

@@ -1,0 +1,281 @@
+"""Export a checkpoint as a Hugging Face `transformers` model directory.
+
+`export_checkpoint(checkpoint_dir, out_dir)` writes what `AutoModelForMaskedLM`,
+`AutoTokenizer` and `transformers.pipeline("fill-mask", model=out_dir)` load:
+
+- `config.json` and `model.safetensors`: the weights under the Hugging Face class the
+  preset maps to (`HF_CLASSES`; `bert` -> `BertForMaskedLM` through `train.hf`), fp32;
+- `tokenizer.json`, `tokenizer_config.json` (and what `transformers` writes with them):
+  our SentencePiece tokenizer rebuilt with `tokenizers` (`tokenizer.export`), found from
+  the checkpoint's tokenizer digest in the work directory;
+- `README.md`: a model card (corpus and its digest, steps, tokens seen, evaluation
+  metrics when the run was evaluated, how it was trained and how to load it).
+
+The directory is written under a temporary name beside `out_dir` and renamed, so a failed
+export leaves nothing that looks complete. `transformers` (and `tokenizers`, `safetensors`)
+come with the `export` extra; they are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlm_pipeline import __version__
+from mlm_pipeline.config import ModelConfig
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    EvalManifest,
+    ShardManifest,
+    TokenizerManifest,
+    TrainManifest,
+    read_manifest,
+)
+from mlm_pipeline.tokenizer.export import export_tokenizer, require
+from mlm_pipeline.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: The Hugging Face masked-LM class each `model.preset` maps to, one to one. A config
+#: without a preset exports as BERT when its fields are BERT's (`hf.check_bert_compatible`).
+HF_CLASSES: dict[str, str] = {"bert": "BertForMaskedLM"}
+#: Why the `modern` preset does not export yet.
+MODERN_PENDING = "modern export lands with the ModernBERT alignment"
+
+
+def hf_class_name(model_cfg: ModelConfig) -> str:
+    """The `transformers` class a model with this config exports as (`HF_CLASSES`); a
+    config without a preset is exported as BERT if its fields are BERT's (checked on the
+    model by `hf.check_bert_compatible`).
+
+    Raises:
+        ValueError: the `modern` preset (not exportable yet).
+    """
+    if model_cfg.preset == "modern":
+        raise ValueError(f"model.preset='modern' cannot be exported yet: {MODERN_PENDING}")
+    return HF_CLASSES["bert"]
+
+
+def find_stage_manifest(start: Path, stage: str, digest: str, cls):
+    """The manifest of stage output `<work_dir>/<stage>/<digest[:16]>` with `digest`,
+    looked for in `start` and each directory above it (a run directory lives at
+    `<work_dir>/train/<run>`); None when no directory holds it."""
+    for root in (start, *start.parents):
+        path = root / stage / digest[:16] / "manifest.json"
+        if path.is_file():
+            try:
+                m = read_manifest(path, cls)
+            except ValueError:
+                continue
+            if m.digest == digest:
+                return m.model_copy(update={"output_dir": str(path.parent.resolve())})
+    return None
+
+
+def _train_state(state: dict[str, Any]) -> dict[str, int]:
+    """`step` and `tokens_seen` of a checkpoint state (both checkpoint formats)."""
+    return state.get("train_state") or {"step": state["step"],
+                                        "tokens_seen": state["tokens_seen"]}
+
+
+def _load_tokenizer(checkpoint: Path, state: dict[str, Any],
+                    tokenizer: str | os.PathLike[str] | None,
+                    ) -> tuple[Tokenizer, TokenizerManifest | None]:
+    """The tokenizer the checkpoint was trained with (checked by digest and vocab size),
+    and its manifest when there is one.
+
+    Raises:
+        FileNotFoundError: no tokenizer given and none with the checkpoint's digest in a
+            `tokenizer/` directory of the checkpoint's ancestors.
+        ValueError: the given tokenizer is not the one the checkpoint was trained with.
+    """
+    digest = state["tokenizer_digest"]
+    if tokenizer is None:
+        manifest = find_stage_manifest(checkpoint, "tokenizer", digest, TokenizerManifest)
+        if manifest is None:
+            raise FileNotFoundError(
+                f"{checkpoint}: its tokenizer (digest {digest[:16]}) is not in a tokenizer/ "
+                "directory of its work directory; pass the tokenizer stage directory")
+        tok = Tokenizer.load(manifest)
+    else:
+        tok = Tokenizer.load(tokenizer)
+        p = Path(tokenizer)
+        p = p / "manifest.json" if p.is_dir() else p.with_name("manifest.json")
+        try:
+            manifest = read_manifest(p, TokenizerManifest)
+        except (OSError, ValueError):
+            manifest = None
+        if manifest is not None and manifest.digest != digest:
+            raise ValueError(f"{tokenizer}: tokenizer digest {manifest.digest[:16]} differs "
+                             f"from the checkpoint's {digest[:16]}")
+    if tok.vocab_size != state["vocab_size"]:
+        raise ValueError(f"{tok.path}: {tok.vocab_size} pieces, the checkpoint has "
+                         f"vocab_size {state['vocab_size']}")
+    return tok, manifest
+
+
+def _eval_metrics(checkpoint: Path) -> dict[str, float]:
+    """The metrics of the run's evaluation, when this checkpoint is the run's final one
+    and the run was evaluated in its work directory (else empty)."""
+    run = checkpoint.parent.parent
+    try:
+        trained = read_manifest(run / "manifest.json", TrainManifest)
+    except (OSError, ValueError):
+        return {}
+    if (run / trained.checkpoint_dir).resolve() != checkpoint.resolve():
+        return {}
+    for root in run.parents:
+        for path in sorted((root / "evaluate").glob("*/manifest.json")):
+            try:
+                ev = read_manifest(path, EvalManifest)
+            except (OSError, ValueError):
+                continue
+            if ev.inputs.get("train") == trained.digest:
+                return dict(ev.metrics)
+    return {}
+
+
+def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
+               tok_manifest: TokenizerManifest | None, corpus: CorpusManifest | None,
+               corpus_digest: str | None, shards: ShardManifest | None,
+               metrics: dict[str, float], checkpoint: Path) -> str:
+    """The `README.md` of an exported model (Markdown with YAML front matter)."""
+    counts = _train_state(state)
+    cfg = state["config"]
+    model, train, masking = cfg["model"], cfg.get("train", {}), cfg.get("masking", {})
+    sources = "corpus manifest not found in the work directory"
+    if corpus is not None:
+        sources = ", ".join(f"`{Path(s.path).name}` (sha256 {s.sha256[:12]})"
+                            for s in corpus.sources[:5])
+        if len(corpus.sources) > 5:
+            sources += f" and {len(corpus.sources) - 5} more"
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: fill-mask", "tags:",
+        "- masked-lm", "- mlm-pipeline", "---", "",
+        f"# {hf_class} pretrained with mlm-pipeline", "",
+        (f"A {model['num_layers']}-layer, {model['hidden_size']}-wide BERT-style encoder "
+         f"({model.get('preset') or 'custom'} preset; {model['num_heads']} heads, "
+         f"feed-forward {model['intermediate_size']}) trained from scratch with masked "
+         f"language modelling by mlm-pipeline {__version__}."), "",
+        "## Data", "",
+        f"- Corpus digest: `{corpus_digest or 'unknown'}`; sources: {sources}",
+    ]
+    if corpus is not None:
+        lines.append(f"- Documents: {corpus.documents_train:,} train, "
+                     f"{corpus.documents_validation:,} validation "
+                     f"({corpus.config.get('normalization', 'NFC')} normalized)")
+    lines += [
+        (f"- Tokenizer: SentencePiece {tok_manifest.model_type if tok_manifest else 'model'}, "
+         f"{tok.vocab_size:,} pieces, digest `{state['tokenizer_digest']}`"),
+        f"- Shards digest: `{state['shards_digest']}`; sequences of {state['seq_len']} tokens"
+        + (f", {shards.train.rows:,} training rows" if shards is not None else ""),
+        "", "## Training", "",
+        f"- Steps: {counts['step']:,}; tokens seen: {counts['tokens_seen']:,}",
+    ]
+    if train:
+        warmup = (f"{train['warmup_steps']} warm-up steps" if train.get("warmup_steps")
+                  is not None else f"warm-up ratio {train.get('warmup_ratio')}")
+        lines.append(f"- AdamW: lr {train.get('lr')}, {train.get('decay')} decay, {warmup}, "
+                     f"weight decay {train.get('weight_decay')}; batch "
+                     f"{train.get('micro_batch_size')} x {train.get('grad_accum_steps', 1)} "
+                     f"sequences per step; precision {train.get('precision')}")
+        if train.get("document_attention"):
+            lines.append("- Trained with document attention (tokens attend within their "
+                         "document); the exported model attends over its whole input")
+    if masking:
+        lines.append(f"- Masking: {masking.get('mlm_probability')} of tokens "
+                     f"({masking.get('mask_replace_prob')} [MASK], "
+                     f"{masking.get('random_replace_prob')} random)")
+    lines += ["", "## Evaluation", ""]
+    if metrics:
+        lines += ["| metric | value |", "|---|---|"]
+        lines += [f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items())]
+    else:
+        lines.append("Not evaluated (no evaluation of this checkpoint in its work directory).")
+    lines += [
+        "", "## Use", "", "```python",
+        "from transformers import pipeline",
+        "fill = pipeline(\"fill-mask\", model=\"PATH/TO/THIS/DIRECTORY\")",
+        "fill(\"Le [MASK] du chat est doux et chaud.\")", "```", "",
+        ("The tokenizer reproduces the training tokenizer's ids exactly. A literal "
+         "\"[MASK]\" in a text is the mask token; pass `split_special_tokens=True` to "
+         "encode special-token names as plain text, as the training data was."), "",
+        f"Exported from `{checkpoint.name}` of run `{checkpoint.parent.parent.name}`.", "",
+    ]
+    return "\n".join(lines)
+
+
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a `transformers` model directory from one of our checkpoints.
+
+    Args:
+        checkpoint_dir: a checkpoint (`.../checkpoints/step-XXXXXXXX`).
+        out_dir: the model directory to create.
+        tokenizer: the tokenizer stage directory (or its `.model` file or manifest); by
+            default the one with the checkpoint's tokenizer digest under the
+            `tokenizer/` directory of its work directory (any ancestor).
+        overwrite: replace an existing non-empty `out_dir`.
+
+    Returns:
+        `out_dir`, resolved.
+
+    Raises:
+        FileNotFoundError: `checkpoint_dir` is not a checkpoint, or its tokenizer is not
+            found.
+        FileExistsError: `out_dir` exists, is not empty, and `overwrite` is false.
+        ValueError: the model cannot be exported (the `modern` preset, or fields BERT
+            cannot express), or the tokenizer is not the checkpoint's.
+        RuntimeError: `transformers` or `tokenizers` is not installed (the message names
+            the `export` extra).
+    """
+    from mlm_pipeline.train.checkpoint import load_model, read_state
+    from mlm_pipeline.train.hf import check_bert_compatible, to_hf_bert
+
+    checkpoint = Path(checkpoint_dir).expanduser().resolve()
+    out = Path(out_dir).expanduser().resolve()
+    state = read_state(checkpoint)
+    hf_class = hf_class_name(ModelConfig.model_validate(state["config"]["model"]))
+    model = load_model(checkpoint)
+    check_bert_compatible(model)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not empty (choose a new directory, "
+                              "or overwrite)")
+    require("transformers")
+    tok, tok_manifest = _load_tokenizer(checkpoint, state, tokenizer)
+    corpus_digest = tok_manifest.inputs.get("corpus") if tok_manifest else None
+    corpus = (find_stage_manifest(Path(tok_manifest.output_dir), "ingest", corpus_digest,
+                                  CorpusManifest) if corpus_digest else None)
+    shards = find_stage_manifest(checkpoint, "shards", state["shards_digest"], ShardManifest)
+    metrics = _eval_metrics(checkpoint)
+
+    hf = to_hf_bert(model)
+    hf.config.architectures = [hf_class]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        export_tokenizer(tok, tmp, model_max_length=state["seq_len"])
+        card = model_card(hf_class=hf_class, state=state, tok=tok, tok_manifest=tok_manifest,
+                          corpus=corpus, corpus_digest=corpus_digest, shards=shards,
+                          metrics=metrics, checkpoint=checkpoint)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s (%s, step %d) to %s", checkpoint, hf_class,
+                _train_state(state)["step"], out)
+    return out
+

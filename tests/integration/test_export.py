@@ -1,0 +1,176 @@
+"""`train.export` and `mlm-pipeline export`: a `bert`-preset checkpoint as a `transformers`
+model directory that computes what ours computes.
+
+A tiny bert-preset model is trained for a few steps (sequences of 64 tokens, so the
+fill-mask probes fit) in its own work directory, evaluated, and exported:
+
+- `AutoModelForMaskedLM` loads it with no missing, unexpected or mismatched weights and
+  gives our logits at masked positions within 1e-4 (fp32, eval mode);
+- `pipeline("fill-mask")` gives the top-5 tokens of our `fill_mask` on the probes;
+- the CLI accepts a checkpoint or a run directory (in a fresh process) and answers a bad
+  SOURCE with one line and status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlm_pipeline import cli
+from mlm_pipeline.config import (
+    EvalConfig,
+    MaskingConfig,
+    ModelConfig,
+    ShardConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+from mlm_pipeline.evaluate import evaluate
+from mlm_pipeline.evaluate.stage import fill_mask
+from mlm_pipeline.masking.maskers import build_masker
+from mlm_pipeline.shards.stage import write_shards
+from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.train import train
+from mlm_pipeline.train.checkpoint import load_model
+from mlm_pipeline.train.data import ShardDataset
+from mlm_pipeline.train.export import MODERN_PENDING, export_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 64
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_corpus_manifest):
+    """A trained, evaluated bert-preset run: (work_dir, tokenizer, shards, train manifest,
+    eval manifest)."""
+    work = tmp_path_factory.mktemp("export-work")
+    tok = train_tokenizer(TokenizerConfig(vocab_size=128), tiny_corpus_manifest, work)
+    shards = write_shards(ShardConfig(seq_len=SEQ_LEN, rows_per_shard=64, encode_batch_size=4),
+                          tiny_corpus_manifest, tok, work)
+    model = ModelConfig(preset="bert", hidden_size=32, num_layers=2, num_heads=2,
+                        intermediate_size=64)
+    cfg = TrainConfig(micro_batch_size=4, max_steps=STEPS, warmup_steps=2, lr=3e-3,
+                      checkpoint_every=STEPS // 2, precision="fp32", seed=3)
+    trained = train(cfg, model, MaskingConfig(), shards, tok, work / "train" / "run")
+    evaluated = evaluate(EvalConfig(), trained, shards, tok, work)
+    return work, tok, shards, trained, evaluated
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory) -> Path:
+    _, _, _, trained, _ = run
+    return export_checkpoint(trained.file(trained.checkpoint_dir),
+                             tmp_path_factory.mktemp("hf") / "model")
+
+
+def test_directory_and_model_card(exported, run, tiny_corpus_manifest):
+    _, tok, shards, trained, evaluated = run
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "README.md"} <= names
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and config["vocab_size"] == 128
+    assert config["max_position_embeddings"] == SEQ_LEN
+    card = (exported / "README.md").read_text()
+    for fact in (tiny_corpus_manifest.digest, tok.digest, shards.digest,
+                 f"Steps: {STEPS}", f"tokens seen: {trained.tokens_seen:,}",
+                 f"{evaluated.metrics['eval/loss']:.4f}", "pipeline_tag: fill-mask"):
+        assert fact in card
+    assert not list(exported.parent.glob(".model.tmp-*"))
+
+
+def test_loads_with_every_weight(exported):
+    model, info = transformers.AutoModelForMaskedLM.from_pretrained(
+        exported, output_loading_info=True)
+    assert type(model).__name__ == "BertForMaskedLM"
+    assert {k: v for k, v in info.items() if v} == {}  # missing, unexpected, mismatched
+
+
+def test_logits_match_at_masked_positions(exported, run):
+    _, _, shards, trained, _ = run
+    ours = load_model(trained.file(trained.checkpoint_dir))
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(exported).eval()
+    dataset = ShardDataset(shards, "validation")
+    rows = torch.arange(len(dataset))
+    input_ids, labels = build_masker(MaskingConfig(seed=7), shards.vocab_size)(
+        dataset.get(rows.numpy()), rows, 0)
+    assert (labels != -100).sum() > 10
+    with torch.no_grad():
+        mine = ours(input_ids, labels=labels).logits
+        theirs = hf(input_ids=input_ids).logits[labels != -100]
+    assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == theirs.shape
+    assert (mine - theirs).abs().max().item() <= 1e-4
+
+
+def test_fill_mask_pipeline_top5(exported, run):
+    _, tok_manifest, _, trained, _ = run
+    probes = EvalConfig().probes
+    ours = fill_mask(load_model(trained.file(trained.checkpoint_dir)),
+                     Tokenizer.load(tok_manifest), probes, seq_len=SEQ_LEN, top_k=5)
+    fill = transformers.pipeline("fill-mask", model=str(exported))
+    for probe, mine in zip(probes, ours):
+        theirs = fill(probe, top_k=5)
+        pieces = fill.tokenizer.convert_ids_to_tokens([c["token"] for c in theirs])
+        assert pieces == [c["token"] for c in mine["predictions"][0]], probe
+
+
+def test_modern_preset_is_refused(run, tmp_path):
+    _, _, _, trained, _ = run
+    fake = tmp_path / "step-00000001"
+    fake.mkdir()
+    state = json.loads((trained.file(trained.checkpoint_dir) / "state.json").read_text())
+    state["config"]["model"] = ModelConfig(preset="modern").model_dump(mode="json")
+    (fake / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=MODERN_PENDING):
+        export_checkpoint(fake, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_outside_the_work_dir(run, tmp_path):
+    _, tok, _, trained, _ = run
+    moved = tmp_path / "step-copy"
+    shutil.copytree(trained.file(trained.checkpoint_dir), moved)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        export_checkpoint(moved, tmp_path / "a")
+    out = export_checkpoint(moved, tmp_path / "b", tokenizer=tok.output_dir)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_cli_exports_newest_checkpoint_of_a_run(run, tmp_path):
+    work = run[0]
+    out = tmp_path / "from-run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlm_pipeline.cli", "export", str(work / "train" / "run"),
+         str(out)], check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert Path(summary["checkpoint"]).name == f"step-{STEPS:08d}"
+    assert (work / "train" / "run" / "checkpoints" / f"step-{STEPS // 2:08d}").is_dir()
+    assert set(summary["files"]) == {p.name for p in out.iterdir()}
+    assert transformers.AutoTokenizer.from_pretrained(out).mask_token_id == 4
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "mlflow", "exists"])
+def test_cli_bad_source_is_one_line(case, run, exported, tmp_path, capsys):
+    work = run[0]
+    (tmp_path / "empty").mkdir()
+    source, out, expect = {
+        "missing": (tmp_path / "nope", tmp_path / "o", "not a checkpoint directory"),
+        "empty": (tmp_path / "empty", tmp_path / "o", "holds no complete checkpoint"),
+        "mlflow": ("models:/tiny@champion", tmp_path / "o", "models:/ URIs"),
+        "exists": (work / "train" / "run", exported, "exists and is not empty"),
+    }[case]
+    assert cli.main(["export", str(source), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlm-pipeline: error: ") and expect in err
+    assert str(source) in err or str(out) in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
