@@ -69,6 +69,11 @@ class IngestConfig(StrictModel):
     cache_dir: str | None = None
     """Where fetched Debian packages and extracted corpora are cached; None uses
     `$MLM_PIPELINE_CACHE` or `~/.cache/mlm-pipeline`."""
+    on_bad_file: Literal["skip", "fail"] = "skip"
+    """An input file unreadable in its format (truncated or not-compressed `.gz`, `.json`
+    not one array, Parquet or CSV without `text_field`, CSV quote never closed, ...):
+    `skip` names it with its reason in the manifest and reads the others; `fail` stops the
+    run with one error naming every bad file."""
 
 
 class TokenizerConfig(StrictModel):

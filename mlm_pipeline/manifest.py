@@ -255,6 +255,36 @@ class SourceEntry(BaseModel):
     """Documents read from it, before any drop."""
 
 
+class SkippedFile(BaseModel):
+    """An entry of a source directory or glob that was not read (never opened)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Path (or URL) of the entry."""
+    reason: str
+    """What it is: `unsupported_type`, `fifo`, `device`, `socket`, `symlink_loop`,
+    `dangling_symlink`, `symlink_to_directory`, `directory` (named like an input file),
+    `unreadable_directory`, ... (see `mlm_pipeline.ingest.listing`)."""
+
+
+class BadFile(BaseModel):
+    """An input file rejected as unreadable in its format (`ingest.on_bad_file: skip`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Path (or URL) of the file, as in `sources`."""
+    reason: str
+    """Short code: `corrupt_compressed`, `corrupt_parquet`, `not_json_array`,
+    `json_extra_data`, `missing_text_column`, `text_column_type`, `unclosed_csv_quote`."""
+    error: str
+    """The error message (it names the file, and the line, offset or column)."""
+    documents: int = 0
+    """Records read from it before the error (counted, kept or dropped, like any other
+    records); 0 when the file was rejected before its first record."""
+
+
 class CorpusManifest(Manifest):
     """Output of `ingest`: Parquet document shards (`id`, `text`, `source`) per split."""
 
@@ -281,6 +311,10 @@ class CorpusManifest(Manifest):
     split_parts_extra: int = 0
     """Extra documents made by splitting oversized ones (a document cut into k parts adds
     k - 1), so that `documents_read + split_parts_extra == documents_kept + sum(dropped)`."""
+    bad_files: list[BadFile] = []
+    """Input files rejected part-way or before their first record, with the reason."""
+    skipped_files: list[SkippedFile] = []
+    """Entries of source directories and globs that were not read, with their kind."""
 
 
 class TokenizerManifest(Manifest):

@@ -7,17 +7,20 @@ Each reader turns one input file into `Record`s, streaming (memory holds a chunk
   feed never split a record (unlike `str.splitlines`). A document is a run of non-blank
   lines (`txt_document="paragraph"`) or the whole file (`"file"`), its lines joined with
   `\\n`; id `<basename>:<first line number>`.
-* `.jsonl`: one JSON object per `\\n`-terminated line (a trailing `\\r` is tolerated,
-  blank lines are skipped); id `<basename>:<line number>` unless an `id` field is present.
+* `.jsonl`: one JSON object per line, lines ending at `\\n`, `\\r\\n` or `\\r` (a JSON
+  string cannot hold a raw line end; blank lines are skipped); id `<basename>:<line
+  number>` unless an `id` field is present.
 * `.json`: a top-level array of objects, parsed incrementally element by element (memory:
-  the largest element, not the file); id `<basename>:<element number, from 1>`. A file
-  that is not an array, or has anything but whitespace after its closing `]`, is a
-  `ValueError` (naming the character offset); a syntax error inside the array drops the
-  rest of the file as one `bad_json` record (logged with its character offset).
+  the largest element, not the file; `mlm_pipeline.ingest.json_array`); id
+  `<basename>:<element number, from 1>`. A file that is not an array, or has anything
+  but whitespace after its closing `]`, is a `BadFileError` (naming the character
+  offset); a syntax error inside the array drops the damaged element(s) as `bad_json`
+  records, one per element counted in the damaged span, and parsing resumes at the next
+  element (logged with the character offsets).
 * `.csv`: a header row, then one record per row (RFC 4180 quoting, quoted fields may span
   lines); id `<basename>:<data row number, from 1>`. A row with more fields than the
   header keeps the header's fields (repair `extra_fields`). A quoted field open at the end
-  of the file is a `ValueError` naming the line where it opens (Python's `csv` would
+  of the file is a `BadFileError` naming the line where it opens (Python's `csv` would
   otherwise return the rest of the file as that one field).
 * `.parquet`: one record per row, read in batches; id `<basename>:<row number, from 1>`.
   Invalid UTF-8 in a string column (writers need not validate it) is replaced by U+FFFD
@@ -26,14 +29,18 @@ Each reader turns one input file into `Record`s, streaming (memory holds a chunk
 JSON objects, CSV rows and Parquet rows take the text from `text_field` and use the
 optional `id`, `source` and `lang` fields/columns. A CSV header or Parquet schema without
 `text_field`, or a Parquet `text_field` column that is not of a string type, is a
-`ValueError`; a JSON object without it (or with a non-string value), a short CSV row and
+`BadFileError`; a JSON object without it (or with a non-string value), a short CSV row and
 a null Parquet value are `missing_text` records.
 
 Compression, UTF-16/32 transcoding and the UTF-8 repairs (`bom`, `invalid_utf8`, `nul`)
-are `mlm_pipeline.ingest.sources`'s; a repair is counted once per record. A truncated or corrupt
-compressed or Parquet file is a `ValueError` naming it. Drops and repairs are logged at
-WARNING once per file and reason, with the count and the first positions (line, element
-or row, as in the ids).
+are `mlm_pipeline.ingest.sources`'s; a repair is counted once per record. A truncated or
+corrupt compressed or Parquet file is a `BadFileError` naming it (`ingest.on_bad_file`
+decides whether the run goes on). Every record's text is then screened
+(`cleaning.screen`): binary content (a share of U+FFFD and C0 control characters above
+`cleaning.BINARY_SHARE`) is dropped as `binary`; other C0 control characters than tab,
+line feed and carriage return are removed (repair `control`). Drops and repairs are
+logged at WARNING once per file and reason, with the count and the first positions
+(line, element or row, as in the ids).
 
 This module imports neither torch nor prefect.
 """
@@ -54,10 +61,12 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mlm_pipeline.ingest.cleaning import screen
+from mlm_pipeline.ingest.json_array import Damage, array_items
+from mlm_pipeline.ingest.listing import COMPRESSIONS, SUPPORTED_SUFFIXES
 from mlm_pipeline.ingest.sources import (
-    COMPRESSIONS,
     DAMAGED_DATA_ERRORS,
-    SUPPORTED_SUFFIXES,
+    BadFileError,
     Source,
     decode,
     is_damaged_data,
@@ -72,18 +81,17 @@ logger = logging.getLogger(__name__)
 _CHUNK = 1 << 20  # characters read at a time (JSON arrays)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WARN_FIRST = 5  # positions named per file and reason in the warning, then "..."
-_NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # characters that may continue a JSON number
-# A parse error this close to the end of the buffered text may be an element cut there
-# (a literal, an escape such as the surrogate pair \ud83d\ude00): read more first.
-_CUT_MARGIN = 16
 _EOL = re.compile(r"\r\n|\r|\n")  # line ends, as a text stream with newline="" splits
 # Appended to a CSV stream as one more line: alone it is one row of two fields; inside a
 # quoted field left open (the comma quoted) it ends that field. Noncharacters (The Unicode
 # Standard 15.0, section 23.7) around 128 random bits drawn per process: real data,
 # where noncharacters are allowed (Corrigendum #9), never holds this exact pair.
 _CSV_END = ("\ufdd0" + secrets.token_hex(8), secrets.token_hex(8) + "\ufdd1")
+_DROPS = ("bad_json", "missing_text", "binary")
 _WHY = {"bad_json": "not valid JSON / not an object",
         "missing_text": "field {field!r} missing or not a string",
+        "binary": "binary content: too many U+FFFD / control characters",
+        "control": "C0 control characters removed",
         "bom": "UTF-8 byte-order mark removed",
         "invalid_utf8": "invalid UTF-8 replaced by U+FFFD",
         "nul": "NUL characters removed",
@@ -97,8 +105,9 @@ class Record(NamedTuple):
         id: document id (from the record's `id` field, else `<basename>:<position>`).
         text: raw text, decoded but not normalized ("" for a bad record).
         source: the record's `source` field, else the file's basename.
-        repairs: repair reasons applied to this record (`bom`, `invalid_utf8`, `nul`).
-        drop: drop reason of a bad record (`bad_json`, `missing_text`), else None.
+        repairs: repair reasons applied to this record (`bom`, `invalid_utf8`, `nul`,
+            `extra_fields`, `control`).
+        drop: drop reason of a bad record (`bad_json`, `missing_text`, `binary`), else None.
         lang: the record's `lang` field, None when absent.
     """
 
@@ -125,25 +134,27 @@ def read_records(path: Source, text_field: str, txt_document: str) -> Iterator[R
         Every record, bad ones (with `drop` set) included, in file order.
 
     Raises:
-        ValueError: unsupported name; a `.json` file that is not an array or has data
-            after it; a CSV header or Parquet schema without `text_field`; a Parquet
-            `text_field` column of a non-string type; a CSV quoted field left open at
-            the end of the file; a truncated or corrupt compressed or Parquet file. The
-            message starts with the file's path or URL.
+        ValueError: unsupported name (the message starts with the file's path or URL).
+        BadFileError: (a `ValueError`, possibly after some records were yielded) a `.json`
+            file that is not an array or has data after it; a CSV header or Parquet
+            schema without `text_field`; a Parquet `text_field` column of a non-string
+            type; a CSV quoted field left open at the end of the file; a truncated or
+            corrupt compressed or Parquet file. The message starts with the file's path
+            or URL; `reason` is a short code for the manifest.
     """
     name = source_name(path)
     base = name
     for c in COMPRESSIONS:
         base = base.removesuffix(c)
     if base.endswith(".parquet"):
-        return _logged(path, "row", text_field, _parquet(path, text_field))
+        return _logged(path, "row", text_field, _screened(_parquet(path, text_field)))
     readers = {".txt": ("line", lambda: _txt(path, txt_document == "file")),
                ".jsonl": ("line", lambda: _jsonl(path, text_field)),
                ".json": ("element", lambda: _json(path, text_field)),
                ".csv": ("data row", lambda: _csv(path, text_field))}
     for suffix, (unit, make) in readers.items():
         if base.endswith(suffix):
-            return _logged(path, unit, text_field, make())
+            return _logged(path, unit, text_field, _screened(make()))
     raise ValueError(f"{path}: unsupported file type; expected one of "
                      f"{', '.join(SUPPORTED_SUFFIXES)}")
 
@@ -166,10 +177,27 @@ def _logged(path: Source, unit: str, field: str,
     finally:  # also when the caller stops early (max_documents) or an error ends the file
         rows.close()
         for reason, (n, *first) in seen.items():
-            action = "dropped as" if reason in ("bad_json", "missing_text") else "repaired:"
+            action = "dropped as" if reason in _DROPS else "repaired:"
             at = ", ".join(map(str, first)) + (", ..." if n > len(first) else "")
             logger.warning("%s: %d record(s) %s %s (%s), at %s %s", path, n, action, reason,
                            _WHY[reason].format(field=field), unit, at)
+
+
+def _screened(rows: Generator[tuple[int, Record], None, None]
+              ) -> Generator[tuple[int, Record], None, None]:
+    """`rows` with every good record's text screened (`cleaning.screen`): binary content
+    dropped as `binary`, C0 control characters removed (repair `control`)."""
+    try:
+        for where, rec in rows:
+            if rec.drop is None and rec.text:
+                text, verdict = screen(rec.text)
+                if verdict == "binary":
+                    rec = rec._replace(text="", drop="binary")
+                elif verdict == "control":
+                    rec = rec._replace(text=text, repairs=rec.repairs | {"control"})
+            yield where, rec
+    finally:
+        rows.close()
 
 
 def _clean(value: str, fixes: set[str]) -> str:
@@ -232,13 +260,13 @@ def _txt(path: Source, by_file: bool) -> Iterator[tuple[int, Record]]:
 def _jsonl(path: Source, field: str) -> Iterator[tuple[int, Record]]:
     name = source_name(path)
     with open_utf8(path) as f:
-        for lineno, raw in enumerate(raw_lines(f, eol=re.compile(rb"\n")), 1):
-            line, fixes = decode(raw.removesuffix(b"\r"), lineno == 1)
+        for lineno, raw in enumerate(raw_lines(f), 1):
+            line, fixes = decode(raw, lineno == 1)
             if not line.strip():
                 continue  # a blank line is no record
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply
                 obj = None
             yield lineno, _object_record(obj, field, name, lineno, fixes)
 
@@ -258,81 +286,26 @@ def _reopen_text(path: Source) -> tuple[io.TextIOWrapper, set[str]]:
 
 
 def _json(path: Source, field: str) -> Iterator[tuple[int, Record]]:
-    name, dec = source_name(path), json.JSONDecoder()
+    name = source_name(path)
     f, pending = _reopen_text(path)
-    # buf[pos:] is unparsed; `done` characters (after any BOM) precede buf, for offsets.
-    buf, pos, done, eof, k, want = "", 0, 0, False, 0, _CHUNK
-
-    def fill() -> bool:  # append more text; False at end of file
-        nonlocal buf, pos, done, eof
-        chunk = f.read(want)
-        buf, pos, done = buf[pos:] + chunk, 0, done + pos
-        eof = not chunk
-        return bool(chunk)
-
-    def skip_ws() -> str:  # next non-space character ("" at end of file)
-        nonlocal pos
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos < len(buf) or not fill():
-                return buf[pos:pos + 1]
-
-    def bad(where: int, why: str) -> tuple[int, Record]:  # ends the file
-        logger.warning("%s: char %d: %s; the rest of the file is one bad_json record",
-                       path, done + where, why)
-        return k + 1, Record(f"{name}:{k + 1}", "", name, pending, "bad_json")
-
+    k = 0
     try:
-        if skip_ws() != "[":
-            raise ValueError(f"{path}: a .json input must be a top-level array of objects")
-        pos += 1
-        empty = skip_ws() == "]"
-        while not empty:
-            try:
-                obj, end = dec.raw_decode(buf, pos)
-                ok = True
-            except ValueError as e:
-                ok, err = False, e
-            # Failing near the chunk end (or inside a string still open there) may be an
-            # element cut by the chunk end, and so may a number with nothing but number
-            # characters after it up to the chunk end ("0." of "0.5"): read more and
-            # parse it again. An error earlier in the text is final, so a syntax error
-            # never reads the rest of a large file into memory. Reading twice as much
-            # per retry keeps the parsing of a large element linear.
-            if not eof and (_maybe_cut(err, buf) if not ok else (
-                    type(obj) in (int, float) and _NUMBER_TAIL.fullmatch(buf, end))):
-                fill()
-                want *= 2
+        for item in array_items(f, path, _CHUNK):
+            if isinstance(item, Damage):
+                last = item.first + item.elements - 1
+                logger.warning("%s: char %d: %s; element(s) %d-%d dropped as bad_json, %s",
+                               path, item.at, item.why, item.first, last,
+                               "the file ends inside the array" if item.resumed is None
+                               else f"parsing resumed at char {item.resumed}")
+                for k in range(item.first, last + 1):
+                    yield k, Record(f"{name}:{k}", "", name, pending, "bad_json")
+                    pending = set()
                 continue
-            if not ok:
-                yield bad(getattr(err, "pos", pos), getattr(err, "msg", str(err)))
-                return
-            pos, want, k = end, _CHUNK, k + 1
+            k += 1
             fixes, pending = pending, set()
-            yield k, _object_record(obj, field, name, k, fixes)
-            sep = skip_ws()
-            if sep == "]":
-                break
-            if sep != ",":
-                yield bad(pos, f"expected ',' or ']' after element {k}, found {sep!r}")
-                return
-            pos += 1
-            skip_ws()  # raw_decode does not skip leading whitespace
-        pos += 1
-        if skip_ws():
-            raise ValueError(f"{path}: char {done + pos}: extra data after the closing ']' "
-                             "of the top-level array")
+            yield k, _object_record(item, field, name, k, fixes)
     finally:
         f.close()
-
-
-def _maybe_cut(err: ValueError, buf: str) -> bool:
-    """Whether a failure of `raw_decode` on `buf` may come from the end of `buf` cutting
-    the element (only more text can tell), rather than from a syntax error before it."""
-    if not isinstance(err, json.JSONDecodeError):
-        return True
-    return err.msg.startswith("Unterminated string") or err.pos >= len(buf) - _CUT_MARGIN
 
 
 def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
@@ -345,7 +318,8 @@ def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
         if _csv_ended(path, header, rows.line_num):
             header = None
         if header is None or field not in header:
-            raise ValueError(f"{path}: CSV header {header} has no column {field!r}")
+            raise BadFileError(path, "missing_text_column",
+                               f"CSV header {header} has no column {field!r}")
         for k, row in enumerate(rows, 1):
             if not row or (row[-1].endswith(_CSV_END[1])  # cheap test first
                            and _csv_ended(path, row, rows.line_num)):
@@ -371,7 +345,7 @@ def _csv_ended(path: Source, row: list[str], line_num: int) -> bool:
     """Whether `row` is the end mark appended to a CSV stream.
 
     Raises:
-        ValueError: the end mark closed a quoted field left open; the message names the
+        BadFileError: the end mark closed a quoted field left open; the message names the
             line where that field opens (counted back from the end by its line ends).
     """
     last, mark = row[-1], ",".join(_CSV_END)
@@ -386,8 +360,8 @@ def _csv_ended(path: Source, row: list[str], line_num: int) -> bool:
     # from its opening line to there, with one line end per line, except the last line's
     # when the file has none.
     opened = line_num - len(_EOL.findall(value)) - (not value.endswith(("\n", "\r")))
-    raise ValueError(f"{path}: line {opened}: quoted field opened here is never closed "
-                     "(no closing '\"' before the end of the file)")
+    raise BadFileError(path, "unclosed_csv_quote", f"line {opened}: quoted field opened here "
+                       "is never closed (no closing '\"' before the end of the file)")
 
 
 def _parquet(path: Source, field: str) -> Iterator[tuple[int, Record]]:
@@ -397,22 +371,24 @@ def _parquet(path: Source, field: str) -> Iterator[tuple[int, Record]]:
         except DAMAGED_DATA_ERRORS as e:
             if not is_damaged_data(e):
                 raise
-            raise ValueError(f"{path}: truncated or corrupt Parquet file: {e}") from e
+            raise BadFileError(path, "corrupt_parquet",
+                               f"truncated or corrupt Parquet file: {e}") from e
 
 
 def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str,
                   field: str) -> Iterator[tuple[int, Record]]:
     names = pf.schema_arrow.names
     if field not in names:
-        raise ValueError(f"{path}: Parquet columns {names} have no column {field!r}")
+        raise BadFileError(path, "missing_text_column",
+                           f"Parquet columns {names} have no column {field!r}")
     kind = pf.schema_arrow.field(field).type
     value_kind = kind.value_type if pa.types.is_dictionary(kind) else kind
     if not (pa.types.is_string(value_kind) or pa.types.is_large_string(value_kind)
             or pa.types.is_string_view(value_kind)):
         # A whole column of the wrong type would drop every row as missing_text: a
         # wrong text_field or a wrong file, better stopped than counted.
-        raise ValueError(f"{path}: Parquet column {field!r} has type {kind}, not a string "
-                         "type; set text_field to a string column")
+        raise BadFileError(path, "text_column_type", f"Parquet column {field!r} has type "
+                           f"{kind}, not a string type; set text_field to a string column")
     cols = [field] + [c for c in ("id", "source", "lang") if c in names and c != field]
     k = 0
     for batch in pf.iter_batches(batch_size=1024, columns=cols):

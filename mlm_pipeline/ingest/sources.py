@@ -5,10 +5,11 @@ imported only for URLs). This module expands `IngestConfig.sources` into files, 
 their bytes (the stage's cache key), and opens them as streams: decompressed by suffix
 (`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst` with pyarrow's zstd codec, so no extra
 dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
-present (not a repair). A truncated or corrupt compressed stream is a `ValueError` that
-names the file (`open_compressed`). Lines are split and UTF-8 decoded here, with the
-repairs counted by `mlm_pipeline.ingest.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone
-surrogates (`invalid_utf8`), NUL (`nul`).
+present (not a repair). A truncated or corrupt compressed stream is a `BadFileError` (a
+`ValueError`) that names the file (`open_compressed`). Lines are split and UTF-8 decoded
+here, with the repairs counted by `mlm_pipeline.ingest.readers`: a UTF-8 BOM (`bom`),
+invalid bytes or lone surrogates (`invalid_utf8`), NUL (`nul`). Which files a directory
+or glob holds is `mlm_pipeline.ingest.listing`'s.
 
 This module imports neither torch nor prefect.
 """
@@ -18,13 +19,11 @@ from __future__ import annotations
 import bz2
 import codecs
 import functools
-import glob
 import gzip
 import hashlib
 import io
 import logging
 import lzma
-import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -35,15 +34,17 @@ import pyarrow as pa
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import corpora
-from mlm_pipeline.manifest import sha256_file
+from mlm_pipeline.ingest.listing import (
+    SUPPORTED_SUFFIXES,
+    local_files,
+    skipped_warning,
+    special_warning,
+    supported,
+)
+from mlm_pipeline.manifest import SkippedFile, sha256_file
 
 logger = logging.getLogger(__name__)
 
-FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
-COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
-#: Input file name endings read from directories and accepted from globs and paths.
-SUPPORTED_SUFFIXES = FORMATS + tuple(
-    f + c for f in FORMATS if f != ".parquet" for c in COMPRESSIONS)
 #: An input: a local path, or an fsspec URL string (`s3://b/k.jsonl`, `file:///d/a.txt`).
 Source = Path | str
 _CHUNK = 1 << 20  # bytes read at a time
@@ -61,22 +62,25 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
               (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 
 
-def supported(name: str) -> bool:
-    """Whether a file name ends with one of `SUPPORTED_SUFFIXES`."""
-    return name.endswith(SUPPORTED_SUFFIXES)
+class BadFileError(ValueError):
+    """An input file that cannot be read as its format (truncated or corrupt compressed
+    stream or Parquet file, `.json` that is not one array, missing text column, CSV quote
+    never closed). The message starts with the file's path or URL; `reason` is a short
+    code (`corrupt_compressed`, `corrupt_parquet`, `not_json_array`, `json_extra_data`,
+    `missing_text_column`, `text_column_type`, `unclosed_csv_quote`) for the manifest."""
+
+    def __init__(self, path: Source, reason: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path, self.reason = path, reason
 
 
-def _skipped_warning(entry: str, skipped: list[str]) -> None:
-    if skipped:
-        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-        logger.warning("ingest.sources: %s: skipped %d file(s) of unsupported type (%s)",
-                       entry, len(skipped), shown)
-
-
-def resolve_sources(cfg: IngestConfig) -> list[Source]:
+def resolve_sources(cfg: IngestConfig, skipped: list[SkippedFile] | None = None
+                    ) -> list[Source]:
     """Expand `cfg.sources` into input files, in order (directories and globs sorted):
-    local paths, or URLs (`s3://`, `file://`...) resolved with fsspec. Files of a
-    directory whose type is not supported are skipped with a warning that counts them.
+    local paths, or URLs (`s3://`, `file://`...) resolved with fsspec. Only regular files
+    are returned; every other entry of a directory or glob (a file of an unsupported type,
+    a FIFO, a device, a symlink loop or dangling link...) is skipped, named with its kind
+    in a warning and, when `skipped` is given, appended to it.
 
     Raises:
         FileNotFoundError: an entry matches no file (the entry is named).
@@ -92,9 +96,12 @@ def resolve_sources(cfg: IngestConfig) -> list[Source]:
         if entry.startswith("debian:"):
             files += corpora.fetch_debian_corpus(entry.removeprefix("debian:"), cache_dir)
             continue
-        found = resolve_url(entry) if is_url(entry) else _local_files(entry)
-        _check_found(entry, found)
+        here: list[SkippedFile] = []
+        found = resolve_url(entry, here) if is_url(entry) else local_files(entry, here)
+        _check_found(entry, found, here)
         files += [f if is_url(f) else f.resolve() for f in found]
+        if skipped is not None:
+            skipped += here
     return files
 
 
@@ -109,26 +116,11 @@ def check_local_sources(cfg: IngestConfig) -> None:
     """
     for entry in cfg.sources:
         if not (entry.startswith("debian:") or is_url(entry)):
-            _check_found(entry, _local_files(entry, warn=False))  # ingest warns
+            here: list[SkippedFile] = []
+            _check_found(entry, local_files(entry, here, warn=False), here)  # ingest warns
 
 
-def _local_files(entry: str, warn: bool = True) -> list[Source]:
-    """Files of a local entry: the file, a directory's supported files (with `warn`, the
-    others are counted in a warning), or a glob's matches; sorted, possibly empty."""
-    p = Path(entry).expanduser()
-    if p.is_dir():
-        every = sorted(f for f in p.rglob("*") if f.is_file())
-        if warn:
-            _skipped_warning(entry, [str(f.relative_to(p)) for f in every
-                                     if not supported(f.name)])
-        return [f for f in every if supported(f.name)]
-    if p.is_file():
-        return [p]
-    matches = glob.glob(os.path.expanduser(entry), recursive=True)
-    return sorted(Path(g) for g in matches if Path(g).is_file())
-
-
-def _check_found(entry: str, found: list[Source]) -> None:
+def _check_found(entry: str, found: list[Source], skipped: list[SkippedFile]) -> None:
     if not found:
         p = Path(entry).expanduser()
         if p.is_dir() and (every := sorted(f.name for f in p.rglob("*") if f.is_file())):
@@ -136,7 +128,9 @@ def _check_found(entry: str, found: list[Source]) -> None:
                 f"ingest.sources: directory {entry!r} has no file of a supported type "
                 f"({', '.join(SUPPORTED_SUFFIXES)}); it holds {len(every)} other files, "
                 f"e.g. {', '.join(every[:3])}")
-        raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file")
+        kinds = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:3])
+        raise FileNotFoundError(f"ingest.sources: {entry!r} matches no file" + (
+            f"; skipped: {kinds}{', ...' if len(skipped) > 3 else ''}" if skipped else ""))
     for f in found:
         if not supported(source_name(f)):
             raise ValueError(f"ingest.sources: {f}: unsupported file type; expected "
@@ -184,16 +178,26 @@ def open_raw(source: Source) -> IO[bytes]:
     return open(source, "rb")
 
 
-def resolve_url(entry: str) -> list[str]:
+def resolve_url(entry: str, skipped: list[SkippedFile] | None = None) -> list[str]:
     """The files of an fsspec URL (a file, a directory searched recursively for
-    supported suffixes, or a glob), sorted, as URLs with their protocol."""
+    supported suffixes, or a glob), sorted, as URLs with their protocol. Entries of a
+    directory that are not files of a supported type are named in a warning and appended
+    to `skipped` when given."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(entry)
     if fs.isdir(path):
-        every = fs.find(path)
-        found = [p for p in every if supported(p)]
-        _skipped_warning(entry, [p for p in every if not supported(p)])
+        every = fs.find(path, detail=True)
+        files = [p for p, info in every.items() if info.get("type") == "file"]
+        found = [p for p in files if supported(p)]
+        other = [SkippedFile(path=fs.unstrip_protocol(p), reason="unsupported_type")
+                 for p in files if not supported(p)]
+        other += [SkippedFile(path=fs.unstrip_protocol(p), reason=str(info.get("type")))
+                  for p, info in every.items() if info.get("type") not in ("file", "directory")]
+        skipped_warning(entry, [p for p in files if not supported(p)])
+        special_warning(entry, [o for o in other if o.reason != "unsupported_type"], None)
+        if skipped is not None:
+            skipped += sorted(other, key=lambda o: o.path)
     elif fs.isfile(path):
         found = [path]
     else:
@@ -240,15 +244,15 @@ class _Decompressed:
         """Up to `n` decompressed bytes (b"" at the end).
 
         Raises:
-            ValueError: the stream is truncated or corrupt (the file is named).
+            BadFileError: the stream is truncated or corrupt (the file is named).
         """
         try:
             return self._stream.read(n)
         except DAMAGED_DATA_ERRORS as e:
             if not is_damaged_data(e):
                 raise
-            raise ValueError(f"{self._path}: truncated or corrupt {self._codec} stream: "
-                             f"{e}") from e
+            raise BadFileError(self._path, "corrupt_compressed",
+                               f"truncated or corrupt {self._codec} stream: {e}") from e
 
     def close(self) -> None:
         """Close the decompressor."""
@@ -260,8 +264,9 @@ def open_compressed(path: Source) -> tuple[IO[bytes], list[IO[bytes]]]:
 
     Returns:
         The stream and every handle to close when done (the stream and the raw file).
-        Reading a truncated or corrupt compressed stream raises a `ValueError` that
-        starts with the file's path or URL, raised from the decompressor's error.
+        Reading a truncated or corrupt compressed stream raises a `BadFileError` (a
+        `ValueError`) that starts with the file's path or URL, raised from the
+        decompressor's error.
     """
     name, raw = source_name(path), open_raw(path)
     if name.endswith(".gz"):

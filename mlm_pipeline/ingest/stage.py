@@ -8,13 +8,16 @@ hashes, decompression, UTF-16/32). Formats (`.txt`, `.jsonl`, `.json`, `.csv`,
 every repair and drop is counted in the manifest:
 
 * Repairs (counted once per record read, kept or dropped): `bom`, `invalid_utf8`, `nul`
-  (see `sources`), and `split`: a document longer than `max_document_chars` is cut into
-  parts of at most that many characters, at the last blank line (paragraph) before the
-  limit, else the last whitespace after `.`, `!` or `?` (sentence), else the last
-  whitespace, else hard at the limit. The whitespace run cut at is removed (parts are
+  (see `sources`), `extra_fields` (see `readers`), `control` (C0 control characters other
+  than tab, line feed and carriage return removed; `cleaning.screen`), and `split`: a
+  document longer than `max_document_chars` is cut into parts of at most that many
+  characters, at the last blank line (paragraph) before the limit, else the last
+  whitespace after `.`, `!` or `?` (sentence), else the last whitespace, else hard at the
+  limit. The whitespace run cut at is removed (parts are
   stripped), no other character is lost. Parts get ids `<id>#<k>` (k from 1) and are then
   deduplicated and assigned to splits like any document.
 * Drops (in this order): `bad_json`, `missing_text` (field absent or not a string),
+  `binary` (a share of U+FFFD and control characters above `cleaning.BINARY_SHARE`),
   `language` (a `lang` field not in `languages`), `empty`, `too_short`, `few_letters`
   (letter share below `min_letter_share`), `duplicate` (exact match on the normalized
   text; memory: one 16-byte digest per kept document), `near_duplicate` (MinHash LSH,
@@ -26,6 +29,18 @@ drops count records before splitting and parts after it (`duplicate`, `near_dupl
 So `documents_read + split_parts_extra = documents_kept + sum(dropped)`, where
 `split_parts_extra` (in the manifest) counts the parts beyond the first of each split
 document (`repaired["split"]` counts the split documents).
+
+Bad files (`on_bad_file`): a file its reader cannot read as its format (truncated or
+corrupt compressed stream or Parquet file, `.json` that is not one array, no
+`text_field` column, CSV quote never closed: `sources.BadFileError`) is named with its
+reason in the manifest's `bad_files` and logged. With `skip` the run goes on with the
+other files; the records the file gave before the error (the rows of a CSV before a quote
+that never closes, the first array of a `.json` with a second one after it) are counted,
+kept or dropped like any, and its entry says how many. With `fail` the stage reads the
+other files through and raises one error naming every bad file. `on_bad_file` is no part of the digest; a cached manifest with bad files fails too.
+Entries of source directories and globs that are not regular files of a supported type
+(FIFOs, devices, symlink loops, dangling links, directories named like files...) are never
+opened: they are named with their kind in `skipped_files` (`listing`).
 
 Split: a document goes to validation iff the first 8 bytes of sha256(normalized text),
 read as a big-endian integer and divided by 2**64, are below `validation_fraction`. The
@@ -49,7 +64,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import unicodedata
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,13 +72,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest.cleaning import (
-    DigestSet,
-    NearDuplicateFilter,
-    letter_share,
-    split_text,
-)
-from mlm_pipeline.ingest.readers import read_records
+from mlm_pipeline.ingest.accounting import Accounting, bad_files_error
+from mlm_pipeline.ingest.cleaning import DigestSet, NearDuplicateFilter
 from mlm_pipeline.ingest.sources import (
     Source,
     content_hash,
@@ -75,6 +84,7 @@ from mlm_pipeline.ingest.sources import (
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
+    SkippedFile,
     SourceEntry,
     Stopwatch,
     compute_digest,
@@ -90,9 +100,6 @@ logger = logging.getLogger(__name__)
 DOCS_PER_FILE = 50_000
 #: Documents buffered per Parquet write (one row group each).
 BATCH_DOCS = 1_000
-DROP_REASONS = ("bad_json", "missing_text", "language", "empty", "too_short", "few_letters",
-                "duplicate", "near_duplicate")
-REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "split", "extra_fields")
 _SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string())])
 _MAX_OFFSET = 2**31 - 1  # bytes one Arrow `string` array can hold (int32 offsets)
 
@@ -108,31 +115,38 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     Returns:
         The manifest: sources (path, sha256, bytes, documents read), the Parquet files of
         each split (rows = documents), document and character counts, drops and repairs
-        by reason (every reason present, 0 when none).
+        by reason (every reason present, 0 when none), bad files and skipped entries.
 
     Raises:
         FileNotFoundError: a source matches no file.
-        ValueError: a file has an unsupported extension, is a `.json` file that is not
-            an array or has data after it, lacks the `text_field` column (CSV/Parquet) or
-            has it with a non-string type (Parquet), has a CSV quoted field never closed,
-            or is a truncated or corrupt compressed or Parquet file (each message names
-            the file); the training split would be empty; an unknown `debian:` corpus.
+        ValueError: a file has an unsupported extension; with `on_bad_file: fail`, files
+            are bad (a `.json` file that is not an array or has data after it, a missing
+            `text_field` column (CSV/Parquet) or one of a non-string type (Parquet), a CSV
+            quoted field never closed, a truncated or corrupt compressed or Parquet file):
+            one error names them all, one line each; the training split would be empty;
+            an unknown `debian:` corpus.
         ImportError: `near_dedup_threshold` is set but `datasketch` is not installed; a
             URL source needs a missing fsspec backend (e.g. `s3fs`).
         RuntimeError: a `debian:` corpus cannot be fetched (see `corpora.fetch_debian_corpus`).
     """
     watch = Stopwatch()
-    files = resolve_sources(cfg)
+    skipped: list[SkippedFile] = []
+    files = resolve_sources(cfg, skipped)
     hashes = [content_hash(f) for f in files]
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
     if (cached := load_if_complete(out_dir, CorpusManifest, digest)) is not None:
         logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
+        if cached.bad_files and cfg.on_bad_file == "fail":
+            raise bad_files_error(cached.bad_files)
+        for b in cached.bad_files:
+            logger.warning("ingest: cached corpus skipped a bad input file (%s): %s",
+                           b.reason, b.error)
         return cached
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".*.tmp"):  # left by an interrupted run
         stale.unlink()
-    reader = _Reader(cfg)
+    reader = Accounting(cfg)
     writers = {"train": _SplitWriter(out_dir, "train"),
                "validation": _SplitWriter(out_dir, "validation")}
     seen = DigestSet()
@@ -157,6 +171,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
             if split == "train" and (smallest is None or h < smallest[0]):
                 smallest = (h, len(writers["train"].entries), writers["train"].rows_in_file)
             writers[split].add(doc_id, data, source)
+        if reader.bad_files and cfg.on_bad_file == "fail":
+            raise bad_files_error(reader.bad_files) from reader.first_error
         train, validation = writers["train"].close(), writers["validation"].close()
         n_val = sum(e.rows or 0 for e in validation)
         if n_val == 0 and threshold > 0 and kept >= 2 and smallest is not None:
@@ -166,8 +182,9 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
                         "smallest split hash from train to validation")
         if kept - n_val == 0:
             raise ValueError(f"ingest: the training split is empty ({reader.read} records read, "
-                             f"{kept} kept, {n_val} in validation); check the sources "
-                             f"{cfg.sources} and validation_fraction {threshold}")
+                             f"{kept} kept, {n_val} in validation, {len(reader.bad_files)} "
+                             f"bad files); check the sources {cfg.sources} and "
+                             f"validation_fraction {threshold}")
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -183,15 +200,16 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
         documents_read=reader.read, documents_kept=kept, documents_train=kept - n_val,
         documents_validation=n_val, characters=characters,
         dropped=dict(reader.dropped), repaired=dict(reader.repaired),
-        split_parts_extra=reader.split_parts_extra,
+        split_parts_extra=reader.split_parts_extra, bad_files=reader.bad_files,
+        skipped_files=skipped,
     )
     write_manifest(m)
     drops = ", ".join(f"{k} {v}" for k, v in m.dropped.items() if v) or "none"
     repairs = ", ".join(f"{k} {v}" for k, v in m.repaired.items() if v) or "none"
-    logger.info("ingest: %d files, %d read, %d kept (train %d, validation %d), %d chars; "
-                "dropped: %s; repaired: %s; %.1f s -> %s", len(files), m.documents_read,
-                kept, m.documents_train, n_val, characters, drops, repairs, m.wall_time_s,
-                out_dir)
+    logger.info("ingest: %d files (%d bad, %d other entries skipped), %d read, %d kept (train "
+                "%d, validation %d), %d chars; dropped: %s; repaired: %s; %.1f s -> %s",
+                len(files), len(m.bad_files), len(skipped), m.documents_read, kept,
+                m.documents_train, n_val, characters, drops, repairs, m.wall_time_s, out_dir)
     return m
 
 
@@ -214,7 +232,7 @@ def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
 
 def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str]) -> str:
     return compute_digest(
-        "ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources"}),
+        "ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources", "on_bad_file"}),
         _inputs(files, hashes),
     )
 
@@ -231,76 +249,6 @@ def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
     for f in files:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_DOCS, columns=["id", "text"]):
             yield from zip(batch.column("id").to_pylist(), batch.column("text").to_pylist())
-
-
-# ---------------------------------------------------------------------------------- reading
-class _Reader:
-    """Turns input files into cleaned documents and counts reads, drops and repairs."""
-
-    def __init__(self, cfg: IngestConfig) -> None:
-        self.cfg = cfg
-        self.read = 0
-        self.split_parts_extra = 0
-        self.per_file: dict[int, int] = {}
-        self.dropped = dict.fromkeys(DROP_REASONS, 0)
-        self.repaired = dict.fromkeys(REPAIR_REASONS, 0)
-
-    def documents(self, files: list[Source]) -> Iterator[tuple[str, str, str]]:
-        """`(id, normalized text, source)` of every document (or part of a split one)
-        that survives cleaning and filtering (deduplication is the caller's), stopping
-        after `max_documents` records."""
-        cfg, limit = self.cfg, self.cfg.max_documents
-        langs = set(cfg.languages) if cfg.languages is not None else None
-        for i, path in enumerate(files):
-            records = read_records(path, cfg.text_field, cfg.txt_document)
-            while limit is None or self.read < limit:
-                # Pull a record only when it will be counted, so that nothing past
-                # `max_documents` is read, repaired or dropped.
-                if (rec := next(records, None)) is None:
-                    break
-                self.read += 1
-                self.per_file[i] = self.per_file.get(i, 0) + 1
-                for reason in rec.repairs:
-                    self.repaired[reason] += 1
-                if (drop := self._drop_reason(rec.drop, rec.lang, langs)) is not None:
-                    self.dropped[drop] += 1
-                    continue
-                text = rec.text
-                if "\x00" in text:
-                    text = text.replace("\x00", "")
-                    if "nul" not in rec.repairs:
-                        self.repaired["nul"] += 1
-                text = unicodedata.normalize(cfg.normalization, text).strip()
-                if (drop := self._text_drop_reason(text)) is not None:
-                    self.dropped[drop] += 1
-                elif len(text) <= cfg.max_document_chars:
-                    yield rec.id, text, rec.source
-                else:
-                    self.repaired["split"] += 1
-                    for k, (part, _sep) in enumerate(split_text(text, cfg.max_document_chars), 1):
-                        self.split_parts_extra += k > 1  # parts beyond the first are new docs
-                        yield f"{rec.id}#{k}", part, rec.source
-            records.close()
-            if limit is not None and self.read >= limit:
-                return
-
-    @staticmethod
-    def _drop_reason(drop: str | None, lang: str | None, langs: set[str] | None) -> str | None:
-        if drop is not None:
-            return drop  # a bad record
-        if langs is not None and lang is not None and lang not in langs:
-            return "language"
-        return None
-
-    def _text_drop_reason(self, text: str) -> str | None:
-        if not text:
-            return "empty"
-        if len(text) < self.cfg.min_chars:
-            return "too_short"
-        if self.cfg.min_letter_share > 0:
-            if letter_share(text) < self.cfg.min_letter_share:
-                return "few_letters"
-        return None
 
 
 # ---------------------------------------------------------------------------------- writing

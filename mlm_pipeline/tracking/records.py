@@ -59,7 +59,8 @@ def data_tags(
 def data_metrics(
     corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
 ) -> dict[str, float]:
-    """Ingestion accounting and data sizes, as MLflow metrics (counts of documents, tokens)."""
+    """Ingestion accounting and data sizes, as MLflow metrics (counts of documents, tokens,
+    and of input files rejected as bad or skipped entries)."""
     m: dict[str, float] = {
         "data/documents_read": corpus.documents_read,
         "data/documents_train": corpus.documents_train,
@@ -73,6 +74,8 @@ def data_metrics(
     }
     m.update({f"data/dropped_{k}": v for k, v in corpus.dropped.items()})
     m.update({f"data/repaired_{k}": v for k, v in corpus.repaired.items()})
+    m["data/files_rejected"] = len(corpus.bad_files)
+    m["data/files_skipped"] = len(corpus.skipped_files)
     return {k: float(v) for k, v in m.items()}
 
 
@@ -83,9 +86,13 @@ def record_data(
     tokenizer: TokenizerManifest,
     shards: ShardManifest,
 ) -> None:
-    """Log data lineage tags, accounting metrics, the tokenizer files and the manifests."""
+    """Log data lineage tags, accounting metrics, the rejected input files
+    (`data/bad_files.json`, when any), the tokenizer files and the manifests."""
     tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
     tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
+    if corpus.bad_files:
+        tracker.log_dict(run_id, [b.model_dump() for b in corpus.bad_files],
+                         "data/bad_files.json")
     tracker.log_artifacts(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
     tracker.log_artifacts(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
     # Beside the model, so `Tokenizer.load` of the downloaded model finds its normalization.
@@ -139,7 +146,8 @@ def summary(
         interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`,
         `train_tokens_per_s_mean` (tokens seen / training stage wall time: start-up and
         checkpoints included), whether training stopped early, checkpoint, manifests,
-        per-stage wall times (s) and `reused_stages`.
+        per-stage wall times (s), `reused_stages` and `files_rejected` (path and reason of
+        every input file ingestion rejected as bad).
     """
     stages = (corpus, tokenizer, shards, trained, evaluated)
     reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
@@ -159,6 +167,8 @@ def summary(
         },
         "wall_time_s": {m.stage: round(m.wall_time_s, 2) for m in stages},
         "reused_stages": reused,
+        "files_rejected": [{"path": b.path, "reason": b.reason}
+                           for b in getattr(corpus, "bad_files", [])],
     }
 
 
@@ -196,6 +206,9 @@ def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:
              for k, v in sorted(corpus.dropped.items())]
     rows += [{"what": "repaired", "reason": k, "documents": v}
              for k, v in sorted(corpus.repaired.items())]
+    # A rejected file: its reason and path, and the records read from it before the error.
+    rows += [{"what": "file rejected", "reason": f"{b.reason}: {b.path}", "documents": b.documents}
+             for b in corpus.bad_files]
     return rows
 
 
@@ -219,6 +232,9 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
     ]
     for key, value in sorted(summary_dict["metrics"].items()):
         lines.append(f"| `{key}` | {value:,.4f} |")
+    if rejected := summary_dict.get("files_rejected"):
+        lines += ["", f"Input files rejected as bad ({len(rejected)}; see the ingest "
+                  "manifest): " + ", ".join(f"`{r['path']}` ({r['reason']})" for r in rejected)]
     lines += ["", f"Checkpoint: `{summary_dict['checkpoint']}`", "", "| stage | seconds | manifest |",
               "|---|---:|---|"]
     reused = set(summary_dict.get("reused_stages", ()))

@@ -1,5 +1,6 @@
 """Ingest on damaged or malformed input files: a clear error that names the file (and the
-line, offset or column), or every drop and repair logged once per file and reason.
+line, offset or column) under `on_bad_file: fail`, the file named in the manifest under
+`skip`, or every drop and repair logged once per file and reason.
 
 Fixtures are written here with independent writers (gzip, bz2, lzma, zstandard, pyarrow,
 json); expected offsets and lines come from the standard library or from the text built.
@@ -22,6 +23,7 @@ import pytest
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import readers
+from mlm_pipeline.ingest.sources import BadFileError
 from mlm_pipeline.ingest.stage import ingest
 
 zstandard = pytest.importorskip("zstandard")
@@ -43,8 +45,13 @@ def jsonl_docs(n: int) -> bytes:
 
 
 def raises_naming(path: Path, what: str):
-    """pytest.raises for a ValueError whose message starts with the file's path."""
-    return pytest.raises(ValueError, match="^" + re.escape(f"{path.resolve()}: {what}"))
+    """pytest.raises for the ValueError of `on_bad_file: fail`, one line of whose message
+    starts with the file's path and `what`."""
+    return pytest.raises(ValueError, match="(?m)^" + re.escape(f"{path.resolve()}: {what}"))
+
+
+def fail(tmp_path: Path, *files: Path, **kw):
+    return run(tmp_path, *files, on_bad_file="fail", **kw)
 
 
 # ------------------------------------------------------------------ A: damaged files
@@ -54,9 +61,10 @@ def test_truncated_compressed_file_is_named(tmp_path, comp):
     f = tmp_path / f"cut.jsonl{comp}"
     f.write_bytes(full[:len(full) // 2])
     with raises_naming(f, f"truncated or corrupt {CODEC[comp]} stream: ") as err:
-        run(tmp_path, f)
-    cause = err.value.__cause__
-    assert cause is not None and str(err.value).endswith(str(cause))
+        fail(tmp_path, f)
+    bad = err.value.__cause__  # the file's error, raised from the decompressor's
+    assert isinstance(bad, BadFileError) and bad.reason == "corrupt_compressed"
+    assert bad.__cause__ is not None and str(bad).endswith(str(bad.__cause__))
 
 
 @pytest.mark.parametrize("comp", list(COMPRESS))
@@ -64,7 +72,7 @@ def test_not_compressed_file_is_named(tmp_path, comp):
     f = tmp_path / f"plain.jsonl{comp}"
     f.write_bytes(jsonl_docs(100))  # not compressed at all
     with raises_naming(f, f"truncated or corrupt {CODEC[comp]} stream: "):
-        run(tmp_path, f)
+        fail(tmp_path, f)
 
 
 def test_truncated_or_empty_parquet_is_named(tmp_path):
@@ -74,8 +82,8 @@ def test_truncated_or_empty_parquet_is_named(tmp_path):
     (tmp_path / "empty.parquet").write_bytes(b"")
     for name in ("cut.parquet", "empty.parquet"):
         with raises_naming(tmp_path / name, "truncated or corrupt Parquet file: ") as err:
-            run(tmp_path, tmp_path / name)
-        assert isinstance(err.value.__cause__, pa.ArrowException)
+            fail(tmp_path, tmp_path / name)
+        assert isinstance(err.value.__cause__.__cause__, pa.ArrowException)
 
 
 @pytest.mark.parametrize("kind", [pa.int64(), pa.binary(), pa.null()])
@@ -85,7 +93,7 @@ def test_parquet_text_column_of_wrong_type_is_an_error(tmp_path, kind):
                                               [1, 2, 3] if kind == pa.int64()
                                               else [b"a", b"b", b"c"], kind)}), f)
     with raises_naming(f, f"Parquet column 'text' has type {kind}, not a string type"):
-        run(tmp_path, f)
+        fail(tmp_path, f)
 
 
 def test_parquet_large_and_dictionary_strings_are_read(tmp_path):
@@ -164,7 +172,7 @@ def test_csv_unterminated_quote_names_its_line(tmp_path, data):
     start = max(data.rfind(',"'), data.rfind('\n"')) + 1
     line = len(re.findall(r"\r\n|\r|\n", data[:start])) + 1 if start else 1
     with raises_naming(f, f"line {line}: quoted field opened here is never closed"):
-        run(tmp_path, f)
+        fail(tmp_path, f)
 
 
 def test_csv_closed_quote_at_end_of_file_is_read(tmp_path):
@@ -187,7 +195,7 @@ def test_json_data_after_the_array_is_an_error(tmp_path, text):
         json.loads(text)
     assert ref.value.msg == "Extra data"
     with raises_naming(f, f"char {ref.value.pos}: extra data after the closing ']'"):
-        run(tmp_path, f)
+        fail(tmp_path, f)
 
 
 def test_json_number_cut_by_the_read_size_keeps_the_rest(tmp_path):

@@ -104,7 +104,7 @@ def test_parquet_reads_rows(tmp_path):
     m = run(tmp_path / "b", [tmp_path / "q.parquet"], text_field="body")
     assert records(m) == [("q.parquet:1", "b", "s")]
     with pytest.raises(ValueError, match=r"q\.parquet.*'text'"):
-        run(tmp_path / "c", [tmp_path / "q.parquet"])
+        run(tmp_path / "c", [tmp_path / "q.parquet"], on_bad_file="fail")
 
 
 def test_json_incremental_small_chunks(tmp_path, monkeypatch):
@@ -152,8 +152,10 @@ def test_json_errors_give_the_character_offset(tmp_path, monkeypatch, caplog, ch
     (tmp_path / "s.json").write_text(syntax)
     with caplog.at_level("WARNING", logger="mlm_pipeline.ingest.readers"):
         recs = list(read_records(tmp_path / "s.json", "text", "paragraph"))
-    assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json")]
+    # Only the damaged element is lost; parsing resumes at the next one.
+    assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json"), ("lost", None)]
     assert f"s.json: char {ref.value.pos}: {ref.value.msg};" in caplog.text
+    assert f"parsing resumed at char {syntax.index('{', ref.value.pos)}" in caplog.text
     extra = '[{"text": "a"}]  \n\n   {"text": "b"}'
     with pytest.raises(json.JSONDecodeError) as ref:
         json.loads(extra)
@@ -169,11 +171,13 @@ def test_json_syntax_error_does_not_read_the_rest_into_memory(tmp_path):
     (tmp_path / "big.json").write_text('[{"text": "ok"}, {"text": oops}, ' + tail + "]")
     tracemalloc.start()
     try:
-        recs = list(read_records(tmp_path / "big.json", "text", "paragraph"))
+        n = bad = 0
+        for r in read_records(tmp_path / "big.json", "text", "paragraph"):
+            n, bad = n + 1, bad + (r.drop == "bad_json")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert [(r.text, r.drop) for r in recs] == [("ok", None), ("", "bad_json")]
+    assert (n, bad) == (1 + 1 + 20_000, 1)  # the element after the error resynchronises
     assert peak < 8 * 2**20  # a few 1 MiB chunks, not the 20 MB after the error
 
 
