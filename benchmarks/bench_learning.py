@@ -70,8 +70,8 @@ from mlm_pipeline.tokenizer.stage import train_tokenizer
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import RowCursor, ShardDataset
-from mlm_pipeline.train.loop import lr_multiplier
 from mlm_pipeline.train.perf import adamw_impl, resolve_precision
+from mlm_pipeline.train.schedule import lr_multiplier
 
 SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
 MODELS = ("ours-bert", "ours-modern", "hf-bert", "hf-modernbert")
@@ -129,14 +129,15 @@ def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: S
     calib = calib.model_copy(update={"train": calib.train.model_copy(
         update={"log_every": CALIBRATION_STEPS // 2})})
     with tempfile.TemporaryDirectory(dir=work) as tmp:
-        m = train(calib, shards, tok, Path(tmp) / "calibration")
+        m = train(calib.train, calib.model, calib.masking,
+                  shards, tok, Path(tmp) / "calibration")
         lines = m.file(m.metrics_log).read_text().splitlines()
         tokens_per_s = json.loads(lines[-1])["train/tokens_per_s"]
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * shards.seq_len
     steps = max(2, int(budget_s * tokens_per_s / tokens_per_step))
     run_cfg = ours_config(cfg, preset, steps, budget_s, threads, precision)
     out = work / f"ours-{preset}-{int(time.time())}"
-    m = train(run_cfg, shards, tok, out)
+    m = train(run_cfg.train, run_cfg.model, run_cfg.masking, shards, tok, out)
     # Loop time from the logged intervals (steps * tokens per step / tokens/s), leaving
     # out model construction and the final checkpoint, like the Hugging Face loop's clock.
     loop_s, last_step = 0.0, 0

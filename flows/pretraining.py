@@ -171,7 +171,8 @@ def train_task(
     tracker = MlflowTracker.from_config(cfg.tracking)
     sink = MultiSink(StdoutSink(), tracker.sink(run_id), PrefectProgressSink(cfg.train.max_steps))
     try:
-        return train(cfg, shards, tokenizer, Path(cfg.work_dir) / "train" / run_id, sink)
+        return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                     Path(cfg.work_dir) / "train" / run_id, sink)
     finally:
         sink.close()
 

@@ -1,9 +1,11 @@
 """Training: the model, data loading, the loop and checkpoints (all torch).
 
-`train()` is the stage function; `BertMLM` the model.
+`train()` (`stage`) is the stage function; it wires the Stateful parts (`loop.Parts`,
+`meter.Meter`, `schedule`, `data.RowCursor`, the masker) that `run_steps` (`loop`) drives
+and the `Checkpointer` (`checkpoint`) saves. `BertMLM` is the model.
 """
 
-from mlm_pipeline.train.loop import train
 from mlm_pipeline.train.model import BertMLM
+from mlm_pipeline.train.stage import train
 
 __all__ = ["BertMLM", "train"]

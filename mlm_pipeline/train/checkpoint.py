@@ -1,16 +1,23 @@
-"""Atomic, self-describing checkpoints with keep-last-k and exact resume.
+"""Atomic, self-describing checkpoints of the loop's Stateful parts, keep-last-k, exact resume.
 
-A checkpoint is a directory `step-00000123/` holding:
+The `Checkpointer` composes the parts of a run under fixed keys (`LAYOUT`); it knows
+nothing about them but `state_dict()` / `load_state_dict()`. A checkpoint is a directory
+`step-00000123/` holding:
 
 - `model.pt`: the model's `state_dict` (tensors only),
-- `optimizer.pt`: optimizer and LR-scheduler state,
-- `state.json`: train state (`step`, `tokens_seen`), data cursor, RNG seeds, the resolved
-  pipeline config and the digests of the tokenizer and shards it was trained on,
-- `rng.pt`: torch CPU (and CUDA) generator states, so dropout continues identically.
+- `optimizer.pt`: `{"optimizer": ..., "scheduler": ...}`, the optimizer and LR schedule,
+- `rng.pt`: torch CPU (and CUDA) generator states (`RngState`), so dropout continues
+  identically,
+- `state.json`: `format`, the JSON parts (`train_state`: step and tokens seen, `cursor`:
+  data position, `masker`: masking identity, checked on resume, `meter`: the open log
+  interval's sums) and what makes the directory self-describing: `config` (the `model`,
+  `train` and `masking` sections), `vocab_size`, `seq_len` and the digests of the tokenizer
+  and shards it was trained on.
 
 It is written under a temporary name and renamed, so a crash never leaves a partial
 checkpoint that looks complete. Loading uses `torch.load(weights_only=True)`: a checkpoint
-cannot execute code.
+cannot execute code. Checkpoints written before `format` 2 (the whole pipeline config
+under `config`, `step`/`tokens_seen` at the top, no masker or meter state) still load.
 """
 
 from __future__ import annotations
@@ -19,14 +26,62 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "step-"
+_JSON = "state.json"
+#: Version of the checkpoint layout; 1 (no `format` key) is the layout before `LAYOUT`.
+FORMAT = 2
+
+#: Where each part's state lives: (file, key inside the file; None: the whole file).
+LAYOUT: dict[str, tuple[str, str | None]] = {
+    "model": ("model.pt", None),
+    "optimizer": ("optimizer.pt", "optimizer"),
+    "lr_scheduler": ("optimizer.pt", "scheduler"),
+    "rng": ("rng.pt", None),
+    "train_state": (_JSON, "train_state"),
+    "cursor": (_JSON, "cursor"),
+    "masker": (_JSON, "masker"),
+    "meter": (_JSON, "meter"),
+}
+#: Parts a format-1 checkpoint lacks: not restored (and not checked) when resuming one.
+_NOT_IN_FORMAT_1 = ("masker", "meter")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part of the loop that a checkpoint saves and restores."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The part's state (tensors for `.pt` files, plain JSON values for `state.json`)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore (and check) what `state_dict` returned."""
+        ...
+
+
+class RngState:
+    """The torch CPU and (when available) CUDA generator states, as a Stateful part."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"cpu": uint8 tensor}` plus `"cuda"`: a list of uint8 tensors, one per device."""
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return rng
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set the generators (CUDA only when saved and available)."""
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_name(step: int) -> str:
@@ -41,7 +96,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").is_file()
+        if p.is_dir() and p.name.startswith(_PREFIX) and (p / _JSON).is_file()
     ]
     return sorted(found, key=lambda p: p.name)
 
@@ -52,62 +107,106 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(
-    root: Path,
-    *,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: dict[str, Any],
-    keep_last: int = 2,
-) -> Path:
-    """Write a checkpoint atomically and prune all but the newest `keep_last`.
+class Checkpointer:
+    """Saves and restores the Stateful parts of a run under the fixed keys of `LAYOUT`.
 
     Args:
         root: directory holding the step directories.
-        step: optimizer steps taken.
-        model, optimizer, scheduler: objects with `state_dict()`.
-        state: JSON-able train state (step, tokens_seen, data cursor, config, digests).
-        keep_last: complete checkpoints kept on disk.
+        parts: one Stateful object per `LAYOUT` key.
+        meta: JSON values written into every `state.json` beside the parts (config, sizes,
+            digests); read back by `read_state`, never restored.
+        keep_last: complete checkpoints kept on disk (oldest removed first).
 
-    Returns:
-        The checkpoint directory.
+    Raises:
+        ValueError: `parts` does not have exactly the keys of `LAYOUT`, or a `meta` key is
+            `format` or a part's key.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(model.state_dict(), tmp / "model.pt")
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-        tmp / "optimizer.pt",
-    )
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    logger.info("checkpoint saved: %s", final)
-    return final
+
+    def __init__(self, root: Path, parts: Mapping[str, Stateful], meta: Mapping[str, Any],
+                 keep_last: int = 2) -> None:
+        if set(parts) != set(LAYOUT):
+            raise ValueError(f"checkpoint parts {sorted(parts)} must be {sorted(LAYOUT)}")
+        clash = {"format", *LAYOUT} & set(meta)
+        if clash:
+            raise ValueError(f"checkpoint meta keys {sorted(clash)} are reserved")
+        self.root, self.parts, self.meta, self.keep_last = root, dict(parts), dict(meta), keep_last
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint under `root`, or None."""
+        return latest_checkpoint(self.root)
+
+    def save(self, step: int) -> Path:
+        """Write every part's state atomically as `step-<step>` and prune all but the newest
+        `keep_last` checkpoints.
+
+        Returns:
+            The checkpoint directory.
+        """
+        files: dict[str, Any] = {_JSON: {"format": FORMAT, **self.meta}}
+        for name, (file, key) in LAYOUT.items():
+            state = self.parts[name].state_dict()
+            if key is None:
+                files[file] = state
+            else:
+                files.setdefault(file, {})[key] = state
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / checkpoint_name(step)
+        tmp = self.root / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for file, content in files.items():
+            if file == _JSON:
+                (tmp / file).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+            else:
+                torch.save(content, tmp / file)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(self.root)[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint saved: %s", final)
+        return final
+
+    def load(self, checkpoint: Path, map_location: str | torch.device = "cpu") -> None:
+        """Restore every part from `checkpoint`, the JSON parts (which check that they fit
+        this run) first.
+
+        Raises:
+            FileNotFoundError: a checkpoint file is missing.
+            ValueError: the checkpoint lacks a part's state, or a part refuses it (e.g. the
+                data cursor or the masker of another configuration).
+            RuntimeError: the model state does not match the model (`load_state_dict`).
+        """
+        files: dict[str, Any] = {_JSON: read_state(checkpoint)}
+        legacy = "format" not in files[_JSON]
+        for name, (file, key) in sorted(LAYOUT.items(), key=lambda kv: kv[1][0] != _JSON):
+            if file not in files:
+                where = "cpu" if file == "rng.pt" else map_location
+                files[file] = torch.load(checkpoint / file, map_location=where,
+                                         weights_only=True)
+            content = files[file]
+            if key is not None and key not in content:
+                if legacy and name in _NOT_IN_FORMAT_1:
+                    logger.warning("%s predates saved %s state: not restored", checkpoint, name)
+                    continue
+                raise ValueError(f"{checkpoint}: no {name!r} state in {file}")
+            self.parts[name].load_state_dict(content if key is None else content[key])
+        logger.info("resumed from %s", checkpoint)
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    """The `state.json` of a checkpoint.
+    """The `state.json` of a checkpoint; a format-1 one gets its `train_state` key.
 
     Raises:
         FileNotFoundError: when `checkpoint` is not a complete checkpoint directory.
     """
-    path = checkpoint / "state.json"
+    path = checkpoint / _JSON
     if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint}: not a checkpoint (no state.json)")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(f"{checkpoint}: not a checkpoint (no {_JSON})")
+    state = json.loads(path.read_text())
+    if "format" not in state and "train_state" not in state:
+        state["train_state"] = {"step": state["step"], "tokens_seen": state["tokens_seen"]}
+    return state
 
 
 def load_model_state(checkpoint: Path, map_location: str | torch.device = "cpu") -> dict:
@@ -119,37 +218,12 @@ def load_model_state(checkpoint: Path, map_location: str | torch.device = "cpu")
     return torch.load(checkpoint / "model.pt", map_location=map_location, weights_only=True)
 
 
-def load_checkpoint(
-    checkpoint: Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    map_location: str | torch.device = "cpu",
-) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG state in place; return the train state.
-
-    Raises:
-        FileNotFoundError: when a checkpoint file is missing.
-        RuntimeError: when the model state does not match the model (from `load_state_dict`).
-    """
-    model.load_state_dict(load_model_state(checkpoint, map_location))
-    opt = torch.load(checkpoint / "optimizer.pt", map_location=map_location, weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(checkpoint / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    logger.info("resumed from %s", checkpoint)
-    return read_state(checkpoint)
-
-
 def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     """Rebuild the `BertMLM` a checkpoint was trained as, with its weights, in eval mode.
 
-    The architecture comes from the checkpoint's own `state.json` (resolved config,
-    `vocab_size`, `seq_len`), so a checkpoint directory is enough to use the model.
+    The architecture comes from the checkpoint's own `state.json` (`config.model`,
+    `vocab_size`, `seq_len`; both formats have them), so a checkpoint directory is enough
+    to use the model.
 
     Raises:
         FileNotFoundError: when `checkpoint` is not a complete checkpoint directory.

@@ -1,19 +1,15 @@
-"""The pretraining loop: AdamW, warm-up then decay, clipping, accumulation, checkpoints.
+"""The pretraining loop, built from Stateful parts (STYLE rule 7).
 
-`train()` builds the model, optimizer, schedule, data cursor and masker from the config,
-resumes from the newest checkpoint in its output directory if there is one, and runs until
-`train.max_steps` optimizer steps or the `train.max_time_s` wall-clock budget. Every
-`train.log_every` steps it hands one metrics dict to the sink it was given (the loop never
-talks to MLflow itself): `train/loss` (masked-token-weighted mean over the interval),
-`train/lr`, `train/grad_norm`, `train/tokens_per_s`, `train/mfu_pct`, `train/epoch`,
-`train/tokens_seen`, `train/memory_mb` (peak, see `perf.peak_memory_mb`) and, on CUDA,
-`memory/max_reserved_gib`.
+`Parts` holds what a run is made of: model, optimizer, LR schedule, data cursor, masker,
+metrics meter, train state (`step`, `tokens_seen`) and the RNG; `Parts.stateful()` hands
+them to the `Checkpointer` under its fixed keys. `train_step` takes one optimizer step;
+`run_steps` repeats it until `train.max_steps` or the `train.max_time_s` budget, hands the
+meter's report to the sink every `train.log_every` steps and checkpoints every
+`train.checkpoint_every` steps. `mlm_pipeline.train.stage.train` builds the parts.
 
-The loop applies what the plain model leaves out (STYLE rule 4): bf16 autocast
-(`train.precision`), `torch.compile` (`train.compile`; checkpoints hold the uncompiled
-module's weights), whole-word masking (`masking.whole_word`, word starts from the
-tokenizer) and document attention (`train.document_attention`, document ids from the
-[SEP] tokens of the unmasked rows).
+The loop applies what the plain model leaves out (STYLE rule 4): bf16 autocast, the
+`torch.compile` wrapper (`Parts.forward_model`; checkpoints hold the uncompiled module's
+weights) and document attention (document ids from the [SEP] tokens of the unmasked rows).
 
 Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
 so a step over k micro-batches computes the same gradient as one batch k times larger.
@@ -22,92 +18,95 @@ so a step over k micro-batches computes the same gradient as one batch k times l
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mlm_pipeline.config import IGNORE_INDEX, PipelineConfig
-from mlm_pipeline.manifest import (
-    ShardManifest,
-    Stopwatch,
-    TokenizerManifest,
-    TrainManifest,
-    compute_digest,
-    write_manifest,
-)
-from mlm_pipeline.masking.maskers import Masker, build_masker
-from mlm_pipeline.shards.format import verify_shards
-from mlm_pipeline.sinks import JsonlSink, MetricsSink
-from mlm_pipeline.tokenizer import Tokenizer
-from mlm_pipeline.train.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
-from mlm_pipeline.train.model import BertMLM, document_ids_from_sep
-from mlm_pipeline.train.perf import (
-    adamw_impl,
-    compile_model,
-    peak_flops,
-    peak_memory_mb,
-    resolve_compile,
-    resolve_device,
-    resolve_precision,
-)
+from mlm_pipeline.config import IGNORE_INDEX, TrainConfig
+from mlm_pipeline.masking.maskers import Masker
+from mlm_pipeline.sinks import MetricsSink
+from mlm_pipeline.train.checkpoint import Checkpointer, RngState, Stateful
+from mlm_pipeline.train.data import RowCursor, ShardDataset
+from mlm_pipeline.train.meter import Meter
+from mlm_pipeline.train.model import document_ids_from_sep
 
 logger = logging.getLogger(__name__)
 
 
-def lr_multiplier(
-    step: int, *, warmup_steps: int, max_steps: int, decay: str, min_lr_ratio: float,
-    decay_fraction: float = 0.2,
-) -> float:
-    """Learning-rate factor for the optimizer step that follows `step` completed steps.
+@dataclass
+class TrainState:
+    """Counters of the run: `step` (optimizer steps taken) and `tokens_seen` (rows *
+    seq_len consumed)."""
 
-    Linear warm-up from `1 / warmup_steps` to 1 over `warmup_steps` steps (Goyal et al.
-    2017; BERT uses 10k warm-up steps, Devlin et al. 2019 appendix A.2), then a decay to
-    `min_lr_ratio` at `max_steps`:
+    step: int = 0
+    tokens_seen: int = 0
 
-    - `linear` and `cosine` (Loshchilov & Hutter 2017) span all steps after warm-up;
-    - `wsd`, warmup-stable-decay (Hu et al. 2024, MiniCPM, §4): the factor stays 1 until
-      `max_steps - D`, D = round(`decay_fraction` * `max_steps`) (at least 1), then falls
-      linearly to `min_lr_ratio` at `max_steps` (a decay overlapping the warm-up starts
-      where the warm-up ends).
+    def state_dict(self) -> dict[str, int]:
+        """`{"step": int, "tokens_seen": int}`."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
 
-    Raises:
-        ValueError: for an unknown `decay`, or `decay_fraction` outside (0, 1] with `wsd`.
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters.
+
+        Raises:
+            KeyError: `step` or `tokens_seen` is missing.
+        """
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+@dataclass
+class Parts:
+    """The parts of one training run and the settings a step needs besides the config.
+
+    Attributes:
+        model: the `BertMLM` whose weights are trained and saved.
+        forward_model: `model` or its `torch.compile` wrapper (shares the parameters).
+        optimizer: AdamW over `model`'s parameter groups.
+        lr_scheduler: the `LambdaLR` of `schedule.build_lr_scheduler`.
+        dataset: the unmasked training rows.
+        cursor: position in the shuffled row order.
+        masker: turns rows into `(input_ids, labels)` (dynamic or precomputed).
+        meter: interval loss sums, throughput, MFU and memory.
+        train_state: `step` and `tokens_seen`.
+        rng: the torch generators (dropout).
+        device: the training device.
+        precision: `fp32` or `bf16` (resolved from `train.precision`).
+        autocast: context entered around each forward pass (bf16 autocast or a no-op).
+        document_attention: pass document ids from [SEP] tokens to the model.
+        compile_errors: exceptions of a failing `torch.compile` build (empty when eager).
     """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if decay == "wsd":
-        if not 0.0 < decay_fraction <= 1.0:
-            raise ValueError(f"decay_fraction {decay_fraction!r} must be in (0, 1]")
-        decay_start = max(warmup_steps, max_steps - max(1, round(decay_fraction * max_steps)))
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-    span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    if decay == "linear":
-        shape = 1.0 - progress
-    elif decay == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"unknown decay {decay!r}")
-    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    model: torch.nn.Module
+    forward_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataset: ShardDataset
+    cursor: RowCursor
+    masker: Masker
+    meter: Meter
+    train_state: TrainState
+    rng: RngState
+    device: torch.device
+    precision: str
+    autocast: contextlib.AbstractContextManager
+    document_attention: bool = False
+    compile_errors: tuple[type[BaseException], ...] = ()
+
+    def stateful(self) -> dict[str, Stateful]:
+        """The parts a checkpoint holds, under the `Checkpointer`'s fixed keys."""
+        return {"model": self.model, "optimizer": self.optimizer,
+                "lr_scheduler": self.lr_scheduler, "rng": self.rng,
+                "train_state": self.train_state, "cursor": self.cursor,
+                "masker": self.masker, "meter": self.meter}
 
 
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[tuple[torch.Tensor, ...]],
-    autocast: contextlib.AbstractContextManager = contextlib.nullcontext(),
+    autocast: contextlib.AbstractContextManager | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward every micro-batch, each weighted by its share of the step's
     masked tokens, so the accumulated gradient is that of one batch holding them all.
@@ -118,12 +117,13 @@ def accumulate_gradients(
         micro_batches: `(input_ids, labels)` pairs, int64 (b, L) each, or
             `(input_ids, labels, document_ids)` triples (document ids int32 (b, L), passed
             as the model's `document_ids`).
-        autocast: context entered around each forward pass.
+        autocast: context entered around each forward pass (None: none).
 
     Returns:
         (sum of per-token losses, number of masked tokens) over all micro-batches, as
         0-dim tensors on the model's device (no host sync).
     """
+    autocast = contextlib.nullcontext() if autocast is None else autocast
     total = sum((batch[1] != IGNORE_INDEX).sum() for batch in micro_batches)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     for input_ids, labels, *rest in micro_batches:
@@ -135,259 +135,90 @@ def accumulate_gradients(
     return loss_sum, total
 
 
-def build_train_masker(cfg: PipelineConfig, shards: ShardManifest,
-                       tokenizer: TokenizerManifest) -> Masker:
-    """`build_masker` for this run: the masked copies' reader in precomputed mode, the
-    tokenizer's word starts (bool (V,), True where a piece begins a word) when
-    `masking.whole_word` is set."""
-    mc = cfg.masking
-    copies = PrecomputedShardDataset(shards) if mc.mode == "precomputed" else None
-    word_starts = None
-    if mc.whole_word and mc.mode == "dynamic":
-        word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
-    return build_masker(mc, shards.vocab_size, shards, word_starts=word_starts, copies=copies)
-
-
-def _truncate_metrics_log(path: Path, step: int) -> None:
-    """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
-    those steps again, and the log must hold each step once."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def train_digest(cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest,
-                 run_key: str) -> str:
-    """Identity of one training run: model, train and masking configs, inputs, run key."""
-    return compute_digest(
-        "train",
-        {"model": cfg.model, "train": cfg.train, "masking": cfg.masking},
-        {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key},
-    )
-
-
-def train(
-    cfg: PipelineConfig,
-    shards: ShardManifest,
-    tokenizer: TokenizerManifest,
-    out_dir: str | Path,
-    sink: MetricsSink | None = None,
-) -> TrainManifest:
-    """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
-
-    Args:
-        cfg: the pipeline config (`model`, `train`, `masking` are used).
-        shards: packed training rows.
-        tokenizer: the tokenizer the shards were encoded with (recorded in checkpoints).
-        out_dir: this run's directory; holds `checkpoints/`, `metrics.jsonl` and
-            `manifest.json`. If it already holds a checkpoint, training resumes from it.
-        sink: receives one metrics dict per log interval (besides `metrics.jsonl`).
+def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """Read and mask the next `count` micro-batches of the cursor's order.
 
     Returns:
-        The `TrainManifest` (also written as `out_dir/manifest.json`).
+        (`(input_ids, labels)` int64 (b, L) pairs on the device, plus document ids int32
+        (b, L) with document attention; the epoch of the last micro-batch).
+    """
+    micro, epoch = [], parts.cursor.epoch
+    for _ in range(count):
+        rows, epoch = parts.cursor.next_batch()
+        input_ids = parts.dataset.get(rows).to(parts.device, non_blocking=True)
+        row_index = torch.from_numpy(rows).to(parts.device)
+        masked = parts.masker(input_ids, row_index, epoch)
+        if parts.document_attention:
+            masked = (*masked, document_ids_from_sep(input_ids))
+        micro.append(masked)
+    return micro, epoch
+
+
+def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int]:
+    """One optimizer step: `grad_accum_steps` micro-batches, clipping, AdamW, schedule.
+
+    Returns:
+        (the global gradient L2 norm before clipping, float32 0-dim; the epoch of the step's
+        last micro-batch).
 
     Raises:
-        ValueError: when the training split has fewer rows than one micro-batch, with
-            precomputed masking, the shards hold no copies made with this masking and seed,
-            or (`train.verify_shards`) a shard is missing or its sha256 differs from the
-            manifest (the file is named).
-        RuntimeError: when CUDA or bf16 is requested but unavailable, when
-            `train.compile=on` cannot compile (no C++ compiler on CPU, or the first
-            compiled step fails to build), or the loss becomes non-finite (the step is
-            named).
+        RuntimeError: `torch.compile` failed to build the model (names `train.compile`).
     """
-    watch = Stopwatch()
-    out = Path(out_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    tc = cfg.train
-    if tc.verify_shards:
-        verify_shards(shards)
-    device = resolve_device(tc.device)
-    precision = resolve_precision(tc.precision, device)
-    if tc.num_threads and device.type == "cpu":
-        torch.set_num_threads(tc.num_threads)
-    torch.manual_seed(tc.seed)
+    micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
+    try:
+        loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast)
+    except parts.compile_errors as exc:
+        raise RuntimeError(
+            f"train.compile={cfg.compile}: torch.compile failed to build the model on "
+            f"{parts.device.type} ({type(exc).__name__}); set train.compile: off"
+        ) from exc
+    parts.meter.update(loss_sum, masked)
+    clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
+    parts.optimizer.step()
+    parts.lr_scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.train_state.step += 1
+    parts.train_state.tokens_seen += parts.meter.tokens_per_step
+    return grad_norm, epoch
 
-    dataset = ShardDataset(shards, "train")
-    model = BertMLM(cfg.model, shards.vocab_size, shards.seq_len).to(device)
-    # Forward passes go through `forward_model`; checkpoints save `model`, whose
-    # state_dict keys carry no `_orig_mod.` prefix.
-    compiled = resolve_compile(tc.compile, device)
-    forward_model = compile_model(model, device) if compiled else model
-    # Inductor builds C++/Triton code at the first step; a missing or broken toolchain
-    # surfaces there, deep in a long traceback (empty tuple: nothing to catch).
-    compile_errors = (torch._dynamo.exc.BackendCompilerFailed,) if compiled else ()
-    optimizer = torch.optim.AdamW(
-        model.param_groups(tc.weight_decay),
-        lr=tc.lr,
-        betas=tc.betas,
-        eps=tc.eps,
-        **adamw_impl(device),
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(
-            s,
-            warmup_steps=tc.warmup,
-            max_steps=tc.max_steps,
-            decay=tc.decay,
-            min_lr_ratio=tc.min_lr_ratio,
-            decay_fraction=tc.decay_fraction,
-        ),
-    )
-    cursor = RowCursor(len(dataset), tc.micro_batch_size, tc.seed)
-    masker = build_train_masker(cfg, shards, tokenizer)
 
-    ckpt_root = out / "checkpoints"
-    step, tokens_seen = 0, 0
-    resume_from = latest_checkpoint(ckpt_root)
-    if resume_from is not None:
-        state = load_checkpoint(
-            resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-            map_location=device,
-        )
-        step, tokens_seen = state["step"], state["tokens_seen"]
-        cursor.load_state_dict(state["cursor"])
-        logger.info("resuming at step %d (%d tokens seen)", step, tokens_seen)
+def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
+              sink: MetricsSink) -> tuple[dict[str, float], bool]:
+    """Train from `parts.train_state.step` to `cfg.max_steps` (or until `cfg.max_time_s`).
 
-    if resume_from is not None:
-        _truncate_metrics_log(out / "metrics.jsonl", step)
-    jsonl = JsonlSink(out / "metrics.jsonl", append=True)
-    sinks = [jsonl] + ([sink] if sink is not None else [])
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if precision == "bf16"
-        else contextlib.nullcontext()
-    )
-    flops_per_token = model.flops_per_token(shards.seq_len, cfg.masking.mlm_probability)
-    peak = peak_flops(device, precision)
-    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * shards.seq_len
-    clip = tc.grad_clip if tc.grad_clip is not None else float("inf")
-    logger.info(
-        "training %s parameters on %s (%s%s%s): %d steps of %d tokens, %d training rows",
-        f"{model.num_parameters():,}", device, precision, ", compiled" if compiled else "",
-        ", document attention" if tc.document_attention else "", tc.max_steps,
-        tokens_per_step, len(dataset),
-    )
+    Every `cfg.log_every` steps, at the last step and when out of time, the meter's report
+    goes to `sink`; every `cfg.checkpoint_every` steps before the last, `checkpointer`
+    saves (the final checkpoint is the caller's).
 
-    def snapshot_state() -> dict[str, Any]:
-        return {
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "cursor": cursor.state_dict(),
-            "config": cfg.model_dump(mode="json"),
-            "vocab_size": shards.vocab_size,
-            "seq_len": shards.seq_len,
-            "tokenizer_digest": tokenizer.digest,
-            "shards_digest": shards.digest,
-        }
+    Returns:
+        (the last metrics reported, empty when no step ran; whether `cfg.max_time_s` ended
+        training before `cfg.max_steps`).
 
-    last_metrics: dict[str, float] = {}
-    loss_sum = torch.zeros((), device=device)
-    masked_sum = torch.zeros((), device=device, dtype=torch.long)
-    interval_steps, interval_start = 0, time.perf_counter()
+    Raises:
+        RuntimeError: the interval loss is not finite, or `torch.compile` fails.
+    """
+    state, last_metrics, stopped_early = parts.train_state, {}, False
     run_start = time.perf_counter()
-    stopped_early = False
-    epoch = cursor.epoch
-    model.train()
-    while step < tc.max_steps:
-        micro = []
-        for _ in range(tc.grad_accum_steps):
-            rows, epoch = cursor.next_batch()
-            input_ids = dataset.get(rows).to(device, non_blocking=True)
-            row_index = torch.from_numpy(rows).to(device)
-            masked = masker(input_ids, row_index, epoch)
-            if tc.document_attention:
-                masked = (*masked, document_ids_from_sep(input_ids))
-            micro.append(masked)
-        try:
-            step_loss_sum, step_masked = accumulate_gradients(forward_model, micro, autocast)
-        except compile_errors as exc:
-            raise RuntimeError(
-                f"train.compile={tc.compile}: torch.compile failed to build the model on "
-                f"{device.type} ({type(exc).__name__}); set train.compile: off"
-            ) from exc
-        loss_sum += step_loss_sum
-        masked_sum += step_masked
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        interval_steps += 1
-
-        out_of_time = tc.max_time_s is not None and time.perf_counter() - run_start > tc.max_time_s
-        if step % tc.log_every == 0 or step == tc.max_steps or out_of_time:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - interval_start
-            loss = (loss_sum / masked_sum.clamp(min=1)).item()
-            if not math.isfinite(loss):
-                raise RuntimeError(f"training loss became {loss} at step {step}")
-            tokens_per_s = interval_steps * tokens_per_step / elapsed
-            last_metrics = {
-                "train/loss": loss,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(grad_norm),
-                "train/tokens_per_s": tokens_per_s,
-                "train/epoch": float(epoch),
-                "train/tokens_seen": float(tokens_seen),
-            }
-            if peak:
-                last_metrics["train/mfu_pct"] = 100.0 * flops_per_token * tokens_per_s / peak
-            last_metrics["train/memory_mb"] = peak_memory_mb(device)
-            if device.type == "cuda":
-                last_metrics["memory/max_reserved_gib"] = (
-                    torch.cuda.max_memory_reserved(device) / 2**30
-                )
-            for s in sinks:
-                s.log(last_metrics, step)
-            loss_sum.zero_()
-            masked_sum.zero_()
-            interval_steps, interval_start = 0, time.perf_counter()
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
-            save_checkpoint(ckpt_root, step=step, model=model, optimizer=optimizer,
-                            scheduler=scheduler, state=snapshot_state(),
-                            keep_last=tc.keep_last_checkpoints)
+    parts.meter.start()
+    parts.model.train()
+    while state.step < cfg.max_steps:
+        grad_norm, epoch = train_step(parts, cfg)
+        out_of_time = (cfg.max_time_s is not None
+                       and time.perf_counter() - run_start > cfg.max_time_s)
+        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
+            last_metrics = parts.meter.report(
+                step=state.step, lr=parts.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                epoch=epoch, tokens_seen=state.tokens_seen,
+            )
+            sink.log(last_metrics, state.step)
+        if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
+                and state.step < cfg.max_steps):
+            checkpointer.save(state.step)
         if out_of_time:
-            stopped_early = step < tc.max_steps
+            stopped_early = state.step < cfg.max_steps
             if stopped_early:
-                logger.warning(
-                    "train.max_time_s=%s reached: stopping at step %d of %d",
-                    tc.max_time_s, step, tc.max_steps,
-                )
+                logger.warning("train.max_time_s=%s reached: stopping at step %d of %d",
+                               cfg.max_time_s, state.step, cfg.max_steps)
             break
-
-    final = save_checkpoint(ckpt_root, step=step, model=model, optimizer=optimizer,
-                            scheduler=scheduler, state=snapshot_state(),
-                            keep_last=tc.keep_last_checkpoints)
-    for s in sinks:
-        s.flush()
-    jsonl.close()
-
-    manifest = TrainManifest(
-        stage="train",
-        digest=train_digest(cfg, shards, tokenizer, out.name),
-        output_dir=str(out),
-        config={
-            "model": cfg.model.model_dump(mode="json"),
-            "train": tc.model_dump(mode="json"),
-            "masking": cfg.masking.model_dump(mode="json"),
-        },
-        inputs={"shards": shards.digest, "tokenizer": tokenizer.digest},
-        created_at=watch.created_at,
-        wall_time_s=watch.elapsed,
-        checkpoint_dir=str(final.relative_to(out)),
-        steps=step,
-        tokens_seen=tokens_seen,
-        final_metrics=last_metrics,
-        metrics_log="metrics.jsonl",
-        stopped_early=stopped_early,
-        device=device.type,
-        precision=precision,
-    )
-    write_manifest(manifest)
-    return manifest
+    return last_metrics, stopped_early

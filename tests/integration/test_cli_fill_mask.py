@@ -15,7 +15,8 @@ def run_dir(tmp_path_factory, tiny_model_config, tiny_shard_manifest, tiny_token
     cfg = PipelineConfig(work_dir=str(root), model=tiny_model_config, train=TrainConfig(
         micro_batch_size=4, max_steps=4, warmup_steps=0, checkpoint_every=2,
         keep_last_checkpoints=2, precision="fp32"))
-    train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, root / "run")
+    train(cfg.train, cfg.model, cfg.masking,
+          tiny_shard_manifest, tiny_tokenizer_manifest, root / "run")
     return root / "run"
 
 

@@ -15,7 +15,7 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from mlm_pipeline.config import MaskingConfig, PipelineConfig, ShardConfig, TrainConfig
+from mlm_pipeline.config import MaskingConfig, ShardConfig, TrainConfig
 from mlm_pipeline.manifest import compute_digest
 from mlm_pipeline.masking.keyed import MASKING_ALGORITHM, mask_tokens
 from mlm_pipeline.masking.maskers import build_masker
@@ -205,11 +205,11 @@ def test_dataset_cycles_copies_by_epoch(precomputed):
         ds.get([len(ds)], 0)
 
 
-def _cfg(tmp_path, model_cfg, masking=MASKING, **train_kw):
-    kw = dict(micro_batch_size=16, max_steps=5, warmup_steps=2, log_every=1, lr=1e-3, seed=SEED)
-    kw.update(train_kw)
-    return PipelineConfig(work_dir=str(tmp_path), model=model_cfg, masking=masking,
-                          train=TrainConfig(**kw))
+def _sections(model_cfg, masking=MASKING, **train_kw):
+    """The `train`, `model` and `masking` sections `train()` takes, in its order."""
+    kw = {"micro_batch_size": 16, "max_steps": 5, "warmup_steps": 2, "log_every": 1,
+          "lr": 1e-3, "seed": SEED, **train_kw}
+    return TrainConfig(**kw), model_cfg, masking
 
 
 def _losses(manifest):
@@ -242,22 +242,22 @@ def test_masker_mismatch_is_an_error(precomputed, dynamic):
 
 def test_training_five_steps_and_exact_resume(tmp_path, tiny_model_config, precomputed,
                                               tiny_tokenizer_manifest):
-    m = train(_cfg(tmp_path, tiny_model_config), precomputed, tiny_tokenizer_manifest,
+    m = train(*_sections(tiny_model_config), precomputed, tiny_tokenizer_manifest,
               tmp_path / "five")
     assert m.steps == 5 and len(_losses(m)) == 5
     assert all(np.isfinite(_losses(m)))
 
     # 16-row batches: 4 per epoch, so 6 steps read copies 0 and 1
     model_cfg = tiny_model_config.model_copy(update={"dropout": 0.1})
-    straight = train(_cfg(tmp_path, model_cfg, max_steps=6), precomputed,
+    straight = train(*_sections(model_cfg, max_steps=6), precomputed,
                      tiny_tokenizer_manifest, tmp_path / "straight")
-    cfg = _cfg(tmp_path, model_cfg, max_steps=6, checkpoint_every=3)
-    first = train(cfg, precomputed, tiny_tokenizer_manifest, tmp_path / "resumed")
+    sections = _sections(model_cfg, max_steps=6, checkpoint_every=3)
+    first = train(*sections, precomputed, tiny_tokenizer_manifest, tmp_path / "resumed")
     ckpts = list_checkpoints(first.file("checkpoints"))
     assert [c.name for c in ckpts] == ["step-00000003", "step-00000006"]
     shutil.rmtree(ckpts[-1])
     first.path.unlink()
-    resumed = train(cfg, precomputed, tiny_tokenizer_manifest, tmp_path / "resumed")
+    resumed = train(*sections, precomputed, tiny_tokenizer_manifest, tmp_path / "resumed")
     assert resumed.steps == 6 and resumed.final_metrics["train/epoch"] == 1.0
     a = load_model_state(straight.file(straight.checkpoint_dir))
     b = load_model_state(resumed.file(resumed.checkpoint_dir))
@@ -271,9 +271,9 @@ def test_precomputed_training_equals_dynamic_while_copies_last(
 ):
     # dupe_factor > epochs trained: each copy is the dynamic mask of its epoch, so the two
     # modes train identically (same rows, same masks, same initialization)
-    pre = train(_cfg(tmp_path, tiny_model_config, max_steps=6), precomputed,
+    pre = train(*_sections(tiny_model_config, max_steps=6), precomputed,
                 tiny_tokenizer_manifest, tmp_path / "pre")
     dyn_masking = MASKING.model_copy(update={"mode": "dynamic"})
-    dyn = train(_cfg(tmp_path, tiny_model_config, masking=dyn_masking, max_steps=6), dynamic,
+    dyn = train(*_sections(tiny_model_config, masking=dyn_masking, max_steps=6), dynamic,
                 tiny_tokenizer_manifest, tmp_path / "dyn")
     assert _losses(pre) == _losses(dyn)

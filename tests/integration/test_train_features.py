@@ -45,7 +45,8 @@ def test_wsd_schedule_and_memory_are_logged(tmp_path, tiny_model_config, tiny_sh
                                             tiny_tokenizer_manifest):
     cfg = _cfg(tmp_path, tiny_model_config, max_steps=6, warmup_steps=2, decay="wsd",
                decay_fraction=0.5, min_lr_ratio=0.0)
-    m = train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
+    m = train(cfg.train, cfg.model, cfg.masking,
+              tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     records = _records(m)
     # LR logged after step s is for step s + 1: warm-up 2 steps, stable until step 3 (6 - 3),
     # then linear to 0 at step 6: factors 1, 1, 1, 2/3, 1/3, 0 after steps 1..6.
@@ -67,8 +68,10 @@ def test_document_attention_trains_and_changes_evaluation(
     assert _has_inner_document_boundary(ShardDataset(tiny_shard_manifest, "validation"))
     on = _cfg(tmp_path, tiny_model_config, document_attention=True, precision="fp32")
     off = _cfg(tmp_path, tiny_model_config, document_attention=False, precision="fp32")
-    m_on = train(on, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "on")
-    m_off = train(off, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "off")
+    m_on = train(on.train, on.model, on.masking,
+                 tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "on")
+    m_off = train(off.train, off.model, off.masking,
+                  tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "off")
     losses_on = [r["train/loss"] for r in _records(m_on)]
     losses_off = [r["train/loss"] for r in _records(m_off)]
     assert len(losses_on) == 4 and all(torch.isfinite(torch.tensor(losses_on)))
@@ -102,7 +105,8 @@ def test_training_and_evaluation_use_the_masking_options(
     tmp_path, masking, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest
 ):
     cfg = _cfg(tmp_path, tiny_model_config, masking=masking, max_steps=2, precision="fp32")
-    m = train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
+    m = train(cfg.train, cfg.model, cfg.masking,
+              tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     assert m.steps == 2
     e = evaluate(cfg.eval, m, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "w")
     word_starts = torch.from_numpy(Tokenizer.load(tiny_tokenizer_manifest).word_starts())
@@ -128,7 +132,8 @@ def test_compile_without_a_cxx_compiler_names_the_setting(
     monkeypatch.delenv("CXX", raising=False)
     cfg = _cfg(tmp_path, tiny_model_config, compile="on", device="cpu")
     with pytest.raises(RuntimeError, match="train.compile"):
-        train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
+        train(cfg.train, cfg.model, cfg.masking,
+              tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -139,7 +144,8 @@ def test_compiled_training_matches_eager(tmp_path, tiny_model_config, tiny_shard
     for mode in ("off", "on"):
         cfg = _cfg(tmp_path, tiny_model_config, max_steps=3, compile=mode, device="cpu",
                    precision="fp32")
-        runs[mode] = train(cfg, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / mode)
+        runs[mode] = train(cfg.train, cfg.model, cfg.masking,
+                           tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / mode)
     eager = [r["train/loss"] for r in _records(runs["off"])]
     compiled = [r["train/loss"] for r in _records(runs["on"])]
     assert compiled == pytest.approx(eager, rel=1e-4)
@@ -170,7 +176,7 @@ def test_a_failing_inductor_build_names_the_setting(tmp_path, tiny_shard_manifes
             train=TrainConfig(micro_batch_size=4, max_steps=1, warmup_steps=0, compile="on",
                               device="cpu", precision="fp32"))
         try:
-            train(cfg, shards, tok, {str(tmp_path / "run")!r})
+            train(cfg.train, cfg.model, cfg.masking, shards, tok, {str(tmp_path / "run")!r})
         except RuntimeError as exc:
             print("ERROR", exc)
     """)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mlm_pipeline.train.loop import lr_multiplier
+from mlm_pipeline.train.schedule import lr_multiplier
 
 
 def test_linear_warmup_then_linear_decay():

@@ -1,0 +1,136 @@
+"""`Meter`: the metrics and throughput part of the training loop (Stateful).
+
+Per optimizer step it adds the step's summed per-token loss and masked-token count to the
+running interval sums (on the training device, no host sync); at the end of a log interval
+`report` turns them into one metrics dict and starts a new interval:
+
+- `train/loss`: masked-token-weighted mean cross-entropy over the interval (nats),
+- `train/lr`, `train/grad_norm` (of the interval's last step, before clipping),
+- `train/tokens_per_s`: tokens (rows * seq_len, padding included) per second of loop time,
+- `train/mfu_pct`: model FLOP utilization (Chowdhery et al. 2022, appendix B) in percent,
+  against `perf.peak_flops` (left out when the peak is unknown),
+- `train/epoch`, `train/tokens_seen`, `train/memory_mb` (`perf.peak_memory_mb`, MiB) and, on
+  CUDA, `memory/max_reserved_gib` (GiB).
+
+The interval sums and its elapsed time are the meter's state: a checkpoint taken between
+two reports holds them, so a run resumed from a step that is not a multiple of
+`train.log_every` logs the same `train/loss` as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from mlm_pipeline.train.perf import peak_memory_mb
+
+
+class Meter:
+    """Interval loss sums, throughput, MFU and memory of the training loop.
+
+    Args:
+        device: the training device (sums live there; CUDA is synchronized before timing).
+        tokens_per_step: tokens per optimizer step (global batch rows * seq_len).
+        flops_per_token: model training FLOPs per token (`BertMLM.flops_per_token`).
+        peak_flops: peak FLOP/s of the device at the training precision
+            (`perf.peak_flops`); None leaves `train/mfu_pct` out.
+    """
+
+    def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float,
+                 peak_flops: float | None) -> None:
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        #: float32 0-dim: sum over the interval of per-token losses (nats).
+        self.loss_sum = torch.zeros((), device=device)
+        #: int64 0-dim: masked (predicted) tokens in the interval.
+        self.masked_sum = torch.zeros((), device=device, dtype=torch.long)
+        #: optimizer steps in the interval.
+        self.steps = 0
+        self._carried_s = 0.0  # interval seconds before a resume
+        self._start = time.perf_counter()
+
+    def start(self) -> None:
+        """Start (or, after `load_state_dict`, continue) the interval clock: call it just
+        before the first step, so setup and checkpoint loading are not counted."""
+        self._start = time.perf_counter() - self._carried_s
+        self._carried_s = 0.0
+
+    def update(self, loss_sum: torch.Tensor, masked: torch.Tensor) -> None:
+        """Add one optimizer step.
+
+        Args:
+            loss_sum: float32 0-dim, the step's summed per-token loss (nats).
+            masked: int64 0-dim, the step's masked tokens.
+        """
+        self.loss_sum += loss_sum
+        self.masked_sum += masked
+        self.steps += 1
+
+    def report(self, *, step: int, lr: float, grad_norm: torch.Tensor | float, epoch: int,
+               tokens_seen: int) -> dict[str, float]:
+        """The metrics of the interval that ends at `step`, then a new interval.
+
+        Args:
+            step: optimizer steps taken (only named in errors).
+            lr: learning rate of the next step.
+            grad_norm: global gradient L2 norm of the last step, before clipping.
+            epoch: epoch of the last batch read.
+            tokens_seen: tokens consumed so far.
+
+        Returns:
+            The metrics dict (keys in the module docstring; values are Python floats).
+
+        Raises:
+            RuntimeError: the interval's mean loss is not finite (the step is named).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self._start
+        loss = (self.loss_sum / self.masked_sum.clamp(min=1)).item()
+        if not math.isfinite(loss):
+            raise RuntimeError(f"training loss became {loss} at step {step}")
+        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        metrics = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": float(grad_norm),
+            "train/tokens_per_s": tokens_per_s,
+            "train/epoch": float(epoch),
+            "train/tokens_seen": float(tokens_seen),
+        }
+        if self.peak_flops:
+            metrics["train/mfu_pct"] = 100.0 * self.flops_per_token * tokens_per_s / self.peak_flops
+        metrics["train/memory_mb"] = peak_memory_mb(self.device)
+        if self.device.type == "cuda":
+            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        self.loss_sum.zero_()
+        self.masked_sum.zero_()
+        self.steps, self._start = 0, time.perf_counter()
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open interval: `{"loss_sum": float (nats), "masked_sum": int, "steps": int,
+        "elapsed_s": float (seconds)}`, plain JSON values (one host sync)."""
+        return {
+            "loss_sum": self.loss_sum.item(),  # float32 -> Python float is exact
+            "masked_sum": int(self.masked_sum.item()),
+            "steps": self.steps,
+            "elapsed_s": time.perf_counter() - self._start,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the interval saved by `state_dict` (the sums are restored bit for bit;
+        the clock resumes at `elapsed_s` when `start` is called).
+
+        Raises:
+            KeyError: a key of `state_dict` is missing.
+        """
+        self.loss_sum.fill_(float(state["loss_sum"]))
+        self.masked_sum.fill_(int(state["masked_sum"]))
+        self.steps = int(state["steps"])
+        self._carried_s = float(state["elapsed_s"])

@@ -1,0 +1,247 @@
+"""Stage 5, training: `train(cfg, model, masking, shards, tokenizer, out_dir) -> TrainManifest`.
+
+`train()` builds the Stateful parts of the loop (`loop.Parts`: model, AdamW, LR schedule,
+data cursor, masker, meter, train state, RNG) from its own config sections, hands them to a
+`Checkpointer`, resumes from the newest checkpoint in its output directory if there is
+one, runs `loop.run_steps`, saves the final checkpoint and writes the manifest.
+
+Metrics go to `out_dir/metrics.jsonl` and to the sink it is given (the loop never talks to
+MLflow itself); see `meter` for the keys. Options applied here: `train.precision` (bf16
+autocast), `train.compile`, `train.document_attention`, `masking.whole_word` (word starts
+from the tokenizer) and `masking.mode` (the shards' precomputed copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
+from mlm_pipeline.manifest import (
+    ShardManifest,
+    Stopwatch,
+    TokenizerManifest,
+    TrainManifest,
+    compute_digest,
+    write_manifest,
+)
+from mlm_pipeline.masking.maskers import Masker, build_masker
+from mlm_pipeline.shards.format import verify_shards
+from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
+from mlm_pipeline.tokenizer import Tokenizer
+from mlm_pipeline.train.checkpoint import Checkpointer, RngState
+from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
+from mlm_pipeline.train.loop import Parts, TrainState, run_steps
+from mlm_pipeline.train.meter import Meter
+from mlm_pipeline.train.model import BertMLM
+from mlm_pipeline.train.perf import (
+    adamw_impl,
+    compile_model,
+    peak_flops,
+    resolve_compile,
+    resolve_device,
+    resolve_precision,
+)
+from mlm_pipeline.train.schedule import build_lr_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
+                       tokenizer: TokenizerManifest) -> Masker:
+    """`build_masker` for this run: the masked copies' reader in precomputed mode, the
+    tokenizer's word starts (bool (V,), True where a piece begins a word) when
+    `masking.whole_word` is set."""
+    copies = PrecomputedShardDataset(shards) if masking.mode == "precomputed" else None
+    word_starts = None
+    if masking.whole_word and masking.mode == "dynamic":
+        word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
+    return build_masker(masking, shards.vocab_size, shards, word_starts=word_starts,
+                        copies=copies)
+
+
+def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+                 shards: ShardManifest, tokenizer: TokenizerManifest, run_key: str) -> str:
+    """Identity of one training run: model, train and masking configs, inputs, run key."""
+    return compute_digest(
+        "train",
+        {"model": model, "train": cfg, "masking": masking},
+        {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key},
+    )
+
+
+def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig,
+                shards: ShardManifest, tokenizer: TokenizerManifest) -> Parts:
+    """Seed torch with `cfg.seed` and build every part of the loop on the resolved device.
+
+    The order is fixed: the model's initialization and then the CPU peak-FLOP/s
+    measurement (`perf.peak_flops`, which draws random matrices) consume the global RNG,
+    and a checkpoint's RNG state is restored only after both.
+
+    Raises:
+        ValueError: fewer training rows than one micro-batch; precomputed masking without
+            matching copies.
+        RuntimeError: CUDA or bf16 requested but unavailable; `compile=on` without a C++
+            compiler on CPU.
+    """
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    if cfg.num_threads and device.type == "cpu":
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    dataset = ShardDataset(shards, "train")
+    model = BertMLM(model_cfg, shards.vocab_size, shards.seq_len).to(device)
+    # Forward passes go through `forward_model`; checkpoints save `model`, whose
+    # state_dict keys carry no `_orig_mod.` prefix.
+    compiled = resolve_compile(cfg.compile, device)
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
+                                  betas=cfg.betas, eps=cfg.eps, **adamw_impl(device))
+    return Parts(
+        model=model,
+        forward_model=compile_model(model, device) if compiled else model,
+        optimizer=optimizer,
+        lr_scheduler=build_lr_scheduler(optimizer, cfg),
+        dataset=dataset,
+        cursor=RowCursor(len(dataset), cfg.micro_batch_size, cfg.seed),
+        masker=build_train_masker(masking, shards, tokenizer),
+        meter=Meter(device, cfg.micro_batch_size * cfg.grad_accum_steps * shards.seq_len,
+                    model.flops_per_token(shards.seq_len, masking.mlm_probability),
+                    peak_flops(device, precision)),
+        train_state=TrainState(),
+        rng=RngState(),
+        device=device,
+        precision=precision,
+        autocast=(torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                  else contextlib.nullcontext()),
+        document_attention=cfg.document_attention,
+        # Inductor builds C++/Triton code at the first step; a missing or broken toolchain
+        # surfaces there, deep in a long traceback (empty tuple: nothing to catch).
+        compile_errors=(torch._dynamo.exc.BackendCompilerFailed,) if compiled else (),
+    )
+
+
+def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+                    shards: ShardManifest, tokenizer: TokenizerManifest) -> dict[str, Any]:
+    """What makes a checkpoint self-describing: the `model`, `train` and `masking` configs
+    (JSON), `vocab_size`, `seq_len` (tokens) and the tokenizer and shard digests."""
+    return {
+        "config": {"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
+                   "masking": masking.model_dump(mode="json")},
+        "vocab_size": shards.vocab_size,
+        "seq_len": shards.seq_len,
+        "tokenizer_digest": tokenizer.digest,
+        "shards_digest": shards.digest,
+    }
+
+
+def _truncate_metrics_log(path: Path, step: int) -> None:
+    """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
+    those steps again, and the log must hold each step once."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def train(
+    cfg: TrainConfig,
+    model: ModelConfig,
+    masking: MaskingConfig,
+    shards: ShardManifest,
+    tokenizer: TokenizerManifest,
+    out_dir: str | Path,
+    sink: MetricsSink | None = None,
+) -> TrainManifest:
+    """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
+
+    Args:
+        cfg: the optimization loop (`train` section).
+        model: the encoder's shape (`model` section).
+        masking: the masking (`masking` section; its `seed` keys the masks).
+        shards: packed training rows.
+        tokenizer: the tokenizer the shards were encoded with (recorded in checkpoints).
+        out_dir: this run's directory; holds `checkpoints/`, `metrics.jsonl` and
+            `manifest.json`. If it already holds a checkpoint, training resumes from it.
+        sink: receives one metrics dict per log interval (besides `metrics.jsonl`); not
+            closed here.
+
+    Returns:
+        The `TrainManifest` (also written as `out_dir/manifest.json`).
+
+    Raises:
+        ValueError: when the training split has fewer rows than one micro-batch, with
+            precomputed masking, the shards hold no copies made with this masking and seed,
+            (`cfg.verify_shards`) a shard is missing or its sha256 differs from the manifest
+            (the file is named), or the checkpoint resumed from was written with another
+            data order or masking (the masker's or cursor's state differs).
+        RuntimeError: when CUDA or bf16 is requested but unavailable, when
+            `cfg.compile=on` cannot compile (no C++ compiler on CPU, or the first
+            compiled step fails to build), or the loss becomes non-finite (the step is
+            named).
+    """
+    watch = Stopwatch()
+    out = Path(out_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.verify_shards:
+        verify_shards(shards)
+    parts = build_parts(cfg, model, masking, shards, tokenizer)
+    checkpointer = Checkpointer(out / "checkpoints", parts.stateful(),
+                                checkpoint_meta(cfg, model, masking, shards, tokenizer),
+                                keep_last=cfg.keep_last_checkpoints)
+    resume_from = checkpointer.latest()
+    if resume_from is not None:
+        checkpointer.load(resume_from, map_location=parts.device)
+        logger.info("resuming at step %d (%d tokens seen)", parts.train_state.step,
+                    parts.train_state.tokens_seen)
+        _truncate_metrics_log(out / "metrics.jsonl", parts.train_state.step)
+    jsonl = JsonlSink(out / "metrics.jsonl", append=True)
+    logger.info(
+        "training %s parameters on %s (%s%s%s): %d steps of %d tokens, %d training rows",
+        f"{parts.model.num_parameters():,}", parts.device, parts.precision,
+        ", compiled" if parts.forward_model is not parts.model else "",
+        ", document attention" if cfg.document_attention else "", cfg.max_steps,
+        parts.meter.tokens_per_step, len(parts.dataset),
+    )
+    try:
+        last_metrics, stopped_early = run_steps(
+            parts, cfg, checkpointer, MultiSink(jsonl, sink) if sink is not None else jsonl)
+        final = checkpointer.save(parts.train_state.step)
+        if sink is not None:
+            sink.flush()
+    finally:
+        jsonl.close()
+    return _write_train_manifest(cfg, model, masking, shards, tokenizer, out, watch, final,
+                                 parts, last_metrics, stopped_early)
+
+
+def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+                          shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
+                          watch: Stopwatch, final: Path, parts: Parts,
+                          last_metrics: dict[str, float], stopped_early: bool) -> TrainManifest:
+    """Write and return the manifest of a finished run (`final`: its last checkpoint)."""
+    manifest = TrainManifest(
+        stage="train",
+        digest=train_digest(cfg, model, masking, shards, tokenizer, out.name),
+        output_dir=str(out),
+        config={"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
+                "masking": masking.model_dump(mode="json")},
+        inputs={"shards": shards.digest, "tokenizer": tokenizer.digest},
+        created_at=watch.created_at,
+        wall_time_s=watch.elapsed,
+        checkpoint_dir=str(final.relative_to(out)),
+        steps=parts.train_state.step,
+        tokens_seen=parts.train_state.tokens_seen,
+        final_metrics=last_metrics,
+        metrics_log="metrics.jsonl",
+        stopped_early=stopped_early,
+        device=parts.device.type,
+        precision=parts.precision,
+    )
+    write_manifest(manifest)
+    return manifest
