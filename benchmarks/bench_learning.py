@@ -60,8 +60,8 @@ from mlm_pipeline.config import (
     ModelConfig,
     PipelineConfig,
     TrainConfig,
-    load_config,
 )
+from mlm_pipeline.config_files import load_config
 from mlm_pipeline.evaluate.stage import masked_lm_metrics, most_frequent_token
 from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest

@@ -5,6 +5,10 @@ MLflow run is opened first, so that a failure in any stage leaves a FAILED run w
 config, and closed last. Run it locally with `mlm-pipeline run CONFIG` (no server needed:
 Prefect starts a temporary local API) or through a deployment (`prefect.yaml`).
 
+This module imports no other module of `flows/`: Prefect loads it as a script
+(`flows/pretraining.py:mlm_pretraining`) from the checkout, and the wheel installs it as
+`mlm_pipeline_flows.pretraining`; a `flows.` import would only work in the first case.
+
 Caching: the data stages are cached across flow runs under the digest of their output,
 computed by the library from the content of their inputs and their config (never from
 paths or modification times), so a rerun of the same config shows them as Cached, and a
@@ -21,13 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel, Field
 
-from flows.progress import PrefectProgressSink
-from mlm_pipeline.config import PipelineConfig, load_config
+from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config_files import load_config
 from mlm_pipeline.manifest import (
     CorpusManifest,
     EvalManifest,
@@ -40,6 +49,31 @@ from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.tracking import records as pipeline
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+class PrefectProgressSink:
+    """`MetricsSink` that updates one progress artifact (percent of `max_steps`) per record.
+
+    Args:
+        max_steps: optimizer steps of the run (100 %).
+        key: artifact key (lowercase letters, digits and dashes).
+    """
+
+    def __init__(self, max_steps: int, key: str = "training-progress") -> None:
+        self.max_steps = max_steps
+        self.artifact_id = create_progress_artifact(
+            progress=0.0, key=key, description=f"training progress (% of {max_steps} steps)"
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Set the progress to `step / max_steps` (in %)."""
+        update_progress_artifact(self.artifact_id, progress=100.0 * step / self.max_steps)
+
+    def flush(self) -> None:
+        """Nothing buffered."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def _transient(task, task_run, state) -> bool:

@@ -7,9 +7,11 @@
     mlm-pipeline export CHECKPOINT_OR_RUN_DIR OUT_DIR [--tokenizer PATH] [--force]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
 
-`run` executes the `mlm-pretraining` Prefect flow in this process. Without
-`PREFECT_API_URL` Prefect starts a temporary local API, so no server is needed; with it,
-the run is recorded on that server. Prefect is imported only by `run`.
+`run` executes the `mlm-pretraining` Prefect flow in this process. The library never
+imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
+argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.cli:main` (the repository's
+`flows/cli.py`), which calls `main(argv, run_flow=...)` here with the flow. Every other
+command works from `python -m mlm_pipeline.cli` too; `run` from there says which entry to use.
 """
 
 from __future__ import annotations
@@ -17,33 +19,37 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import yaml
+from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config_files import ConfigError, dump_config, load_config
 
-from mlm_pipeline.config import ConfigError, PipelineConfig, load_config
+#: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
+#: dict `mlm_pipeline.tracking.records.summary` builds).
+RunFlow = Callable[[str, list[str]], dict[str, Any]]
+
+#: What `run` says when the entry point gave it no flow.
+NO_FLOW = (
+    "`run` needs the Prefect flow, which this entry point does not provide: use the "
+    "`mlm-pipeline` command (entry point mlm_pipeline_flows.cli:main), "
+    "`python -m mlm_pipeline_flows.cli run ...`, or in a checkout `python -m flows.cli run ...`"
+)
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    # Settings read when prefect is imported: route our library logs through Prefect's
-    # handlers and silence the temporary server's analytics (harmless "database is
-    # locked" tracebacks otherwise; see shared notes).
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "mlm_pipeline")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+def _cmd_run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
+    if run_flow is None:
+        print(f"mlm-pipeline: {NO_FLOW}", file=sys.stderr)
+        return 2
     # Fail on a bad config or a mistyped input path before paying for Prefect's start-up
     # (and before its task-failure tracebacks).
     cfg = load_config(args.config, args.set)
     from mlm_pipeline.ingest.sources import check_local_sources
 
     check_local_sources(cfg.ingest)
-    from flows.pretraining import PretrainParams, mlm_pretraining
-
-    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
-    result = mlm_pretraining(PretrainParams(config=args.config, overrides=list(args.set)))
+    result = run_flow(args.config, list(args.set))
     if args.summary_json:
         from mlm_pipeline.tracking.records import write_summary
 
@@ -83,9 +89,7 @@ def _print_summary(result: dict, experiment: str) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
-    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False,
-                                    allow_unicode=True))
+    sys.stdout.write(dump_config(load_config(args.config, args.set)))
     return 0
 
 
@@ -269,11 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("config", help="config name (tiny -> configs/tiny.yaml) or YAML path")
+        p.add_argument("config", help="YAML path, or config name: tiny -> ./configs/tiny.yaml, "
+                       "else the shipped tiny config")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted override, repeatable (e.g. --set train.max_steps=50)")
 
-    p = sub.add_parser("run", help="run the full pipeline as a local Prefect flow")
+    p = sub.add_parser("run", help="run the full pipeline as a local Prefect flow (through "
+                       "the mlm-pipeline command, which provides the flow)")
     config_args(p)
     p.add_argument("--summary-json", metavar="PATH",
                    help="write run id, final metrics and stage manifest paths as JSON")
@@ -312,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="show how the tokenizer segments a text")
     p.add_argument("config", nargs="?",
-                   help="config whose trained tokenizer to use (tiny -> configs/tiny.yaml)")
+                   help="config whose trained tokenizer to use (a name or YAML path, as for run)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override of the config, repeatable")
     p.add_argument("--tokenizer", metavar="PATH",
@@ -324,15 +330,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `mlm-pipeline` console script; returns the exit status: 2 for a
-    config error, 1 for bad input or a failed run (`ValueError`, `OSError`,
-    `RuntimeError`), with a one-line message on stderr."""
+def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> int:
+    """The `mlm-pipeline` command line (`python -m mlm_pipeline.cli`, and through
+    `mlm_pipeline_flows.cli.main` the console script).
+
+    Args:
+        argv: arguments without the program name; None reads `sys.argv`.
+        run_flow: what `run` calls after checking the config and local inputs: runs the
+            pretraining flow and returns its summary. None: `run` fails with status 2 and
+            names the entry point that has it.
+
+    Returns:
+        The exit status: 0 on success, 2 for a config error (or `run` without a flow), 1 for
+        bad input or a failed run (`ValueError`, `OSError`, `RuntimeError`), with a one-line
+        message on stderr.
+    """
     args = build_parser().parse_args(argv)
     if args.func is not _cmd_run:  # `run` logs through Prefect's handlers instead
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        return _cmd_run(args, run_flow) if args.func is _cmd_run else args.func(args)
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2

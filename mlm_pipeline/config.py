@@ -3,6 +3,8 @@
 One pydantic model per stage; `PipelineConfig` groups them. Every model is frozen and
 rejects unknown keys, so a typo in a YAML file or an override is an error, not a silently
 ignored setting. Cross-field checks collect every problem and raise one `ValueError`.
+Finding, loading and printing config files (YAML, dotted overrides, the shipped configs)
+is `mlm_pipeline.config_files`.
 
 This module imports neither torch nor prefect (STYLE rule 3): flows and CPU workers load
 configs cheaply.
@@ -10,12 +12,9 @@ configs cheaply.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Fixed ids of the special tokens, shared by the tokenizer, shards, masking and model.
 SPECIAL_TOKENS: dict[str, int] = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
@@ -225,6 +224,10 @@ class ModelConfig(StrictModel):
         return self
 
 
+#: Warm-up steps when a config sets neither `train.warmup_steps` nor `train.warmup_ratio`.
+DEFAULT_WARMUP_STEPS = 100
+
+
 class TrainConfig(StrictModel):
     """Optimization loop."""
 
@@ -240,11 +243,12 @@ class TrainConfig(StrictModel):
     """Peak learning rate."""
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """Final LR as a share of the peak."""
-    warmup_steps: int = Field(default=100, ge=0)
-    """Steps of linear warm-up from 0 to `lr` (when set, it wins over `warmup_ratio`)."""
+    warmup_steps: int | None = Field(default=None, ge=0)
+    """Steps of linear warm-up from 0 to `lr`; when set, it wins over `warmup_ratio`. None
+    (neither set): `DEFAULT_WARMUP_STEPS` steps. `TrainConfig.warmup` is the number in effect."""
     warmup_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Warm-up as a share of `max_steps`, used when `warmup_steps` is not set (HF
-    `TrainingArguments.warmup_ratio`)."""
+    """Warm-up as a share of `max_steps` (rounded to whole steps), used when `warmup_steps`
+    is None (HF `TrainingArguments.warmup_ratio`)."""
     decay: Literal["linear", "cosine", "wsd"] = "linear"
     """Shape of the decay after warm-up: `linear`, `cosine` (Loshchilov & Hutter 2017), or
     `wsd` warmup-stable-decay (Hu et al. 2024, MiniCPM): constant peak LR, then a linear
@@ -286,10 +290,14 @@ class TrainConfig(StrictModel):
 
     @property
     def warmup(self) -> int:
-        """Warm-up steps in effect: `warmup_steps` if given, else `warmup_ratio` x `max_steps`."""
-        if self.warmup_ratio is not None and "warmup_steps" not in self.model_fields_set:
+        """Warm-up steps in effect: `warmup_steps` if set, else round(`warmup_ratio` x
+        `max_steps`) if set, else `DEFAULT_WARMUP_STEPS`. Decided by the field values alone
+        (not by which keys a file spelled out), so a printed config trains the same."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
             return round(self.warmup_ratio * self.max_steps)
-        return self.warmup_steps
+        return DEFAULT_WARMUP_STEPS
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainConfig:
@@ -364,113 +372,3 @@ class PipelineConfig(StrictModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the file and field."""
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key!r}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """Split a `key.path=value` override; the value is parsed as YAML (`3e-4`, `true`, `[a]`).
-
-    Raises:
-        ConfigError: when `item` has no `=` or an empty key.
-    """
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like key.path=value")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
-) -> PipelineConfig:
-    """Load a YAML pipeline config and apply dotted overrides (`train.lr=3e-4`).
-
-    Args:
-        path: YAML file; None starts from the defaults. A bare name such as `tiny` is looked
-            up as `configs/tiny.yaml` under the current directory and the project root.
-        overrides: `key.path=value` strings applied in order after the file.
-
-    Returns:
-        The validated, frozen `PipelineConfig`.
-
-    Raises:
-        ConfigError: the file is missing or not a YAML mapping, an override is malformed,
-            or validation fails (every failing field is listed with its dotted path).
-    """
-    tree: dict[str, Any] = {}
-    source = "<defaults>"
-    if path is not None:
-        resolved = resolve_config_path(path)
-        source = str(resolved)
-        try:
-            loaded = yaml.safe_load(resolved.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{resolved}: not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{resolved}: top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded
-    for item in overrides or []:
-        key, value = parse_override(item)
-        _set_dotted(tree, key, value)
-    try:
-        return PipelineConfig.model_validate(tree)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            lines.append(f"  {loc}: {err['msg']}")
-        raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None
-
-
-def resolve_config_path(path: str | os.PathLike[str]) -> Path:
-    """Find a config file: the path itself, else `configs/NAME.yaml` here or in the project.
-
-    Raises:
-        ConfigError: when no candidate exists (the candidates tried are listed).
-    """
-    p = Path(path)
-    candidates = [p]
-    if p.suffix not in (".yaml", ".yml"):
-        candidates += [Path("configs") / f"{p}.yaml", PROJECT_ROOT / "configs" / f"{p}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise ConfigError(f"config not found: tried {', '.join(str(c) for c in candidates)}")
-
-
-#: Root of the source checkout (where `configs/` lives in a development install).
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """Flatten a config into `{"train.lr": 0.001, ...}` for MLflow params (lists joined
-    with commas, None as "None")."""
-    out: dict[str, Any] = {}
-    for name, value in cfg.model_dump(mode="json").items():
-        _flatten_into(out, f"{prefix}{name}", value)
-    return out
-
-
-def _flatten_into(out: dict[str, Any], key: str, value: Any) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten_into(out, f"{key}.{k}", v)
-    elif isinstance(value, list):
-        out[key] = ",".join(str(v) for v in value)
-    else:
-        out[key] = "None" if value is None else value

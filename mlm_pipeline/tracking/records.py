@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlm_pipeline.config import PipelineConfig, flatten
+from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config_files import flatten
 from mlm_pipeline.manifest import (
     CorpusManifest,
     EvalManifest,
@@ -27,7 +28,7 @@ from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 def run_params(cfg: PipelineConfig) -> dict[str, Any]:
     """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params,
     plus `train.warmup_in_effect`: the warm-up steps used (`TrainConfig.warmup`), since
-    `warmup_steps` keeps its default when `warmup_ratio` sets the warm-up."""
+    `train.warmup_steps` is None when `warmup_ratio` (or the default) sets the warm-up."""
     return {**flatten(cfg), "train.warmup_in_effect": cfg.train.warmup}
 
 

@@ -155,7 +155,7 @@ class MlflowTracker:
         """Create a run, log `params` and `tags`; returns the run id.
 
         Args:
-            params: key -> value, e.g. `config.flatten(cfg)`; values are logged as `str(value)`,
+            params: key -> value, e.g. `config_files.flatten(cfg)`; values are logged as `str(value)`,
                 cut to 6000 characters with a warning.
             tags: key -> value, cut to 8000 characters with a warning; e.g. the code's
                 commit as `mlflow.source.git.commit` (see `git_commit`), which the UI shows.

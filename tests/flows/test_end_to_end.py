@@ -37,7 +37,8 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db",
                PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    cmd = [sys.executable, "-m", "mlm_pipeline.cli", "run", "tiny",
+    mlm_pipeline = Path(sys.executable).parent / "mlm-pipeline"  # the console script
+    cmd = [str(mlm_pipeline), "run", "tiny",
            "--set", f"work_dir={tmp / 'work'}",
            "--set", "ingest.max_documents=1200",
            "--set", "train.max_steps=250",

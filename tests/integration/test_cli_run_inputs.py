@@ -1,4 +1,5 @@
-"""`mlm-pipeline run` checks local input paths before it starts Prefect."""
+"""`mlm-pipeline run` checks local input paths before it starts Prefect; the library's own
+`main` runs the flow only when the entry point hands it one."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# The console script's entry (installed as mlm_pipeline_flows.cli), as the checkout has it.
 CODE = """
 import sys
-from mlm_pipeline.cli import main
+from flows.cli import main
 rc = main(["run", "tiny", "--set", sys.argv[1]])
 print("rc", rc, "prefect", "prefect" in sys.modules)
 """
@@ -37,3 +39,27 @@ def test_bad_local_source_fails_before_prefect(case, tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("mlm-pipeline:")]
     assert len(errors) == 1 and named in errors[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_run_without_a_flow_names_the_entry_point(capsys):
+    from mlm_pipeline.cli import main
+
+    assert main(["run", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "mlm_pipeline_flows.cli:main" in err and "python -m flows.cli" in err
+
+
+def test_run_checks_the_config_then_calls_the_flow_it_was_given(capsys):
+    from mlm_pipeline.cli import main
+
+    calls = []
+
+    def failing_flow(config: str, overrides: list[str]) -> dict:
+        calls.append((config, overrides))
+        raise RuntimeError("task train failed")
+
+    assert main(["run", "tiny", "--set", "train.nope=1"], run_flow=failing_flow) == 2
+    assert calls == []  # a config error never reaches the flow
+    assert main(["run", "tiny", "--set", "train.max_steps=5"], run_flow=failing_flow) == 1
+    assert calls == [("tiny", ["train.max_steps=5"])]
+    assert "mlm-pipeline: error: task train failed" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import sentencepiece as spm
 import yaml
 
 from mlm_pipeline.cli import main
-from mlm_pipeline.config import load_config
+from mlm_pipeline.config_files import load_config
 from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.tokenizer.stage import train_tokenizer
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mlm_pipeline.config import PipelineConfig, TrackingConfig, flatten
+from mlm_pipeline.config import PipelineConfig, TrackingConfig
+from mlm_pipeline.config_files import flatten
 from mlm_pipeline.tracking.sink import MlflowSink
 from mlm_pipeline.tracking.tracker import (
     MlflowTracker,

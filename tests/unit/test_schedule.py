@@ -72,7 +72,8 @@ def test_wsd_rejects_a_bad_decay_fraction():
 
 
 def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
-    from mlm_pipeline.config import ConfigError, TrainConfig, load_config
+    from mlm_pipeline.config import TrainConfig
+    from mlm_pipeline.config_files import ConfigError, load_config
 
     assert load_config("tiny", []).train.warmup == 60  # 0.06 x 1,000
     assert load_config("tiny", ["train.max_steps=20"]).train.warmup == 1  # round(1.2)
@@ -84,7 +85,7 @@ def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
 
 
 def test_params_record_the_warmup_in_effect():
-    from mlm_pipeline.config import load_config
+    from mlm_pipeline.config_files import load_config
     from mlm_pipeline.tracking.records import run_params
 
     params = run_params(load_config("tiny", ["train.max_steps=200"]))

@@ -1,0 +1,165 @@
+"""Config files: find a config by name or path, load its YAML, apply dotted overrides, print
+it back, and flatten it into MLflow params.
+
+A bare name such as `tiny` is looked up as `configs/tiny.yaml` under the current directory,
+then among the configs shipped with the package: the repository's top-level `configs/`
+folder, installed as the package data `mlm_pipeline.configs` and read with
+`importlib.resources`, so `load_config("tiny")` works from any directory, in a checkout or
+from an installed wheel. What `dump_config` prints, `load_config` reads back into the same
+config (`tests/unit/test_config_files.py`).
+
+This module imports neither torch nor prefect (STYLE rule 3).
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mlm_pipeline.config import PipelineConfig
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11
+    from importlib.resources.abc import Traversable
+
+#: Package whose data files are the shipped configs (the repository's `configs/` folder).
+SHIPPED_CONFIGS = "mlm_pipeline.configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and field."""
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split a `key.path=value` override; the value is parsed as YAML (`3e-4`, `true`, `[a]`).
+
+    Raises:
+        ConfigError: when `item` has no `=` or an empty key.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """Load a YAML pipeline config and apply dotted overrides (`train.lr=3e-4`).
+
+    Args:
+        path: YAML file; None starts from the defaults. A bare name such as `tiny` is looked
+            up as `configs/tiny.yaml` under the current directory, then among the shipped
+            configs (`resolve_config_path`).
+        overrides: `key.path=value` strings applied in order after the file.
+
+    Returns:
+        The validated, frozen `PipelineConfig`.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, an override is malformed,
+            or validation fails (every failing field is listed with its dotted path).
+    """
+    tree: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        resolved = resolve_config_path(path)
+        source = str(resolved)
+        try:
+            loaded = yaml.safe_load(resolved.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None
+
+
+def shipped_configs() -> dict[str, Traversable]:
+    """The configs installed with the package, by name (`{"tiny": .../tiny.yaml}`)."""
+    root = resources.files(SHIPPED_CONFIGS)
+    return {
+        entry.name.rpartition(".")[0]: entry
+        for entry in sorted(root.iterdir(), key=lambda e: e.name)
+        if entry.is_file() and entry.name.endswith(".yaml")
+    }
+
+
+def resolve_config_path(path: str | os.PathLike[str]) -> Path | Traversable:
+    """Find a config file: the path itself; for a bare name (no `.yaml`/`.yml` suffix)
+    also `configs/NAME.yaml` under the current directory, then the shipped config `NAME`.
+
+    Returns:
+        The file: a `Path`, or for a shipped config an `importlib.resources` `Traversable`
+        (a `Path` unless the package is installed in a zip file); either has `read_text`.
+
+    Raises:
+        ConfigError: when no candidate exists (the candidates tried and the shipped config
+            names are listed).
+    """
+    p = Path(path)
+    if p.is_file():
+        return p.resolve()
+    tried = [str(p)]
+    if p.suffix not in (".yaml", ".yml"):
+        local = Path("configs") / f"{p}.yaml"
+        if local.is_file():
+            return local.resolve()
+        shipped = shipped_configs()
+        if str(path) in shipped:
+            found = shipped[str(path)]
+            return found.resolve() if isinstance(found, Path) else found
+        tried += [str(local), f"shipped config {str(path)!r} (shipped: {', '.join(shipped)})"]
+    raise ConfigError(f"config not found: tried {', '.join(tried)}")
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    """`cfg` as YAML, every field spelled out: `load_config` of the text gives `cfg` back
+    (what `mlm-pipeline config` prints)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into `{"train.lr": 0.001, ...}` for MLflow params (lists joined
+    with commas, None as "None")."""
+    out: dict[str, Any] = {}
+    for name, value in cfg.model_dump(mode="json").items():
+        _flatten_into(out, f"{prefix}{name}", value)
+    return out
+
+
+def _flatten_into(out: dict[str, Any], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten_into(out, f"{key}.{k}", v)
+    elif isinstance(value, list):
+        out[key] = ",".join(str(v) for v in value)
+    else:
+        out[key] = "None" if value is None else value
