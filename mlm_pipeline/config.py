@@ -160,8 +160,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # BERT (Devlin et al. 2019): weight-compatible with Hugging Face `BertForMaskedLM`.
     "bert": {"norm": "post", "position": "learned", "activation": "gelu", "bias": True,
              "layer_norm_eps": 1e-12, "dropout": 0.1},
-    # In the spirit of ModernBERT (Warner et al. 2024): pre-LN, rotary, GeGLU, no biases,
-    # LayerNorm eps 1e-5, no dropout for pretraining.
+    # ModernBERT (Warner et al. 2024) with global attention in every layer: pre-LN, rotary,
+    # GeGLU, no biases, LayerNorm eps 1e-5, no dropout for pretraining; weight-compatible
+    # with Hugging Face `ModernBertForMaskedLM`.
     "modern": {"norm": "pre", "position": "rope", "activation": "geglu", "bias": False,
                "layer_norm_eps": 1e-5, "dropout": 0.0},
 }
@@ -173,7 +174,8 @@ class ModelConfig(StrictModel):
     preset: Literal["bert", "modern"] | None = None
     """Architecture recipe (`MODEL_PRESETS`): `bert` = post-LN, learned positions, GELU,
     biases (Hugging Face `BertForMaskedLM` compatible); `modern` = pre-LN, rotary positions,
-    GeGLU, no biases (ModernBERT-like). Fields set explicitly in the config win."""
+    GeGLU, no biases (`ModernBertForMaskedLM` compatible, global attention in every layer).
+    Fields set explicitly in the config win."""
 
     hidden_size: int = Field(default=128, ge=8)
     """Width of the residual stream."""
@@ -185,8 +187,9 @@ class ModelConfig(StrictModel):
     """Width of the feed-forward layer."""
     norm: Literal["post", "pre"] = "post"
     """LayerNorm placement: `post` (BERT, Devlin et al. 2019: `x = LN(x + f(x))`) or `pre`
-    (Xiong et al. 2020: `x = x + f(LN(x))` plus a final LayerNorm), which trains stably at
-    higher learning rates and leaves the early loss plateau much sooner."""
+    (Xiong et al. 2020: `x = x + f(LN(x))` plus a final LayerNorm; as in ModernBERT, none
+    before layer 0's attention, whose input the embeddings' LayerNorm has normalized), which
+    trains stably at higher learning rates and leaves the early loss plateau much sooner."""
     position: Literal["learned", "rope"] = "learned"
     """Position information: `learned` absolute embeddings (BERT) or rotary embeddings on
     queries and keys (`rope`, Su et al. 2021), which need no training to tell neighbours

@@ -1,4 +1,5 @@
-"""Bidirectional self-attention and rotary position embeddings for `BertMLM`.
+"""Bidirectional self-attention, its masks (padding, documents of packed rows) and rotary
+position embeddings for `BertMLM`.
 
 Shapes: B = batch size, L = tokens per row, H = hidden size, h = heads, d = H / h.
 The attention mask convention is SDPA's boolean one: True = may attend.
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlm_pipeline.config import ModelConfig
+from mlm_pipeline.config import SEP_ID, ModelConfig
 
 
 class SelfAttention(nn.Module):
@@ -43,6 +44,57 @@ class SelfAttention(nn.Module):
             v = qkv[:, :, 2].transpose(1, 2)
         y = attention(q, k, v, attn_mask, self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, hidden))
+
+
+def document_ids_from_sep(input_ids: Tensor) -> Tensor:
+    """Document index of every position of packed rows, from the in-band [SEP] tokens.
+
+    Rows are packed as `[CLS] doc1 [SEP] doc2 [SEP] ...`: a [SEP] ends the document it
+    follows, so the id of a position is the number of [SEP] (`config.SEP_ID`) strictly
+    before it in its row (an exclusive prefix count). Trailing [PAD] after the last [SEP]
+    form one more "document", which the attention mask hides anyway.
+
+    Args:
+        input_ids: integer (B, L) token ids.
+
+    Returns:
+        int32 (B, L) document ids, 0 for the first document of each row.
+    """
+    is_sep = (input_ids == SEP_ID).to(torch.int32)
+    return (torch.cumsum(is_sep, dim=1, dtype=torch.int32) - is_sep)
+
+
+def attention_bias_mask(attention_mask: Tensor | None,
+                        document_ids: Tensor | None) -> Tensor | None:
+    """The boolean SDPA mask (True = may attend) for padding and document boundaries.
+
+    Args:
+        attention_mask: (B, L), 1 = real token, 0 = padding (keys ignored); None = all real.
+        document_ids: integer (B, L); a query attends only to keys of its own id.
+
+    Returns:
+        None when nothing is masked; bool (B, 1, 1, L) for padding only; bool
+        (B, 1, L, L) with document ids.
+    """
+    attn_mask = None
+    # Skipping an all-ones mask lets SDPA use its fastest kernels; the check costs one
+    # host-device sync, which callers avoid by passing None for unpadded batches.
+    if attention_mask is not None and not bool(attention_mask.all()):
+        keep = attention_mask.bool()
+        # A row with no real token softmaxes over nothing: NaN (also in backward) in
+        # torch < 2.5's math kernel, zeros in later ones. Let such rows attend
+        # everywhere, the same on every version; they are never predicted anyway.
+        keep = keep | ~keep.any(dim=1, keepdim=True)
+        attn_mask = keep[:, None, None, :]
+    if document_ids is not None:
+        same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, L, L)
+        if attn_mask is not None:
+            # Every query keeps its own key, so a padding query (whose document is
+            # all padding) never softmaxes over nothing.
+            eye = torch.eye(same.shape[1], dtype=torch.bool, device=same.device)
+            same = (same & attn_mask[:, 0]) | eye
+        attn_mask = same[:, None]
+    return attn_mask
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -124,11 +176,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
     """Rotary-embedding tables (Su et al. 2021, RoFormer, eq. 34), fp32 (seq_len, head_dim):
     angle(p, i) = p * base^(-2i / head_dim) for the pair i, repeated over both halves (the
-    half-split pairing of GPT-NeoX and Hugging Face Llama)."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    half-split pairing of GPT-NeoX, Hugging Face Llama and ModernBERT).
+
+    Computed in fp32 with the operations of transformers' `ModernBertRotaryEmbedding`
+    (default RoPE), so an exported `modern` model uses the tables it was trained with:
+    float64 angles differ from these by up to 2e-5 at position 512 (fp32 rounding of p *
+    inv_freq), 4e-4 at 8192."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    angles = torch.arange(seq_len, dtype=torch.float)[:, None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

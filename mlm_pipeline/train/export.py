@@ -3,8 +3,9 @@
 `export_checkpoint(checkpoint_dir, out_dir)` writes what `AutoModelForMaskedLM`,
 `AutoTokenizer` and `transformers.pipeline("fill-mask", model=out_dir)` load:
 
-- `config.json` and `model.safetensors`: the weights under the Hugging Face class the
-  preset maps to (`HF_CLASSES`; `bert` -> `BertForMaskedLM` through `train.hf`), fp32;
+- `config.json` and `model.safetensors`: the weights under the Hugging Face class of the
+  model's architecture (`train.hf`: `bert` -> `BertForMaskedLM`, `modern` ->
+  `ModernBertForMaskedLM`), fp32, the vocabulary's padding rows sliced away;
 - `tokenizer.json`, `tokenizer_config.json` (and what `transformers` writes with them):
   our SentencePiece tokenizer rebuilt with `tokenizers` (`tokenizer.export`), found from
   the checkpoint's tokenizer digest in the work directory;
@@ -40,24 +41,28 @@ from mlm_pipeline.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: The Hugging Face masked-LM class each `model.preset` maps to, one to one. A config
-#: without a preset exports as BERT when its fields are BERT's (`hf.check_bert_compatible`).
-HF_CLASSES: dict[str, str] = {"bert": "BertForMaskedLM"}
-#: Why the `modern` preset does not export yet.
-MODERN_PENDING = "modern export lands with the ModernBERT alignment"
 
-
-def hf_class_name(model_cfg: ModelConfig) -> str:
-    """The `transformers` class a model with this config exports as (`HF_CLASSES`); a
-    config without a preset is exported as BERT if its fields are BERT's (checked on the
-    model by `hf.check_bert_compatible`).
+def export_class(state: dict[str, Any]) -> str:
+    """The `transformers` class a checkpoint exports as: the one of its model config's
+    architecture (`hf.hf_class_name`), which must be the class the checkpoint records
+    (`hf_class` in `state.json`, when recorded).
 
     Raises:
-        ValueError: the `modern` preset (not exportable yet).
+        ValueError: no Hugging Face class has the architecture (the fields that differ
+            from the preset's class are named), or the checkpoint records another class
+            (a layout this version does not map).
     """
-    if model_cfg.preset == "modern":
-        raise ValueError(f"model.preset='modern' cannot be exported yet: {MODERN_PENDING}")
-    return HF_CLASSES["bert"]
+    from mlm_pipeline.train.hf import HF_CLASSES, check_compatible, hf_class_name
+
+    cfg = ModelConfig.model_validate(state["config"]["model"])
+    hf_class = hf_class_name(cfg)
+    if hf_class is None:
+        check_compatible(cfg, HF_CLASSES[cfg.preset or "bert"])
+    recorded = state.get("hf_class")
+    if recorded is not None and recorded != hf_class:
+        raise ValueError(f"the checkpoint records hf_class {recorded!r}, its model config "
+                         f"maps to {hf_class!r}")
+    return hf_class
 
 
 def find_stage_manifest(start: Path, stage: str, digest: str, cls):
@@ -176,6 +181,9 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
         "", "## Training", "",
         f"- Steps: {counts['step']:,}; tokens seen: {counts['tokens_seen']:,}",
     ]
+    if hf_class == "ModernBertForMaskedLM":
+        lines.append(f"- Architecture: ModernBERT with global attention in every layer (no "
+                     f"sliding-window layers), RoPE base {model.get('rope_base')}")
     if train:
         warmup = (f"{train['warmup_steps']} warm-up steps" if train.get("warmup_steps")
                   is not None else f"warm-up ratio {train.get('warmup_ratio')}")
@@ -233,20 +241,19 @@ def export_checkpoint(
         FileNotFoundError: `checkpoint_dir` is not a checkpoint, or its tokenizer is not
             found.
         FileExistsError: `out_dir` exists, is not empty, and `overwrite` is false.
-        ValueError: the model cannot be exported (the `modern` preset, or fields BERT
-            cannot express), or the tokenizer is not the checkpoint's.
+        ValueError: the model cannot be exported (fields no Hugging Face class can
+            express; see `export_class`), or the tokenizer is not the checkpoint's.
         RuntimeError: `transformers` or `tokenizers` is not installed (the message names
             the `export` extra).
     """
     from mlm_pipeline.train.checkpoint import load_model, read_state
-    from mlm_pipeline.train.hf import check_bert_compatible, to_hf_bert
+    from mlm_pipeline.train.hf import to_hf
 
     checkpoint = Path(checkpoint_dir).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
     state = read_state(checkpoint)
-    hf_class = hf_class_name(ModelConfig.model_validate(state["config"]["model"]))
+    hf_class = export_class(state)
     model = load_model(checkpoint)
-    check_bert_compatible(model)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (choose a new directory, "
                               "or overwrite)")
@@ -258,8 +265,7 @@ def export_checkpoint(
     shards = find_stage_manifest(checkpoint, "shards", state["shards_digest"], ShardManifest)
     metrics = _eval_metrics(checkpoint)
 
-    hf = to_hf_bert(model)
-    hf.config.architectures = [hf_class]
+    hf = to_hf(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

@@ -1,35 +1,87 @@
-"""Export a `bert`-preset `BertMLM` to Hugging Face `BertForMaskedLM`.
+"""Map `BertMLM` onto Hugging Face masked-LM classes: `bert` -> `BertForMaskedLM`,
+`modern` -> `ModernBertForMaskedLM`, weight for weight.
 
 The `bert` preset (post-LN, learned positions, GELU, biases) is BERT itself (Devlin et al.
 2019), so its weights map one to one onto `transformers`' BERT, except:
 
 - our fused `qkv` projection (rows: all query heads, then keys, then values) is split into
   `query`, `key`, `value`;
-- HF BERT adds token-type embeddings: exported as zeros, so they add nothing;
-- our word-embedding table is padded to a multiple of 64 rows, which our model never looks
-  up and slices off its logits; the export keeps the V real rows (`vocab_size` = V), so
-  logits and softmax (hence loss) equal ours at every real id.
+- HF BERT adds token-type embeddings: exported as zeros, so they add nothing.
+
+The `modern` preset (pre-LN, RoPE, GeGLU, no biases) is ModernBERT (Warner et al. 2024) as
+transformers implements it (`models/modernbert/modeling_modernbert.py`), with global
+attention in every layer (`layer_types = ["full_attention"] * num_layers`; ModernBERT's
+default alternates two local 128-token sliding-window layers with one global layer, which
+would need a banded mask and a second RoPE base in our attention). Every tensor maps to
+one HF tensor under another name (`_modern_names`), nothing split or added: fused `Wqkv`
+rows [q | k | v] with heads contiguous (HF views them as (3, heads, d) as ours does), `Wi`
+rows [gelu input | gate], no attention LayerNorm in layer 0 (HF `attn_norm` is Identity
+there), `final_norm`, head `dense` + GELU + `norm`, tied `decoder` with its bias. RoPE is
+the half-split `rotate_half` convention in both, with bit-identical fp32 tables
+(`attention.rope_tables`); under bf16 autocast we rotate in bf16 where HF rotates in fp32
+(rounding only, for speed).
+
+For both, our word-embedding table is padded to a multiple of 64 rows, which our model
+never looks up and slices off its logits; the export keeps the V real rows (`vocab_size` =
+V), so logits and softmax (hence loss) equal ours at every real id.
 
 `transformers` is an optional dependency: it is imported inside the functions only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from mlm_pipeline.config import PAD_ID
+from mlm_pipeline.config import CLS_ID, PAD_ID, SEP_ID, ModelConfig
 from mlm_pipeline.train.model import BertMLM
 
 if TYPE_CHECKING:  # pragma: no cover
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        ModernBertConfig,
+        ModernBertForMaskedLM,
+        PreTrainedModel,
+    )
 
 #: Segment ids HF BERT accepts (its default); their embeddings are exported as zeros.
 TYPE_VOCAB_SIZE = 2
 
-#: Config fields and the value HF BERT requires.
-_BERT_COMPATIBLE = {"norm": "post", "position": "learned", "activation": "gelu", "bias": True}
+#: The `transformers` masked-LM class of each architecture, and the `ModelConfig` field
+#: values it requires (ModernBERT's biases are options: `bias` maps onto all of them).
+HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "BertForMaskedLM": {"norm": "post", "position": "learned", "activation": "gelu",
+                        "bias": True},
+    "ModernBertForMaskedLM": {"norm": "pre", "position": "rope", "activation": "geglu"},
+}
+#: The class each `model.preset` maps to.
+HF_CLASSES: dict[str, str] = {"bert": "BertForMaskedLM", "modern": "ModernBertForMaskedLM"}
+
+
+def hf_class_name(cfg: ModelConfig) -> str | None:
+    """The `transformers` class whose architecture `cfg` has (`HF_ARCHITECTURES`), decided
+    by the fields (a preset with overridden fields may have none); None when no class has
+    it."""
+    for name, want in HF_ARCHITECTURES.items():
+        if all(getattr(cfg, field) == value for field, value in want.items()):
+            return name
+    return None
+
+
+def check_compatible(cfg: ModelConfig, hf_class: str) -> None:
+    """Check that `cfg` has the architecture of `hf_class` (a key of `HF_ARCHITECTURES`).
+
+    Raises:
+        ValueError: naming every `ModelConfig` field whose value the class cannot express.
+    """
+    wrong = [f"model.{field}={getattr(cfg, field)!r} ({hf_class} needs {want!r})"
+             for field, want in HF_ARCHITECTURES[hf_class].items()
+             if getattr(cfg, field) != want]
+    if wrong:
+        raise ValueError(f"model is not Hugging Face {hf_class} compatible: "
+                         + ", ".join(wrong))
 
 
 def check_bert_compatible(model: BertMLM) -> None:
@@ -38,10 +90,7 @@ def check_bert_compatible(model: BertMLM) -> None:
     Raises:
         ValueError: naming every `ModelConfig` field whose value HF BERT cannot express.
     """
-    wrong = [f"model.{field}={getattr(model.cfg, field)!r} (BERT needs {want!r})"
-             for field, want in _BERT_COMPATIBLE.items() if getattr(model.cfg, field) != want]
-    if wrong:
-        raise ValueError("model is not Hugging Face BERT compatible: " + ", ".join(wrong))
+    check_compatible(model.cfg, "BertForMaskedLM")
 
 
 def hf_bert_config(model: BertMLM) -> BertConfig:
@@ -121,6 +170,114 @@ def hf_bert_state_dict(model: BertMLM) -> dict[str, Tensor]:
     return out
 
 
+def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
+    """The `transformers.ModernBertConfig` of `model`'s shape: global attention in every
+    layer with RoPE base `rope_base`, exact GELU in the MLP and head, LayerNorm eps
+    `layer_norm_eps`, every bias option (`norm_bias`, `attention_bias`, `mlp_bias`,
+    `classifier_bias`) = `bias`, `decoder_bias` on, each dropout = `dropout`, our special
+    ids, SDPA attention, dense logits (`sparse_prediction` off, as pipelines expect).
+
+    Raises:
+        ValueError: the model is not ModernBERT-compatible (see `check_compatible`).
+    """
+    from transformers import ModernBertConfig
+
+    cfg = model.cfg
+    check_compatible(cfg, "ModernBertForMaskedLM")
+    return ModernBertConfig(
+        vocab_size=model.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        hidden_activation="gelu",  # exact erf form, as ours (F.gelu)
+        classifier_activation="gelu",
+        max_position_embeddings=model.seq_len,
+        initializer_range=cfg.initializer_range,
+        norm_eps=cfg.layer_norm_eps,
+        norm_bias=cfg.bias,
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        classifier_bias=cfg.bias,
+        decoder_bias=True,
+        layer_types=["full_attention"] * cfg.num_layers,
+        rope_parameters={"full_attention": {"rope_type": "default",
+                                            "rope_theta": cfg.rope_base}},
+        embedding_dropout=cfg.dropout,
+        attention_dropout=cfg.dropout,
+        mlp_dropout=cfg.dropout,
+        pad_token_id=PAD_ID,
+        bos_token_id=CLS_ID,
+        cls_token_id=CLS_ID,
+        eos_token_id=SEP_ID,
+        sep_token_id=SEP_ID,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+
+
+def _modern_names(key: str) -> str:
+    """The `ModernBertForMaskedLM` name of one of our `modern` state-dict keys."""
+    renames = [  # (our prefix, theirs), first match wins
+        ("embeddings.word_embeddings.", "model.embeddings.tok_embeddings."),
+        ("embeddings.layer_norm.", "model.embeddings.norm."),
+        ("final_norm.", "model.final_norm."),
+        ("head.transform.0.", "head.dense."),
+        ("head.transform.2.", "head.norm."),
+        ("head.decoder.", "decoder."),
+    ]
+    for ours, theirs in renames:
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    _, i, rest = key.split(".", 2)  # layers.<i>.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    blocks = {"attention_norm": "attn_norm", "attention.qkv": "attn.Wqkv",
+              "attention.out": "attn.Wo", "ffn_norm": "mlp_norm", "ffn.0": "mlp.Wi",
+              "ffn.2": "mlp.Wo"}
+    return f"model.layers.{i}.{blocks[module]}.{kind}"
+
+
+def hf_modernbert_state_dict(model: BertMLM) -> dict[str, Tensor]:
+    """`ModernBertForMaskedLM` state dict (detached copies) holding `model`'s weights, one
+    HF tensor per tensor of ours.
+
+    Returns:
+        Parameter name -> tensor, fp32 as in `model`; token embeddings (= tied decoder
+        weight) and decoder bias cut to the V real rows.
+
+    Raises:
+        ValueError: the model is not ModernBERT-compatible (see `check_compatible`).
+    """
+    check_compatible(model.cfg, "ModernBertForMaskedLM")
+    v = model.vocab_size
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key == "head.decoder.weight":  # the word-embedding table (tied)
+            continue
+        if key in ("embeddings.word_embeddings.weight", "head.decoder.bias"):
+            tensor = tensor[:v]
+        out[_modern_names(key)] = tensor.detach().clone()
+    out["decoder.weight"] = out["model.embeddings.tok_embeddings.weight"]
+    return out
+
+
+def _load_exactly(hf: PreTrainedModel, state: dict[str, Tensor], derived: tuple[str, ...],
+                  hf_class: str) -> PreTrainedModel:
+    """Load `state` into `hf`, tie its weights, eval mode.
+
+    Raises:
+        RuntimeError: a parameter of `hf` is not in `state` or a key of `state` is not in
+            `hf` (buffers ending in `derived` excepted).
+    """
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(derived)]
+    if missing or unexpected:
+        raise RuntimeError(f"HF {hf_class} mapping incomplete: missing {missing}, "
+                           f"unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
 def to_hf_bert(model: BertMLM) -> BertForMaskedLM:
     """A `transformers.BertForMaskedLM` computing the same function as `model`.
 
@@ -135,12 +292,37 @@ def to_hf_bert(model: BertMLM) -> BertForMaskedLM:
     from transformers import BertForMaskedLM
 
     hf = BertForMaskedLM(hf_bert_config(model))
-    state = hf_bert_state_dict(model)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
     # Buffers (position_ids, token_type_ids) are derived, not ours to provide.
-    missing = [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]
-    if missing or unexpected:
-        raise RuntimeError(f"HF BERT mapping incomplete: missing {missing}, "
-                           f"unexpected {unexpected}")
-    hf.tie_weights()
-    return hf.eval()
+    return _load_exactly(hf, hf_bert_state_dict(model), ("position_ids", "token_type_ids"),
+                         "BertForMaskedLM")
+
+
+def to_hf_modernbert(model: BertMLM) -> ModernBertForMaskedLM:
+    """A `transformers.ModernBertForMaskedLM` computing the same function as `model`
+    (CPU, fp32, eval mode); its logits equal ours at the real ids up to float rounding.
+
+    Raises:
+        ValueError: the model is not ModernBERT-compatible (see `check_compatible`).
+        RuntimeError: `transformers` expects parameters the mapping does not provide.
+    """
+    from transformers import ModernBertForMaskedLM
+
+    hf = ModernBertForMaskedLM(hf_modernbert_config(model))
+    return _load_exactly(hf, hf_modernbert_state_dict(model), (), "ModernBertForMaskedLM")
+
+
+def to_hf(model: BertMLM) -> PreTrainedModel:
+    """`model` as the `transformers` class of its architecture (`hf_class_name`), CPU,
+    fp32, eval mode, with `config.architectures` set to that class.
+
+    Raises:
+        ValueError: no Hugging Face class has the model's architecture (the fields that
+            differ from the preset's class, BERT's without a preset, are named).
+        RuntimeError: `transformers` expects parameters the mapping does not provide.
+    """
+    hf_class = hf_class_name(model.cfg)
+    if hf_class is None:
+        check_compatible(model.cfg, HF_CLASSES.get(model.cfg.preset or "bert"))
+    hf = to_hf_bert(model) if hf_class == "BertForMaskedLM" else to_hf_modernbert(model)
+    hf.config.architectures = [hf_class]
+    return hf

@@ -9,9 +9,14 @@ absolute position embeddings, post-LayerNorm residual blocks (`x = LN(x + f(x))`
 erf form, as in BERT), biases everywhere, no token-type embeddings (one segment only). The
 config switches each of these to its ModernBERT counterpart (Warner et al. 2024): pre-LN,
 rotary positions, GeGLU feed-forward (Shazeer 2020), no biases in linear layers and
-LayerNorms. The MLM head (dense + GELU + LayerNorm, then a decoder tied to the word
-embeddings plus its own bias, which ModernBERT keeps too: `decoder_bias=True`) runs only at
-masked positions when labels are given, which saves the (B, L, V) logits.
+LayerNorms. The `modern` preset is Hugging Face `ModernBertForMaskedLM` (transformers
+`models/modernbert/modeling_modernbert.py`) with global attention in every layer, tensor for
+tensor (`train.hf`): embeddings LayerNorm, no attention LayerNorm in layer 0 (its input is
+the embeddings' LayerNorm output), fused `qkv` rows [q | k | v] with heads contiguous,
+half-split RoPE, GeGLU `[gelu half | gate half]`, final LayerNorm, head. The MLM head (dense
++ GELU + LayerNorm, then a decoder tied to the word embeddings plus its own bias, which
+ModernBERT keeps too: `decoder_bias=True`) runs only at masked positions when labels are
+given, which saves the (B, L, V) logits.
 
 Packed rows hold several documents (`[CLS] doc1 [SEP] doc2 [SEP] ...`); with
 `document_ids` (see `document_ids_from_sep`) a token attends only within its own document.
@@ -28,8 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlm_pipeline.config import IGNORE_INDEX, SEP_ID, ModelConfig
-from mlm_pipeline.train.attention import Dropout, SelfAttention, rope_tables
+from mlm_pipeline.config import IGNORE_INDEX, ModelConfig
+from mlm_pipeline.train.attention import (
+    Dropout,
+    SelfAttention,
+    attention_bias_mask,
+    document_ids_from_sep,  # noqa: F401 (loop and evaluate import it from here)
+    rope_tables,
+)
 
 #: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
 #: are multiples of 64 map onto full tensor-core tiles (NVIDIA "Matrix multiplication
@@ -45,33 +56,24 @@ def _layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
-def document_ids_from_sep(input_ids: Tensor) -> Tensor:
-    """Document index of every position of packed rows, from the in-band [SEP] tokens.
-
-    Rows are packed as `[CLS] doc1 [SEP] doc2 [SEP] ...`: a [SEP] ends the document it
-    follows, so the id of a position is the number of [SEP] (`config.SEP_ID`) strictly
-    before it in its row (an exclusive prefix count). Trailing [PAD] after the last [SEP]
-    form one more "document", which the attention mask hides anyway.
-
-    Args:
-        input_ids: integer (B, L) token ids.
-
-    Returns:
-        int32 (B, L) document ids, 0 for the first document of each row.
-    """
-    is_sep = (input_ids == SEP_ID).to(torch.int32)
-    return (torch.cumsum(is_sep, dim=1, dtype=torch.int32) - is_sep)
-
-
 class GeGLU(nn.Module):
     """The gate of GeGLU (Shazeer 2020, "GLU Variants Improve Transformer", eq. 5):
-    (..., 2I) -> (..., I) as gelu(a) * b, where [a, b] are the two halves of the fused
-    W1/V projection (the layout of Hugging Face ModernBERT's `Wi`)."""
+    (..., 2I) -> (..., I) as dropout(gelu(a) * b), where [a, b] are the two halves of the
+    fused W1/V projection (Hugging Face ModernBERT's `Wi`: `input, gate = Wi(x).chunk(2)`;
+    its `mlp_dropout` acts here, before `Wo`).
+
+    Args:
+        p: dropout probability on the gated product.
+    """
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = Dropout(p)
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., 2I) -> (..., I)."""
         a, b = x.chunk(2, dim=-1)
-        return F.gelu(a) * b
+        return self.dropout(F.gelu(a) * b)
 
 
 class MLMOutput(NamedTuple):
@@ -120,35 +122,41 @@ class Embeddings(nn.Module):
 
 class Block(nn.Module):
     """Transformer block, post-LN (BERT): `x = LN(x + attn(x)); x = LN(x + ffn(x))`, or
-    pre-LN (Xiong et al. 2020): `x = x + attn(LN(x)); x = x + ffn(LN(x))`.
+    pre-LN (Xiong et al. 2020): `x = x + attn(LN(x)); x = x + ffn(LN(x))`, where layer 0
+    has no attention LayerNorm (ModernBERT: `attn_norm = nn.Identity()` in layer 0), its
+    input being the embeddings' LayerNorm output already.
 
     Args:
         cfg: model shape.
+        first: this is layer 0.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, first: bool = False) -> None:
         super().__init__()
+        self.pre_norm = cfg.norm == "pre"
         self.attention = SelfAttention(cfg)
-        self.attention_norm = _layer_norm(cfg)
+        self.attention_norm = nn.Identity() if self.pre_norm and first else _layer_norm(cfg)
         h, i = cfg.hidden_size, cfg.intermediate_size
-        # GeGLU: W1 and V fused into one (H, 2I) matmul, split by the gate.
+        geglu = cfg.activation == "geglu"
+        # GeGLU: W1 and V fused into one (H, 2I) matmul, split by the gate, which also
+        # drops out (ModernBERT); GELU's branch drops out after W2 (BERT's hidden dropout).
         self.ffn = nn.Sequential(
-            nn.Linear(h, 2 * i if cfg.activation == "geglu" else i, bias=cfg.bias),
-            GeGLU() if cfg.activation == "geglu" else nn.GELU(),
+            nn.Linear(h, 2 * i if geglu else i, bias=cfg.bias),
+            GeGLU(cfg.dropout) if geglu else nn.GELU(),
             nn.Linear(i, h, bias=cfg.bias),
         )
         self.ffn_norm = _layer_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
-        self.pre_norm = cfg.norm == "pre"
+        self.ffn_dropout = Dropout(0.0 if geglu else cfg.dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None,
                 rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """(B, L, H) -> (B, L, H); `rope` as in `SelfAttention.forward`."""
         if self.pre_norm:
             x = x + self.dropout(self.attention(self.attention_norm(x), attn_mask, rope))
-            return x + self.dropout(self.ffn(self.ffn_norm(x)))
+            return x + self.ffn_dropout(self.ffn(self.ffn_norm(x)))
         x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask, rope)))
-        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+        return self.ffn_norm(x + self.ffn_dropout(self.ffn(x)))
 
 
 class MLMHead(nn.Module):
@@ -200,7 +208,7 @@ class BertMLM(nn.Module):
         # Padding rows are never looked up (ids < V) and their logits are sliced off.
         self.padded_vocab_size = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
         self.embeddings = Embeddings(cfg, self.padded_vocab_size, seq_len)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, first=i == 0) for i in range(cfg.num_layers))
         if cfg.position == "rope":
             cos, sin = rope_tables(seq_len, cfg.hidden_size // cfg.num_heads, cfg.rope_base)
             # Derived from the config: not saved in checkpoints (persistent=False).
@@ -225,38 +233,20 @@ class BertMLM(nn.Module):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    @staticmethod
-    def attention_bias_mask(attention_mask: Tensor | None,
-                            document_ids: Tensor | None) -> Tensor | None:
-        """The boolean SDPA mask (True = may attend) for padding and document boundaries.
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`, refusing by name a pre-LN state with a layer-0
+        attention LayerNorm (our layout before the ModernBERT alignment): a different
+        function, which this model cannot compute.
 
-        Args:
-            attention_mask: (B, L), 1 = real token, 0 = padding (keys ignored); None = all real.
-            document_ids: integer (B, L); a query attends only to keys of its own id.
-
-        Returns:
-            None when nothing is masked; bool (B, 1, 1, L) for padding only; bool
-            (B, 1, L, L) with document ids.
+        Raises:
+            RuntimeError: that layout, or (with `strict`) missing or unexpected keys.
         """
-        attn_mask = None
-        # Skipping an all-ones mask lets SDPA use its fastest kernels; the check costs one
-        # host-device sync, which callers avoid by passing None for unpadded batches.
-        if attention_mask is not None and not bool(attention_mask.all()):
-            keep = attention_mask.bool()
-            # A row with no real token softmaxes over nothing: NaN (also in backward) in
-            # torch < 2.5's math kernel, zeros in later ones. Let such rows attend
-            # everywhere, the same on every version; they are never predicted anyway.
-            keep = keep | ~keep.any(dim=1, keepdim=True)
-            attn_mask = keep[:, None, None, :]
-        if document_ids is not None:
-            same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, L, L)
-            if attn_mask is not None:
-                # Every query keeps its own key, so a padding query (whose document is
-                # all padding) never softmaxes over nothing.
-                eye = torch.eye(same.shape[1], dtype=torch.bool, device=same.device)
-                same = (same & attn_mask[:, 0]) | eye
-            attn_mask = same[:, None]
-        return attn_mask
+        if self.cfg.norm == "pre" and "layers.0.attention_norm.weight" in state_dict:
+            raise RuntimeError(
+                "model: this pre-LN (modern) state has a LayerNorm before layer 0's attention, "
+                "the layout before the ModernBERT alignment, where layer 0 has none; retrain, "
+                "or load it with the mlm-pipeline version that trained it")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                document_ids: Tensor | None = None) -> Tensor:
@@ -283,7 +273,7 @@ class BertMLM(nn.Module):
                 f"model: document_ids shape {tuple(document_ids.shape)} != input_ids shape "
                 f"{tuple(input_ids.shape)}"
             )
-        attn_mask = self.attention_bias_mask(attention_mask, document_ids)
+        attn_mask = attention_bias_mask(attention_mask, document_ids)
         x = self.embeddings(input_ids)
         rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
         for layer in self.layers:

@@ -36,6 +36,7 @@ from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState
 from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
+from mlm_pipeline.train.hf import hf_class_name
 from mlm_pipeline.train.loop import Parts, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
@@ -128,10 +129,13 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
 def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                     shards: ShardManifest, tokenizer: TokenizerManifest) -> dict[str, Any]:
     """What makes a checkpoint self-describing: the `model`, `train` and `masking` configs
-    (JSON), `vocab_size`, `seq_len` (tokens) and the tokenizer and shard digests."""
+    (JSON), `vocab_size`, `seq_len` (tokens), the tokenizer and shard digests, and
+    `hf_class`: the `transformers` class the weights map onto one to one
+    (`hf.hf_class_name`: `BertForMaskedLM`, `ModernBertForMaskedLM`, or None)."""
     return {
         "config": {"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
                    "masking": masking.model_dump(mode="json")},
+        "hf_class": hf_class_name(model),
         "vocab_size": shards.vocab_size,
         "seq_len": shards.seq_len,
         "tokenizer_digest": tokenizer.digest,

@@ -175,10 +175,12 @@ def test_num_parameters_hand_count(model, tiny_cfg):
     layer = ((h * 3 * h + b * 3 * h) + (h * h + b * h) + norm
              + (h * g * i + b * g * i) + (i * h + b * h) + norm)
     head = (h * h + b * h) + norm + vp  # transform + LayerNorm + decoder bias (weight tied)
+    # Pre-LN (ModernBERT): a final LayerNorm, and none before layer 0's attention.
     final_norm = norm if tiny_cfg.norm == "pre" else 0
-    assert model.num_parameters() == embeddings + 2 * layer + final_norm + head
+    layers = 2 * layer - (norm if tiny_cfg.norm == "pre" else 0)
+    assert model.num_parameters() == embeddings + layers + final_norm + head
     assert model.num_parameters(exclude_embeddings=True) == (
-        norm + 2 * layer + final_norm + head
+        norm + layers + final_norm + head
     )
 
 
@@ -205,15 +207,32 @@ def test_init_follows_bert(model, tiny_cfg):
 
 
 def test_pre_norm_block_matches_its_formula():
-    """x + attn(LN1(x)), then + ffn(LN2(.)), written out with the block's own sublayers."""
+    """x + attn(LN1(x)), then + ffn(LN2(.)), written out with the block's own sublayers;
+    layer 0 has no LN1 (ModernBERT), its input being the embeddings' LayerNorm output."""
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                       dropout=0.0, norm="pre")
-    block = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN).layers[0]
+    first, block = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN).layers
+    assert isinstance(first.attention_norm, torch.nn.Identity)
+    assert isinstance(block.attention_norm, torch.nn.LayerNorm)
     x = torch.randn(2, SEQ_LEN, 32)
     h = x + block.attention(block.attention_norm(x), None)
     want = h + block.ffn(block.ffn_norm(h))
     torch.testing.assert_close(block(x, None), want)
+    h = x + first.attention(x, None)
+    torch.testing.assert_close(first(x, None), h + first.ffn(first.ffn_norm(h)))
+
+
+def test_pre_norm_refuses_a_layer0_attention_norm_by_name():
+    """A pre-LN state from before the ModernBERT alignment computes another function."""
+    cfg = ModelConfig(preset="modern", hidden_size=32, num_layers=2, num_heads=2,
+                      intermediate_size=64)
+    model = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN)
+    state = model.state_dict()
+    state["layers.0.attention_norm.weight"] = torch.ones(32)
+    with pytest.raises(RuntimeError, match="ModernBERT alignment"):
+        model.load_state_dict(state)
+    model.load_state_dict(model.state_dict())  # the current layout loads
 
 
 def test_rope_scores_depend_only_on_relative_position():
