@@ -13,19 +13,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from mlm_pipeline import __version__
 
+logger = logging.getLogger(__name__)
+
 #: Bump when a stage's output format changes, so old cached outputs are not reused.
 FORMAT_VERSION = 1
+
+
+class ManifestPathError(ValueError):
+    """A path in a manifest that is not inside its stage directory (the manifest is named)."""
 
 
 class FileEntry(BaseModel):
@@ -73,8 +80,26 @@ class Manifest(BaseModel):
         return Path(self.output_dir) / "manifest.json"
 
     def file(self, rel: str) -> Path:
-        """Absolute path of an output file given relative to `output_dir`."""
-        return Path(self.output_dir) / rel
+        """Absolute path of an output file given relative to `output_dir`: the one check
+        of every path read from a manifest, so a tampered manifest cannot make a stage
+        read, or upload, a file outside its stage directory.
+
+        Raises:
+            ManifestPathError: `rel` is absolute or has a `..` part, or resolves (through
+                a symbolic link) outside `output_dir`; the manifest is named.
+        """
+        root, given = Path(self.output_dir), PurePath(rel)
+        if given.anchor or ".." in given.parts:
+            raise ManifestPathError(f"{self.path}: path {rel!r} is not relative to the "
+                                    f"stage directory {root} without '..'; refused")
+        try:
+            real, real_root = (root / rel).resolve(), root.resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise ManifestPathError(f"{self.path}: path {rel!r}: {exc}; refused") from exc
+        if real != real_root and real_root not in real.parents:
+            raise ManifestPathError(f"{self.path}: path {rel!r} resolves to {real}, outside "
+                                    f"the stage directory {real_root} (a symbolic link); refused")
+        return root / rel
 
 
 M = TypeVar("M", bound=Manifest)
@@ -182,12 +207,19 @@ def read_manifest(path: str | os.PathLike[str], cls: type[M]) -> M:
         raise ValueError(f"{p}: not a valid {cls.__name__}: {exc}") from exc
 
 
-def load_if_complete(out_dir: Path, cls: type[M], digest: str) -> M | None:
+def load_if_complete(out_dir: Path, cls: type[M], digest: str,
+                     sha256: Callable[[Path], str] | None = None) -> M | None:
     """Return the manifest in `out_dir` when it exists, has `digest`, and every file it
-    lists still exists with the recorded size; otherwise None (the stage must run).
+    lists still exists with the recorded size and, when `sha256` (path -> hex digest,
+    e.g. `mlm_pipeline.ingest.hashing.HashMemo.file_sha256`) is given, the recorded
+    sha256; otherwise None (the stage must run). A changed file is named in a warning.
 
     A stage directory that was moved or copied (its work directory with it) is reused
-    where it is: the returned manifest's `output_dir` is `out_dir`, resolved."""
+    where it is: the returned manifest's `output_dir` is `out_dir`, resolved.
+
+    Raises:
+        ManifestPathError: a listed path is not inside `out_dir` (`Manifest.file`).
+    """
     p = out_dir / "manifest.json"
     if not p.is_file():
         return None
@@ -197,29 +229,28 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str) -> M | None:
         return None
     if m.digest != digest:
         return None
-    for entry in _file_entries(m):
-        f = out_dir / entry.path
-        if not f.is_file() or f.stat().st_size != entry.bytes:
-            return None
     here = str(out_dir.resolve())
-    return m if Path(m.output_dir).resolve() == Path(here) else m.model_copy(
-        update={"output_dir": here})
+    if Path(m.output_dir).resolve() != Path(here):
+        m = m.model_copy(update={"output_dir": here})
+    files = [(m.file(entry.path), entry) for entry in _file_entries(m)]
+    if any(not f.is_file() or f.stat().st_size != e.bytes for f, e in files):
+        return None
+    for f, entry in files if sha256 is not None else ():
+        if (actual := sha256(f)) != entry.sha256:
+            logger.warning("%s: %s changed: sha256 %s, its manifest %s records %s; the "
+                           "stage is rebuilt", m.stage, f, actual, p, entry.sha256)
+            return None
+    return m
 
 
 def _file_entries(obj: Any) -> list[FileEntry]:
-    found: list[FileEntry] = []
     if isinstance(obj, FileEntry):
-        found.append(obj)
-    elif isinstance(obj, BaseModel):
-        for name in type(obj).model_fields:
-            found += _file_entries(getattr(obj, name))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            found += _file_entries(v)
+        return [obj]
+    if isinstance(obj, BaseModel):
+        obj = [getattr(obj, name) for name in type(obj).model_fields]
     elif isinstance(obj, dict):
-        for v in obj.values():
-            found += _file_entries(v)
-    return found
+        obj = list(obj.values())
+    return [e for v in obj for e in _file_entries(v)] if isinstance(obj, (list, tuple)) else []
 
 
 class Stopwatch:
@@ -358,7 +389,13 @@ class ShardSplit(BaseModel):
     tokens_in: int
     """Tokens entering packing: every document's pieces plus one [SEP] per document."""
     remainder_tokens: int
-    """Stream tokens left after the last full row (fewer than `seq_len - 1`), not written."""
+    """Stream tokens left after the last full row (fewer than `seq_len - 1`), not written:
+    `remainder_content_tokens + remainder_separators`."""
+    remainder_content_tokens: int | None = None
+    """Document pieces dropped in the remainder, so that content tokens in rows + these =
+    the pieces of every document (None: a manifest written before this field)."""
+    remainder_separators: int | None = None
+    """[SEP] tokens dropped in the remainder (None: a manifest written before this field)."""
     masked_copies: int = 0
     """Precomputed masked copies of every row among `shards` (0 = unmasked rows only)."""
 

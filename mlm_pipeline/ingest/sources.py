@@ -2,7 +2,7 @@
 
 A source is a local path or an fsspec URL (`s3://`, `https://`, `file://`; fsspec is
 imported only for URLs). This module expands `IngestConfig.sources` into files, hashes
-their bytes (the stage's cache key), and opens them as streams: decompressed by suffix
+their bytes (the stage's cache key, remembered by `mlm_pipeline.ingest.hashing`), and opens them as streams: decompressed by suffix
 (`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst` with pyarrow's zstd codec, so no extra
 dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
 present (not a repair). A truncated or corrupt compressed stream is a `BadFileError` (a
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import bz2
 import codecs
-import functools
 import gzip
-import hashlib
 import io
 import logging
 import lzma
@@ -34,6 +32,7 @@ import pyarrow as pa
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import corpora
+from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.listing import (
     SUPPORTED_SUFFIXES,
     local_files,
@@ -41,7 +40,7 @@ from mlm_pipeline.ingest.listing import (
     special_warning,
     supported,
 )
-from mlm_pipeline.manifest import SkippedFile, sha256_file
+from mlm_pipeline.manifest import SkippedFile
 
 logger = logging.getLogger(__name__)
 
@@ -137,26 +136,23 @@ def _check_found(entry: str, found: list[Source], skipped: list[SkippedFile]) ->
                              f"one of {', '.join(SUPPORTED_SUFFIXES)}")
 
 
-def content_hash(path: Source) -> str:
-    """sha256 of a file's bytes, computed once per process for an unchanged file: the
-    orchestrator's cache key (`ingest_digest`) and `ingest` itself both need it, and a
-    large corpus should be read once, not twice. A URL's bytes are streamed."""
+def content_hash(path: Source, work_dir: str | Path | None = None) -> str:
+    """sha256 of a source's bytes (a URL's streamed), remembered in `work_dir`'s hash
+    memo (`mlm_pipeline.ingest.hashing`), or in this process without one: the
+    orchestrator's cache key (`ingest_digest`) and `ingest` itself both need it, and an
+    unchanged corpus should not be read, or downloaded, again to find it unchanged.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     if is_url(path):
-        return url_size_and_sha256(path)[1]
-    st = path.stat()
-    return _sha256_memo(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        return url_size_and_sha256(path, work_dir)[1]
+    return HashMemo(work_dir).file_sha256(path)
 
 
-@functools.lru_cache(maxsize=4096)
-def _sha256_memo(path: str, size: int, mtime_ns: int, inode: int) -> str:
-    # (size, mtime, inode) only decide whether to reuse a hash taken in this process; the
-    # digest itself is always the content's sha256.
-    return sha256_file(path)
-
-
-def source_size(path: Source) -> int:
-    """Bytes of a source file (local or URL)."""
-    return url_size_and_sha256(path)[0] if is_url(path) else path.stat().st_size
+def source_size(path: Source, work_dir: str | Path | None = None) -> int:
+    """Bytes of a source file (local, or a URL's through the hash memo of `work_dir`)."""
+    return url_size_and_sha256(path, work_dir)[0] if is_url(path) else path.stat().st_size
 
 
 def is_url(source: Source) -> bool:
@@ -205,23 +201,10 @@ def resolve_url(entry: str, skipped: list[SkippedFile] | None = None) -> list[st
     return [fs.unstrip_protocol(p) for p in sorted(found)]
 
 
-def url_size_and_sha256(url: str) -> tuple[int, str]:
-    """(bytes, sha256 of the bytes) of a URL's file, streamed; memoized per process by
-    the file system's unique key of the file (e.g. ETag or mtime and size)."""
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    return _url_hash_memo(url, fs.ukey(path))
-
-
-@functools.lru_cache(maxsize=4096)
-def _url_hash_memo(url: str, ukey: str) -> tuple[int, str]:
-    h, n = hashlib.sha256(), 0
-    with open_raw(url) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return n, h.hexdigest()
+def url_size_and_sha256(url: str, work_dir: str | Path | None = None) -> tuple[int, str]:
+    """(bytes, sha256 of the bytes) of a URL's file, streamed; remembered by its version
+    id or ETag in `work_dir`'s hash memo (`HashMemo.url_size_and_sha256`)."""
+    return HashMemo(work_dir).url_size_and_sha256(url)
 
 
 def is_damaged_data(e: BaseException) -> bool:

@@ -56,6 +56,11 @@ texts once, as UTF-8, plus the Parquet encoder's pages) and the exact-dedup dige
 bytes per distinct document (`cleaning.DigestSet`; 10 M documents: under 0.5 GiB); it
 does not grow with the corpus otherwise.
 
+Reuse: a stage directory with this digest is reused only when every Parquet file still has
+the sha256 its manifest records; a changed file is named in a warning and the stage is
+rebuilt. Source and output hashes come through the work directory's hash memo
+(`hashing`), so an unchanged corpus is not read again to be found unchanged.
+
 This module imports neither torch nor prefect (nor `datasketch`, unless near-dedup is on).
 """
 
@@ -74,6 +79,7 @@ import pyarrow.parquet as pq
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest.accounting import Accounting, bad_files_error
 from mlm_pipeline.ingest.cleaning import DigestSet, NearDuplicateFilter
+from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.sources import (
     Source,
     content_hash,
@@ -124,7 +130,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
             `text_field` column (CSV/Parquet) or one of a non-string type (Parquet), a CSV
             quoted field never closed, a truncated or corrupt compressed or Parquet file):
             one error names them all, one line each; the training split would be empty;
-            an unknown `debian:` corpus.
+            an unknown `debian:` corpus; a path in the cached manifest is outside its
+            stage directory (`ManifestPathError`, the manifest named).
         ImportError: `near_dedup_threshold` is set but `datasketch` is not installed; a
             URL source needs a missing fsspec backend (e.g. `s3fs`).
         RuntimeError: a `debian:` corpus cannot be fetched (see `corpora.fetch_debian_corpus`).
@@ -132,10 +139,12 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     watch = Stopwatch()
     skipped: list[SkippedFile] = []
     files = resolve_sources(cfg, skipped)
-    hashes = [content_hash(f) for f in files]
+    hashes = [content_hash(f, work_dir) for f in files]
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
-    if (cached := load_if_complete(out_dir, CorpusManifest, digest)) is not None:
+    # Reused only when every document file still has its sha256 (a changed one is named).
+    cached = load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256)
+    if cached is not None:
         logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
         if cached.bad_files and cfg.on_bad_file == "fail":
             raise bad_files_error(cached.bad_files)
@@ -193,7 +202,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
         stage="ingest", digest=digest, output_dir=str(out_dir),
         config=cfg.model_dump(mode="json"), inputs=_inputs(files, hashes),
         created_at=watch.created_at, wall_time_s=watch.elapsed,
-        sources=[SourceEntry(path=str(f), sha256=h, bytes=source_size(f),
+        sources=[SourceEntry(path=str(f), sha256=h, bytes=source_size(f, work_dir),
                              documents=reader.per_file.get(i, 0))
                  for i, (f, h) in enumerate(zip(files, hashes))],
         train=train, validation=validation,
@@ -213,15 +222,17 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     return m
 
 
-def ingest_digest(cfg: IngestConfig) -> str:
-    """The digest `ingest(cfg, ...)` would give its output, without reading documents:
-    resolves the sources (fetching `debian:` corpora if needed) and hashes their bytes.
+def ingest_digest(cfg: IngestConfig, work_dir: str | Path | None = None) -> str:
+    """The digest `ingest(cfg, work_dir)` would give its output, without reading documents:
+    resolves the sources (fetching `debian:` corpora if needed) and hashes their bytes,
+    through the hash memo of `work_dir` when given (an unchanged corpus is not read
+    again; `mlm_pipeline.ingest.hashing`), else of this process.
 
     Raises:
         The errors of `resolve_sources`.
     """
     files = resolve_sources(cfg)
-    return _digest(cfg, files, [content_hash(f) for f in files])
+    return _digest(cfg, files, [content_hash(f, work_dir) for f in files])
 
 
 def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:

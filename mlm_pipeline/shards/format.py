@@ -252,7 +252,8 @@ def verify_shards(manifest: ShardManifest) -> None:
     """Recompute the sha256 of every shard of both splits and compare with the manifest.
 
     Raises:
-        ValueError: a shard is missing or its sha256 differs (the file is named).
+        ValueError: a shard is missing or its sha256 differs (the file is named), or its
+            path is outside the manifest's directory (`ManifestPathError`).
     """
     for split in (manifest.train, manifest.validation):
         for entry in split.shards:

@@ -12,6 +12,10 @@ left after the last full row (fewer than `seq_len - 1`) are the split's single r
 are counted (`remainder_tokens`) and not written. For each split
 
     tokens_in = pieces + documents = rows * (seq_len - 1) + remainder_tokens
+    remainder_tokens = remainder_content_tokens + remainder_separators
+
+so the document pieces in the rows plus `remainder_content_tokens` are the pieces of every
+document, exactly (the remainder's [SEP] tokens are counted apart).
 
 Storage. One Arrow IPC file format (Feather v2, uncompressed) file per `rows_per_shard` rows,
 named `train-00000.arrow`, `validation-00000.arrow`, ...; one column `input_ids` of type
@@ -70,6 +74,7 @@ import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
 from mlm_pipeline.ingest.documents import text_tasks
+from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -191,17 +196,20 @@ def write_shards(
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
-        rows (of one copy), documents, `tokens_in`, `remainder_tokens` and
-        `masked_copies`; `masking` (config and seed) when copies were written.
+        rows (of one copy), documents, `tokens_in`, `remainder_tokens` (split into
+        `remainder_content_tokens` and `remainder_separators`) and `masked_copies`; `masking` (config and seed) when copies were written.
 
     Raises:
         ValueError: the training split yields no full row (the corpus is smaller than one
-            row of `seq_len` tokens), the tokenizer model differs from its manifest, or a
-            Parquet file is malformed (the file is named).
+            row of `seq_len` tokens), the tokenizer model differs from its manifest, a
+            Parquet file is malformed (the file is named), or a path in a manifest is
+            outside its stage directory (`ManifestPathError`, the manifest named).
     """
     digest = shards_digest(cfg, corpus, tokenizer, masking)
     out_dir = stage_dir(work_dir, STAGE, digest)
-    cached = load_if_complete(out_dir, ShardManifest, digest)
+    # Reused only when every shard still has its sha256 (else the changed one is named in
+    # a warning and the shards written again).
+    cached = load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256)
     if cached is not None:
         logger.info("shards: reusing %s", out_dir)
         return cached
@@ -314,10 +322,14 @@ def _write_split(
             raise
     shards = writer.close()
     rows_total = sum(e.rows or 0 for e in shards)
+    # [SEP] is the model's eos id, which `encode` never emits for text (no `add_eos`):
+    # every [SEP] left over is a separator.
+    separators = int(np.count_nonzero(carry == SEP_ID))
     logger.info(
         "shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder tokens "
-        "(%.0f tokens/s, %d encode threads)", name, documents, tokens_in, rows_total,
-        len(shards), len(carry), tokens_in / max(watch.elapsed, 1e-9), workers,
+        "(%d [SEP]) (%.0f tokens/s, %d encode threads)", name, documents, tokens_in,
+        rows_total, len(shards), len(carry), separators, tokens_in / max(watch.elapsed, 1e-9),
+        workers,
     )
     return ShardSplit(
         shards=shards,
@@ -325,6 +337,8 @@ def _write_split(
         documents=documents,
         tokens_in=tokens_in,
         remainder_tokens=len(carry),
+        remainder_content_tokens=len(carry) - separators,
+        remainder_separators=separators,
     )
 
 

@@ -50,6 +50,7 @@ from mlm_pipeline.config import (
     TokenizerConfig,
 )
 from mlm_pipeline.ingest.documents import write_training_text
+from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.manifest import (
     CorpusManifest,
     Stopwatch,
@@ -57,7 +58,6 @@ from mlm_pipeline.manifest import (
     compute_digest,
     file_entry,
     load_if_complete,
-    sha256_file,
     stage_dir,
     write_manifest,
 )
@@ -123,18 +123,18 @@ def train_tokenizer(
         ValueError: `cfg.vocab_size` is more than the corpus supports or fewer than its
             required characters, plus the 256 byte pieces with `byte_fallback` (the
             message names both numbers), the training split has no text, or a Parquet file
-            lacks a string `text` column (the file is named).
+            lacks a string `text` column (the file is named); a path in the cached
+            manifest is outside its stage directory (`ManifestPathError`).
         RuntimeError: the trained model does not have the fixed special-token ids.
     """
     digest = tokenizer_digest(cfg, corpus)
     out_dir = stage_dir(work_dir, STAGE, digest)
-    cached = load_if_complete(out_dir, TokenizerManifest, digest)
-    if cached is not None and model_intact(cached):
+    # Reused only when the model and vocab files still have their sha256 (else the changed
+    # file is named in a warning and the model trained again).
+    cached = load_if_complete(out_dir, TokenizerManifest, digest, HashMemo(work_dir).file_sha256)
+    if cached is not None:
         logger.info("tokenizer: reusing %s", out_dir)
         return cached
-    if cached is not None:
-        logger.warning("tokenizer: %s differs from its manifest (sha256): training again",
-                       cached.file(cached.model.path))
     watch = Stopwatch()
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,14 +185,6 @@ def train_tokenizer(
         cfg.model_type, vocab_size, read, lines, watch.elapsed,
     )
     return manifest
-
-
-def model_intact(manifest: TokenizerManifest) -> bool:
-    """Whether the model file still has the sha256 its manifest records (a few MB read)."""
-    try:
-        return sha256_file(manifest.file(manifest.model.path)) == manifest.model.sha256
-    except OSError:
-        return False
 
 
 def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int, candidates: int) -> int:

@@ -108,9 +108,10 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: the path does not exist.
-            ValueError: the manifest is invalid, the model file differs from its manifest
-                (sha256), the file is not a SentencePiece model, or it lacks the fixed
-                special ids.
+            ValueError: the manifest is invalid or lists a model path outside its
+                directory (`ManifestPathError`, the manifest named: nothing outside is
+                read), the model file differs from its manifest (sha256), the file is not
+                a SentencePiece model, or it lacks the fixed special ids.
         """
         if isinstance(source, TokenizerManifest):
             return cls._checked(source)

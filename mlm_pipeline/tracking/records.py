@@ -13,6 +13,7 @@ from typing import Any
 
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import flatten
+from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.manifest import (
     CorpusManifest,
     EvalManifest,
@@ -88,7 +89,12 @@ def record_data(
     shards: ShardManifest,
 ) -> None:
     """Log data lineage tags, accounting metrics, the rejected input files
-    (`data/bad_files.json`, when any), the tokenizer files and the manifests."""
+    (`data/bad_files.json`, when any), the tokenizer files and the manifests.
+
+    Raises:
+        ManifestPathError: the tokenizer manifest lists a path outside its directory
+            (a `ValueError` naming the manifest; nothing outside is logged or read).
+    """
     tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
     tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
     if corpus.bad_files:
@@ -182,17 +188,19 @@ def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
 
 
 def outputs_exist(manifest: Manifest) -> bool:
-    """True when every file a manifest lists is still on disk with its recorded size (and,
-    for the tokenizer's few-MB model, its sha256): a result cached by the orchestrator is
-    only reused if its outputs were not deleted or changed."""
-    found = load_if_complete(Path(manifest.output_dir), type(manifest), manifest.digest)
-    if found is None:
-        return False
-    if isinstance(found, TokenizerManifest):
-        from mlm_pipeline.tokenizer.stage import model_intact
+    """True when every file a manifest lists is still on disk with its recorded size and
+    sha256 (through the work directory's hash memo, `HashMemo.of_stage_dir`): a result
+    cached by the orchestrator is only reused if its outputs were not deleted or changed
+    (a changed file is named in a warning).
 
-        return model_intact(found)
-    return True
+    Raises:
+        ManifestPathError: the stage's `manifest.json` lists a path outside its directory
+            (a `ValueError` naming the manifest; nothing outside is read).
+    """
+    out_dir = Path(manifest.output_dir)
+    memo = HashMemo.of_stage_dir(out_dir)
+    return load_if_complete(out_dir, type(manifest), manifest.digest,
+                            memo.file_sha256) is not None
 
 
 def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:

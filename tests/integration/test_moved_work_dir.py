@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 
 from mlm_pipeline.config import IngestConfig, ShardConfig, TokenizerConfig
 from mlm_pipeline.ingest.documents import write_training_text
+from mlm_pipeline.ingest.hashing import MEMO_FILE
 from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import CorpusManifest, file_entry
 from mlm_pipeline.shards.stage import write_shards
@@ -26,9 +27,15 @@ def _stages(work: Path):
     return corpus, tok, shards
 
 
+def _outputs(work: Path) -> dict[Path, int]:
+    """mtime (ns) of every stage file, the work directory's hash memo aside."""
+    return {p: p.stat().st_mtime_ns for p in work.rglob("*")
+            if p.is_file() and not p.name.startswith(MEMO_FILE)}
+
+
 def test_moved_work_dir_is_reused_in_place(tmp_path):
     before = _stages(tmp_path / "a")
-    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    files = _outputs(tmp_path / "a")
     shutil.move(tmp_path / "a", tmp_path / "b")
     after = _stages(tmp_path / "b")
     a, b = (tmp_path / "a").resolve(), (tmp_path / "b").resolve()
@@ -36,7 +43,7 @@ def test_moved_work_dir_is_reused_in_place(tmp_path):
         assert new.digest == old.digest
         assert Path(new.output_dir) == b / Path(old.output_dir).relative_to(a)
         assert outputs_exist(new)
-    moved = {p: p.stat().st_mtime_ns for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    moved = _outputs(tmp_path / "b")
     # Nothing was rebuilt: the same files, untouched.
     assert {p.relative_to(tmp_path / "b"): t for p, t in moved.items()} == {
         p.relative_to(tmp_path / "a"): t for p, t in files.items()}

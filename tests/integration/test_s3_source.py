@@ -85,3 +85,40 @@ def test_ingest_from_s3(s3_endpoint, tmp_path):
     # Same bytes again: the stage is found by content digest and not recomputed.
     again = ingest(cfg, tmp_path / "work")
     assert again.digest == m.digest and again.created_at == m.created_at
+
+
+def test_cached_rerun_downloads_nothing_and_a_new_version_is_read(s3_endpoint, tmp_path,
+                                                                   monkeypatch):
+    import s3fs
+
+    opened: list[str] = []
+    real_open = s3fs.S3FileSystem._open
+
+    def counting_open(self, path, *args, **kwargs):
+        opened.append(path)
+        return real_open(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_open", counting_open)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    body = "\n\n".join(TXT_DOCS).encode("utf-8") + b"\n"
+    client.put_object(Bucket=BUCKET, Key="c/notes.txt", Body=body)
+    cfg = IngestConfig(sources=[f"s3://{BUCKET}/c/notes.txt"], validation_fraction=0.0)
+    first = ingest(cfg, tmp_path / "work")
+    assert len(opened) == 2  # hashed once, read once
+
+    from mlm_pipeline.ingest import hashing
+
+    monkeypatch.setattr(hashing, "_memory", {})  # nothing remembered in this process
+    opened.clear()
+    again = ingest(cfg, tmp_path / "work")
+    assert again.digest == first.digest and again.created_at == first.created_at
+    assert opened == []  # the ETag in the work directory's memo: no download
+
+    # Same size, other bytes: a new ETag, so the object is read again.
+    changed = body.replace(b"Premier", b"Dernier")
+    assert len(changed) == len(body)
+    client.put_object(Bucket=BUCKET, Key="c/notes.txt", Body=changed)
+    third = ingest(cfg, tmp_path / "work")
+    assert third.digest != first.digest
+    assert third.sources[0].sha256 == hashlib.sha256(changed).hexdigest()
