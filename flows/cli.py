@@ -7,19 +7,120 @@ The library never imports the flows, so the flow is handed to it here
 `python -m flows.cli`. Prefect is imported only when `run` starts the flow, so the other
 commands start as fast as the library does.
 
-`run` executes the flow in this process. Without `PREFECT_API_URL` Prefect starts a
-temporary local API, so no server is needed; with it, the run is recorded on that server.
+`run` executes the flow in this process. With `PREFECT_API_URL` set, the run is recorded
+on that server. Without it, `run` starts a local Prefect API itself (`LocalPrefectApi`)
+rather than leaving it to Prefect's ephemeral server: in its own session, so the terminal's
+Ctrl-C reaches only this process (the flow can then checkpoint and close its MLflow run
+while the API is still there), with a parent-death signal, so it never outlives this process
+(not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine.
+
+Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
+is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
+handler is the train task's, `flows.pretraining.stop_gracefully`). A second signal, or one
+outside training, stops at once.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
+import importlib.util
 import logging
 import os
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mlm_pipeline import cli
+
+#: Seconds `run` waits for its local Prefect API to answer (a busy 2-core machine needed
+#: more than Prefect's 20 s); `MLM_PIPELINE_PREFECT_START_TIMEOUT_S` overrides it.
+PREFECT_START_TIMEOUT_S = 180.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalPrefectApi:
+    """A Prefect API server on a free loopback port for the lifetime of one `run`.
+
+    The command is the one Prefect's ephemeral server runs (uvicorn with
+    `prefect.server.api.server:create_app`, UI off; see `SubprocessASGIServer` in
+    prefect/server/api/server.py), started with `start_new_session=True` and
+    PR_SET_PDEATHSIG (Linux; elsewhere it is only stopped by `stop`).
+    """
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        """Start the server and wait until `/api/health` answers.
+
+        Raises:
+            RuntimeError: it exited or did not answer within `timeout_s` seconds (the
+                message says what to do).
+        """
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
+             str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(
+            f"the local Prefect API did not start within {timeout_s:.0f} s on this machine; "
+            "retry when it is less busy, raise MLM_PIPELINE_PREFECT_START_TIMEOUT_S, or run "
+            "a server (`prefect server start`) and set PREFECT_API_URL")
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 10 s)."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+def _config_param(config: str) -> dict[str, str]:
+    """`{"config": name}` for a shipped config, else `{"config_file": resolved path}` (a
+    YAML path, or `./configs/NAME.yaml`, which wins over a shipped config of that name)."""
+    from mlm_pipeline.config_files import resolve_config_path, shipped_configs
+
+    found, shipped = resolve_config_path(config), shipped_configs()
+    if config in shipped and str(found) == str(shipped[config]):
+        return {"config": config}
+    return {"config_file": str(found)}
 
 
 def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
@@ -32,6 +133,10 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
     Returns:
         The run summary (MLflow run id, metrics, manifest paths, wall times). A failing
         task's exception propagates (Prefect has logged its traceback).
+
+    Raises:
+        SystemExit: 130 after an interruption (Ctrl-C, SIGTERM), with one line on stderr
+            saying how to continue.
     """
     # Settings read when prefect is imported: route our library logs through Prefect's
     # handlers and silence the temporary server's analytics (harmless "database is
@@ -39,10 +144,30 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "mlm_pipeline")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    from .pretraining import PretrainParams, mlm_pretraining
+    if not os.environ.get("PREFECT_API_URL"):
+        api = LocalPrefectApi()
+        api.start(float(os.environ.get("MLM_PIPELINE_PREFECT_START_TIMEOUT_S",
+                                       PREFECT_START_TIMEOUT_S)))
+        os.environ["PREFECT_API_URL"] = api.url
+        # Registered before prefect is imported, so it runs after Prefect's own exit
+        # handlers have delivered the last logs and events to the API (atexit is LIFO).
+        atexit.register(api.stop)
+    try:
+        from .pretraining import PretrainParams, mlm_pretraining
 
-    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
-    return mlm_pretraining(PretrainParams(config=config, overrides=list(overrides)))
+        logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
+        return mlm_pretraining(PretrainParams.model_validate(
+            {**_config_param(config), "overrides": list(overrides)}))
+    except BaseException as exc:
+        if type(exc).__name__ == "TrainingInterrupted" or isinstance(exc, KeyboardInterrupt):
+            again = shlex.join(["mlm-pipeline", "run", config,
+                                *(a for o in overrides for a in ("--set", o))])
+            where = f" at step {exc.step}, checkpoint {exc.checkpoint}" if hasattr(
+                exc, "checkpoint") else ""
+            print(f"mlm-pipeline: interrupted{where}; to continue, run the same command: "
+                  f"{again}", file=sys.stderr)
+            raise SystemExit(130) from None
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

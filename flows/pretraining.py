@@ -19,10 +19,14 @@ manifest whose files were deleted is recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, task
 from prefect.artifacts import (
@@ -36,7 +40,7 @@ from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel, Field
 
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.config_files import load_config
+from mlm_pipeline.config_files import load_config, shipped_configs
 from mlm_pipeline.manifest import (
     CorpusManifest,
     EvalManifest,
@@ -44,8 +48,8 @@ from mlm_pipeline.manifest import (
     TokenizerManifest,
     TrainManifest,
 )
-from mlm_pipeline.sinks import MultiSink, StdoutSink
-from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.sinks import AfterStepSink, MultiSink, StdoutSink
+from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
@@ -92,13 +96,40 @@ def _transient(task, task_run, state) -> bool:
 _IO = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": _transient}
 
 
-class PretrainParams(BaseModel):
-    """Parameters of a pretraining run (the Prefect UI shows them as a form)."""
+#: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
+ShippedConfig = Literal[tuple(sorted(shipped_configs()))]  # type: ignore[valid-type]
 
-    config: str = "tiny"
-    """Config name (`tiny` -> configs/tiny.yaml) or path to a YAML file."""
-    overrides: list[str] = Field(default_factory=list)
-    """Dotted overrides applied after the file, e.g. `train.max_steps=50`."""
+
+class PretrainParams(BaseModel):
+    """Parameters of a pretraining run. The Prefect UI shows them as a form with these
+    descriptions, and the server rejects an out-of-range value before a worker starts."""
+
+    config: ShippedConfig = Field(
+        "tiny", description="Shipped config to start from (configs/NAME.yaml).")
+    config_file: str | None = Field(
+        None, description="Path of a YAML config on the worker; replaces `config` when set.")
+    max_steps: int | None = Field(
+        None, ge=1, le=100_000_000, description="Optimizer steps (train.max_steps).")
+    lr: float | None = Field(
+        None, gt=0.0, le=1.0, description="Peak learning rate (train.lr).")
+    preset: Literal["bert", "modern"] | None = Field(
+        None, description="Model architecture (model.preset).")
+    vocab_size: int | None = Field(
+        None, ge=128, le=1_000_000, description="Tokenizer vocabulary (tokenizer.vocab_size).")
+    seq_len: int | None = Field(
+        None, ge=16, le=8192, description="Tokens per training row (shards.seq_len).")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Dotted overrides applied last, e.g. `train.warmup_ratio=0.1`.")
+
+    def resolved(self) -> tuple[str, list[str]]:
+        """(config name or path, overrides): the typed fields become overrides, applied
+        before the free-form ones."""
+        typed = {"train.max_steps": self.max_steps, "train.lr": self.lr,
+                 "model.preset": self.preset, "tokenizer.vocab_size": self.vocab_size,
+                 "shards.seq_len": self.seq_len}
+        extra = [f"{k}={v}" for k, v in typed.items() if v is not None]
+        return self.config_file or self.config, extra + list(self.overrides)
 
 
 def _in_work_dir(cfg: PipelineConfig, key: str) -> str:
@@ -113,7 +144,7 @@ def _ingest_key(context, parameters) -> str:
     from mlm_pipeline.ingest import ingest_digest
 
     cfg = parameters["cfg"]
-    return _in_work_dir(cfg, "ingest-" + ingest_digest(cfg.ingest))
+    return _in_work_dir(cfg, "ingest-" + ingest_digest(cfg.ingest, cfg.work_dir))
 
 
 def _tokenizer_key(context, parameters) -> str:
@@ -133,9 +164,21 @@ def _shards_key(context, parameters) -> str:
     ))
 
 
+def _train_dir(cfg: PipelineConfig, run_id: str) -> Path:
+    """Where the training stage of MLflow run `run_id` writes (checkpoints, metrics)."""
+    return Path(cfg.work_dir).expanduser() / "train" / run_id
+
+
+def _newest_checkpoint(cfg: PipelineConfig):
+    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint
+
+    return lambda run_id: latest_intact_checkpoint(_train_dir(cfg, run_id) / "checkpoints")
+
+
 @task(name="start-tracking", **_NOT_CACHED, **_IO)
-def start_tracking(cfg: PipelineConfig) -> str:
-    """Open the MLflow run with the flattened config and Prefect tags; returns its id."""
+def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
+    """Open the MLflow run, or continue this job's unfinished one (`tracking.resume`,
+    `tracking.resume_run_id`; see `mlm_pipeline.tracking.resume`); returns its id."""
     extra = {}
     if flow_run.id:
         extra = {"prefect.flow_run_id": str(flow_run.id),
@@ -145,11 +188,27 @@ def start_tracking(cfg: PipelineConfig) -> str:
             extra["prefect.deployment_name"] = str(deployment.name)
     tracker = MlflowTracker.from_config(cfg.tracking)
     params = pipeline.run_params(cfg)
+    tags = {**pipeline.run_tags(extra), **resume.process_tags(),
+            resume.JOB_KEY_TAG: resume.job_key(cfg)}
+    newest = _newest_checkpoint(cfg)
     if cfg.tracking.resume_run_id:
-        # the resume key itself is the only param allowed to differ from the first attempt
-        params.pop("tracking.resume_run_id")
-        return tracker.resume_run(cfg.tracking.resume_run_id, params, pipeline.run_tags(extra))
-    return tracker.start_run(params, pipeline.run_tags(extra))
+        run_id = cfg.tracking.resume_run_id
+        _, incompatible = resume.config_changes(tracker.get_run(run_id).data.params, params)
+        if incompatible:
+            raise ValueError(f"cannot continue MLflow run {run_id}: these settings differ: "
+                             + ", ".join(f"{k} {a!r} -> {b!r}"
+                                         for k, (a, b) in incompatible.items()))
+        checkpoint = newest(run_id)
+        step = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
+        resume.continue_run(tracker, run_id, params, tags, step)
+        return run_id
+    if cfg.tracking.resume == "auto" and not fresh:
+        found = resume.find_resumable(tracker, cfg, params, newest)
+        if found is not None:
+            step = int(found.checkpoint.name.split("-")[-1])
+            resume.continue_run(tracker, found.run_id, params, tags, step, found.compatible)
+            return found.run_id
+    return tracker.start_run(params, tags)
 
 
 @task(name="ingest", cache_key_fn=_ingest_key, persist_result=True, **_IO)
@@ -183,30 +242,98 @@ def shards_task(
 def record_data_task(
     cfg: PipelineConfig, run_id: str, corpus: CorpusManifest, tokenizer: TokenizerManifest,
     shards: ShardManifest,
-) -> None:
-    """Log data lineage, accounting and the tokenizer to MLflow; the accounting table to
-    Prefect."""
+) -> str:
+    """Log data lineage, accounting and the tokenizer to MLflow (once per run: a continued
+    run already has them) and the accounting table to Prefect. A continued run whose data
+    changed since (a corpus update) is closed KILLED and a new run takes over; returns the
+    id of the run that goes on."""
     create_table_artifact(
         key="ingestion-accounting", table=pipeline.accounting_rows(corpus),
         description="documents read, kept, dropped and repaired, by reason",
     )
     tracker = MlflowTracker.from_config(cfg.tracking)
+    recorded = tracker.get_run(run_id).data.tags.get("digest.shards")
+    if recorded == shards.digest:
+        return run_id
+    if recorded is not None:
+        tracker.set_tags(run_id, {"mlflow.note.content": (
+            f"Not continued: the training data changed (shards {recorded[:12]} -> "
+            f"{shards.digest[:12]}); a new run trains on the new data.")})
+        tracker.end_run(run_id, "KILLED")
+        run_id = start_tracking.fn(cfg, fresh=True)
     pipeline.record_data(tracker, run_id, corpus, tokenizer, shards)
+    return run_id
 
 
-@task(name="train", retries=1, **_NOT_CACHED)
+@contextlib.contextmanager
+def stop_gracefully() -> Iterator[None]:
+    """While training runs in the main thread, SIGINT and SIGTERM ask the loop to checkpoint
+    the step it reached and stop (`TrainingInterrupted`) instead of aborting it mid-step;
+    a second signal goes to the handler that was there before (Prefect's, or Python's
+    KeyboardInterrupt). Elsewhere (a worker thread) nothing is installed."""
+    from mlm_pipeline.train import loop
+
+    previous: dict[int, Any] = {}
+
+    def handler(signum, frame) -> None:
+        if signum in previous and not loop.stop_requested():
+            logging.getLogger(__name__).warning(
+                "%s: checkpointing the step reached, then stopping (send it again to stop "
+                "at once)", signal.Signals(signum).name)
+            loop.request_stop()
+            return
+        old = previous.get(signum)
+        if callable(old):
+            old(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        loop.clear_stop()
+
+
+def _curable(task, task_run, state) -> bool:
+    """Retry training only for what a second try can cure (I/O, a lost connection, a
+    runtime error such as out-of-memory): never a non-finite loss, an interruption, a
+    damaged checkpoint, a config error or bad input."""
+    try:
+        state.result()
+    except (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError):
+        return False
+    except Exception as exc:  # noqa: BLE001 - classified by name: flows import no torch code
+        if type(exc).__name__ in ("NonFiniteLossError", "TrainingInterrupted"):
+            return False
+        return isinstance(exc, (OSError, ConnectionError, TimeoutError, RuntimeError))
+    return False
+
+
+@task(name="train", retries=1, retry_condition_fn=_curable, **_NOT_CACHED)
 def train_task(
     cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest, run_id: str
 ) -> TrainManifest:
-    """Pretrain; metrics stream to the console, MLflow and a progress artifact. A retry
-    resumes from the newest checkpoint of the run."""
+    """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
+    run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
+    only the steps it does not hold yet (one value per step and key)."""
     from mlm_pipeline.train import train
 
     tracker = MlflowTracker.from_config(cfg.tracking)
-    sink = MultiSink(StdoutSink(), tracker.sink(run_id), PrefectProgressSink(cfg.train.max_steps))
+    held = resume.last_logged_step(tracker, run_id)
+    mlflow_sink = tracker.sink(run_id)
+    sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
+                     PrefectProgressSink(cfg.train.max_steps))
     try:
-        return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                     Path(cfg.work_dir) / "train" / run_id, sink)
+        with stop_gracefully():
+            return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                         _train_dir(cfg, run_id), sink)
     finally:
         sink.close()
 
@@ -232,9 +359,34 @@ def record_results_task(
 
 
 @task(name="end-tracking", **_NOT_CACHED, **_IO)
-def end_tracking(cfg: PipelineConfig, run_id: str, status: str) -> None:
-    """Close the MLflow run with `FINISHED` or `FAILED`."""
-    MlflowTracker.from_config(cfg.tracking).end_run(run_id, status)
+def end_tracking(cfg: PipelineConfig, run_id: str, status: str,
+                 tags: dict[str, str] | None = None) -> None:
+    """Close the MLflow run with `FINISHED`, `FAILED` or `KILLED`, after setting `tags`
+    (why it failed: `resume.failure_tags`)."""
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    if tags:
+        tracker.set_tags(run_id, tags)
+    tracker.end_run(run_id, status)
+
+
+def _close_mlflow_run(status: str, what: str):
+    """A flow-run state hook that closes the flow run's MLflow run with `status` when its
+    process could not (cancellation, crash); found by the `prefect.flow_run_id` tag."""
+
+    def hook(flow, flow_run, state) -> None:
+        try:
+            params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
+            cfg = load_config(*params.resolved())
+            closed = resume.close_runs_of_flow_run(
+                MlflowTracker.from_config(cfg.tracking), str(flow_run.id), status,
+                f"Prefect flow run {flow_run.name} was {what}; run the same deployment "
+                "again to continue from the newest checkpoint.")
+            if closed:
+                logging.getLogger(__name__).info("MLflow run(s) %s closed %s", closed, status)
+        except Exception as exc:  # noqa: BLE001 - a hook must not mask the flow's state
+            logging.getLogger(__name__).warning("could not close the MLflow run: %s", exc)
+
+    return hook
 
 
 def _fresh(stage_task, *args):
@@ -245,26 +397,30 @@ def _fresh(stage_task, *args):
     return manifest
 
 
-@flow(name="mlm-pretraining")
-def mlm_pretraining(params: PretrainParams | None = None) -> dict[str, Any]:
+@flow(name="mlm-pretraining",
+      on_cancellation=[_close_mlflow_run("KILLED", "cancelled")],
+      on_crashed=[_close_mlflow_run("FAILED", "crashed")])
+def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]:  # noqa: B008
     """Pretrain a masked language model end to end and return the run summary."""
+    # The library logs at INFO through Prefect's handlers (PREFECT_LOGGING_EXTRA_LOGGERS);
+    # without this its level is the root logger's WARNING outside the CLI.
+    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
     started_at = time.time()  # stages made before this are cache hits (summary)
-    params = params or PretrainParams()
-    cfg = load_config(params.config, params.overrides)
+    cfg = load_config(*params.resolved())
     run_id = start_tracking(cfg)
     try:
         corpus = _fresh(ingest_task, cfg)
         tokenizer = _fresh(tokenizer_task, cfg, corpus)
         shards = _fresh(shards_task, cfg, corpus, tokenizer)
-        record_data_task(cfg, run_id, corpus, tokenizer, shards)
+        run_id = record_data_task(cfg, run_id, corpus, tokenizer, shards)
         from mlm_pipeline.evaluate import check_evaluable  # torch: not at import time
 
         check_evaluable(shards)
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)
-    except BaseException:
-        end_tracking(cfg, run_id, "FAILED")
+    except BaseException as exc:
+        end_tracking(cfg, run_id, *resume.failure_tags(exc))
         raise
     end_tracking(cfg, run_id, "FINISHED")
     tracker = MlflowTracker.from_config(cfg.tracking)

@@ -1,6 +1,6 @@
 """The `mlm-pipeline` command line.
 
-    mlm-pipeline run CONFIG [--set key=value ...] [--summary-json PATH]
+    mlm-pipeline run CONFIG [--set key=value ...] [--fresh] [--summary-json PATH]
     mlm-pipeline config CONFIG [--set key=value ...]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
     mlm-pipeline fill-mask CHECKPOINT_OR_RUN_DIR TOKENIZER_MODEL TEXT [TEXT ...]
@@ -45,11 +45,12 @@ def _cmd_run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
         return 2
     # Fail on a bad config or a mistyped input path before paying for Prefect's start-up
     # (and before its task-failure tracebacks).
-    cfg = load_config(args.config, args.set)
+    overrides = list(args.set) + (["tracking.resume=never"] if args.fresh else [])
+    cfg = load_config(args.config, overrides)
     from mlm_pipeline.ingest.sources import check_local_sources
 
     check_local_sources(cfg.ingest)
-    result = run_flow(args.config, list(args.set))
+    result = run_flow(args.config, overrides)
     if args.summary_json:
         from mlm_pipeline.tracking.records import write_summary
 
@@ -84,6 +85,10 @@ def _print_summary(result: dict, experiment: str) -> None:
     if result.get("reused_stages"):
         lines.append("Reused:        " + ", ".join(result["reused_stages"])
                      + " (outputs of an earlier run with the same config and inputs)")
+    if result.get("stop_reason", "max_steps") != "max_steps":
+        lines.append(f"WARNING:       training stopped early ({result['stop_reason']}: "
+                     "train.max_time_s was reached) after "
+                     f"{result['steps']:,} steps; the metrics are those of a shorter run")
     for line in lines:  # paths and commands must stay copyable: never wrap them
         console.print(line, soft_wrap=True, highlight=False)
 
@@ -222,7 +227,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
     )
     from mlm_pipeline.tokenizer.stage import STAGE, tokenizer_digest
 
-    digest = ingest_digest(cfg.ingest)
+    digest = ingest_digest(cfg.ingest, cfg.work_dir)
     corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), CorpusManifest, digest)
     if corpus is not None:
         digest = tokenizer_digest(cfg.tokenizer, corpus)
@@ -283,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(p)
     p.add_argument("--summary-json", metavar="PATH",
                    help="write run id, final metrics and stage manifest paths as JSON")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new MLflow run even if an unfinished run of this config "
+                        "could be continued (tracking.resume=never)")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("config", help="print the resolved config as YAML")

@@ -241,7 +241,15 @@ class TrainConfig(StrictModel):
     max_steps: int = Field(default=1000, ge=1)
     """Optimizer steps; the LR schedule spans exactly this many."""
     max_time_s: float | None = Field(default=None, gt=0)
-    """Wall-clock budget in seconds; training stops early (and logs it) when exceeded."""
+    """Wall-clock safety net in seconds: training stops early when it is exceeded, with a
+    warning, a checkpoint and `stop_reason: time_cap` (never a silent success)."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is not finite: `stop` fails the run naming the first
+    such step and the last good checkpoint; `skip` drops its batch without an optimizer or
+    schedule step, counts it (`train/skipped_steps`) and stops after `max_skipped_steps` in
+    a row."""
+    max_skipped_steps: int = Field(default=10, ge=1)
+    """Consecutive skipped (non-finite) steps after which `nonfinite: skip` stops the run."""
     lr: float = Field(default=1e-3, gt=0)
     """Peak learning rate."""
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -288,6 +296,9 @@ class TrainConfig(StrictModel):
     """torch intra-op threads on CPU; None keeps torch's default."""
     checkpoint_every: int | None = Field(default=None, ge=1)
     """Steps between checkpoints; None saves only the final one."""
+    checkpoint_interval_s: float | None = Field(default=600.0, gt=0)
+    """Also save a checkpoint when this many seconds have passed since the last one (a slow
+    machine loses at most this much work to a kill); None: by `checkpoint_every` only."""
     keep_last_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (oldest removed first)."""
 
@@ -343,7 +354,11 @@ class TrackingConfig(StrictModel):
     """Log the final checkpoint directory as run artifacts."""
     resume_run_id: str | None = None
     """Continue this MLflow run (e.g. after a cancelled or crashed flow run): training
-    resumes from the newest checkpoint of that run; the config must be unchanged."""
+    resumes from the newest checkpoint of that run; the config must be compatible."""
+    resume: Literal["auto", "never"] = "auto"
+    """`auto`: a rerun of the same config continues the newest unfinished run of the
+    experiment that has a checkpoint (same MLflow run, same step numbering); `never`
+    (`mlm-pipeline run --fresh`) always starts a new run. A FINISHED run is never resumed."""
 
 
 class PipelineConfig(StrictModel):

@@ -434,6 +434,8 @@ class TrainManifest(Manifest):
     """JSONL file of every logged metrics record (relative to `output_dir`)."""
     stopped_early: bool
     """True when `max_time_s` ended training before `max_steps`."""
+    stop_reason: str = "max_steps"
+    """Why training ended: `max_steps` (all steps trained) or `time_cap` (`max_time_s`)."""
     device: str
     """Device trained on (`cpu`, `cuda`)."""
     precision: str

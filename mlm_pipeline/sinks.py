@@ -192,3 +192,30 @@ class MultiSink:
             raise first
 
 
+
+
+class AfterStepSink:
+    """Pass on only records of steps after `step`: a resumed run re-trains the steps between
+    its checkpoint and the kill, and a sink that already holds them must not get them twice
+    (the recomputed values are bit-identical; only the timings would differ).
+
+    Args:
+        sink: the sink to forward to.
+        step: the last step the sink already holds; records at or before it are dropped.
+    """
+
+    def __init__(self, sink: MetricsSink, step: int) -> None:
+        self.sink, self.step = sink, step
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Forward the record when `step` is after the held ones."""
+        if step > self.step:
+            self.sink.log(metrics, step)
+
+    def flush(self) -> None:
+        """Flush the wrapped sink."""
+        self.sink.flush()
+
+    def close(self) -> None:
+        """Close the wrapped sink."""
+        self.sink.close()

@@ -119,6 +119,7 @@ def record_results(
     tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
     tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
     tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
+                              "mlm.stop_reason": trained.stop_reason,
                               "train.device": trained.device,
                               "train.precision": trained.precision})
     for m in (trained, evaluated):
@@ -167,6 +168,7 @@ def summary(
         "tokens_seen": trained.tokens_seen,
         "train_tokens_per_s_mean": round(trained.tokens_seen / max(trained.wall_time_s, 1e-9), 1),
         "stopped_early": trained.stopped_early,
+        "stop_reason": trained.stop_reason,
         "checkpoint": str(trained.file(trained.checkpoint_dir)),
         "tokenizer_model": str(tokenizer.file(tokenizer.model.path)),
         "manifests": {

@@ -270,7 +270,8 @@ class MlflowTracker:
         elif path.is_file():
             self.client.log_artifact(run_id, str(path), artifact_path)
         else:
-            raise FileNotFoundError(f"log_artifacts: {local_path} is neither a file nor a directory")
+            raise FileNotFoundError(
+                f"log_artifacts: {local_path} is neither a file nor a directory")
 
     def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
         """Write `obj` as indented JSON to the run artifact `artifact_file` (e.g.

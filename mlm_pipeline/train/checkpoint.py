@@ -4,7 +4,8 @@ The `Checkpointer` composes the parts of a run under fixed keys (`LAYOUT`); it k
 nothing about them but `state_dict()` / `load_state_dict()`. A checkpoint is a directory
 `step-00000123/` holding:
 
-- `model.pt`: the model's `state_dict` (tensors only),
+- `model.safetensors`: the model's `state_dict` (safetensors; a tensor that shares memory
+  with an earlier one, the tied decoder, is stored once and named in the metadata),
 - `optimizer.pt`: `{"optimizer": ..., "scheduler": ...}`, the optimizer and LR schedule,
 - `rng.pt`: torch CPU (and CUDA) generator states (`RngState`), so dropout continues
   identically,
@@ -12,16 +13,21 @@ nothing about them but `state_dict()` / `load_state_dict()`. A checkpoint is a d
   data position, `masker`: masking identity, checked on resume, `meter`: the open log
   interval's sums) and what makes the directory self-describing: `config` (the `model`,
   `train` and `masking` sections), `vocab_size`, `seq_len` and the digests of the tokenizer
-  and shards it was trained on.
+  and shards it was trained on, and `files`: the size and sha256 of every other file.
 
-It is written under a temporary name and renamed, so a crash never leaves a partial
-checkpoint that looks complete. Loading uses `torch.load(weights_only=True)`: a checkpoint
-cannot execute code. Checkpoints written before `format` 2 (the whole pipeline config
-under `config`, `step`/`tokens_seen` at the top, no masker or meter state) still load.
+It is written under a temporary name (every file fsynced, `state.json` last) and renamed,
+so a crash never leaves a partial checkpoint that looks complete. Loading verifies every
+file against `files` first: a damaged or incomplete newest checkpoint is reported and the
+newest intact one is used (`Checkpointer.latest`). A checkpoint is never written from
+non-finite weights. Loading uses safetensors and `torch.load(weights_only=True)`: a
+checkpoint cannot execute code. Checkpoints written before `format` 2 (the whole pipeline
+config under `config`, `step`/`tokens_seen` at the top, no masker or meter state, weights
+in `model.pt`) and format-2 ones without `files` still load, unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,12 +42,18 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "step-"
 _JSON = "state.json"
-#: Version of the checkpoint layout; 1 (no `format` key) is the layout before `LAYOUT`.
-FORMAT = 2
+#: Version of the checkpoint layout; 1 (no `format` key) is the layout before `LAYOUT`;
+#: 3 stores the weights as safetensors and the files' sha256.
+FORMAT = 3
+_WEIGHTS = "model.safetensors"
+#: Test hook: SIGKILL this process while writing the checkpoint of this step (after its
+#: first file), so tests can kill a run mid-checkpoint-write from outside, in a fresh process.
+_DIE_ENV = "MLM_PIPELINE_TEST_DIE_IN_CHECKPOINT"
+_LEGACY_WEIGHTS = "model.pt"
 
 #: Where each part's state lives: (file, key inside the file; None: the whole file).
 LAYOUT: dict[str, tuple[str, str | None]] = {
-    "model": ("model.pt", None),
+    "model": (_WEIGHTS, None),
     "optimizer": ("optimizer.pt", "optimizer"),
     "lr_scheduler": ("optimizer.pt", "scheduler"),
     "rng": ("rng.pt", None),
@@ -102,9 +114,99 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest complete checkpoint under `root`, or None (not verified: see
+    `latest_intact_checkpoint`)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is damaged or incomplete; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Check every file of a checkpoint against the sizes and sha256 in its `state.json`.
+
+    Raises:
+        CheckpointError: `state.json` is missing or not valid JSON, a listed file is missing
+            or its size or sha256 differs (the file is named). Checkpoints written before
+            the `files` record pass unverified.
+    """
+    try:
+        state = json.loads((checkpoint / _JSON).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint / _JSON}: unreadable ({exc})") from exc
+    for name, want in state.get("files", {}).items():
+        path = checkpoint / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: content differs from the sha256 in {_JSON}")
+
+
+def latest_intact_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that passes `verify_checkpoint`, or None; every
+    newer damaged one is reported with a warning."""
+    for checkpoint in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(checkpoint)
+        except CheckpointError as exc:
+            logger.warning("checkpoint %s is damaged, trying an older one: %s",
+                           checkpoint.name, exc)
+            continue
+        return checkpoint
+    return None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a model `state_dict` as safetensors; tensors sharing memory with an earlier
+    one (tied weights) are stored once and named in the `aliases` metadata.
+
+    Raises:
+        ValueError: a floating-point tensor holds a non-finite value (the key is named).
+    """
+    from safetensors.torch import save_file
+
+    tensors, aliases, seen = {}, {}, {}
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"refusing to checkpoint non-finite weights: {key}")
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape))
+        if ptr in seen:
+            aliases[key] = seen[ptr]
+            continue
+        seen[ptr] = key
+        tensors[key] = tensor.detach().contiguous().cpu()
+    save_file(tensors, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def _load_weights(path: Path, map_location: str | torch.device) -> dict[str, torch.Tensor]:
+    """Read what `_save_weights` wrote (aliases restored as the same tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    for key, target in aliases.items():
+        state[key] = state[target]
+    return {k: v.to(map_location) for k, v in state.items()}
 
 
 class Checkpointer:
@@ -132,8 +234,8 @@ class Checkpointer:
         self.root, self.parts, self.meta, self.keep_last = root, dict(parts), dict(meta), keep_last
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint under `root`, or None."""
-        return latest_checkpoint(self.root)
+        """The newest intact checkpoint under `root` (`latest_intact_checkpoint`), or None."""
+        return latest_intact_checkpoint(self.root)
 
     def save(self, step: int) -> Path:
         """Write every part's state atomically as `step-<step>` and prune all but the newest
@@ -141,6 +243,9 @@ class Checkpointer:
 
         Returns:
             The checkpoint directory.
+
+        Raises:
+            ValueError: the model's weights are not finite (nothing is written).
         """
         files: dict[str, Any] = {_JSON: {"format": FORMAT, **self.meta}}
         for name, (file, key) in LAYOUT.items():
@@ -151,17 +256,28 @@ class Checkpointer:
                 files.setdefault(file, {})[key] = state
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / checkpoint_name(step)
-        tmp = self.root / f".{final.name}.tmp"
+        tmp = self.root / f".{final.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        record = {}
         for file, content in files.items():
             if file == _JSON:
-                (tmp / file).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+                continue
+            if file == _WEIGHTS:
+                _save_weights(content, tmp / file)
             else:
                 torch.save(content, tmp / file)
+            _fsync(tmp / file)
+            if os.environ.get(_DIE_ENV) == str(step):  # test hook: a kill mid-write
+                os.kill(os.getpid(), 9)
+            record[file] = {"bytes": (tmp / file).stat().st_size, "sha256": _sha256(tmp / file)}
+        files[_JSON]["files"] = record
+        (tmp / _JSON).write_text(json.dumps(files[_JSON], indent=2, sort_keys=True) + "\n")
+        _fsync(tmp / _JSON)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(self.root)
         for old in list_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
@@ -173,17 +289,20 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: a checkpoint file is missing.
+            CheckpointError: a file's size or sha256 differs from `state.json`'s record.
             ValueError: the checkpoint lacks a part's state, or a part refuses it (e.g. the
                 data cursor or the masker of another configuration).
             RuntimeError: the model state does not match the model (`load_state_dict`).
         """
+        verify_checkpoint(checkpoint)
         files: dict[str, Any] = {_JSON: read_state(checkpoint)}
         legacy = "format" not in files[_JSON]
         for name, (file, key) in sorted(LAYOUT.items(), key=lambda kv: kv[1][0] != _JSON):
             if file not in files:
                 where = "cpu" if file == "rng.pt" else map_location
-                files[file] = torch.load(checkpoint / file, map_location=where,
-                                         weights_only=True)
+                files[file] = (load_model_state(checkpoint, where) if name == "model" else
+                               torch.load(checkpoint / file, map_location=where,
+                                          weights_only=True))
             content = files[file]
             if key is not None and key not in content:
                 if legacy and name in _NOT_IN_FORMAT_1:
@@ -210,12 +329,18 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_model_state(checkpoint: Path, map_location: str | torch.device = "cpu") -> dict:
-    """The model `state_dict` of a checkpoint, loaded safely (`weights_only=True`).
+    """The model `state_dict` of a checkpoint, loaded safely (safetensors, or
+    `torch.load(weights_only=True)` for a checkpoint written before safetensors).
 
     Raises:
-        FileNotFoundError: when `model.pt` is missing.
+        FileNotFoundError: when neither `model.safetensors` nor `model.pt` exists.
     """
-    return torch.load(checkpoint / "model.pt", map_location=map_location, weights_only=True)
+    if (checkpoint / _WEIGHTS).is_file():
+        return _load_weights(checkpoint / _WEIGHTS, map_location)
+    if (checkpoint / _LEGACY_WEIGHTS).is_file():
+        return torch.load(checkpoint / _LEGACY_WEIGHTS, map_location=map_location,
+                          weights_only=True)
+    raise FileNotFoundError(f"{checkpoint}: no {_WEIGHTS} (or {_LEGACY_WEIGHTS})")
 
 
 def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -16,7 +16,6 @@ left out of training for good.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +51,7 @@ class ShardDataset:
         self.split = split
         self.seq_len = manifest.seq_len
         self.arrays: list[np.ndarray] = [
-            open_shard(Path(manifest.output_dir) / entry.path)
+            open_shard(manifest.file(entry.path))
             for entry in split_shards(manifest, split)
         ]
         sizes = [a.shape[0] for a in self.arrays]

@@ -13,14 +13,31 @@ weights) and document attention (document ids from the [SEP] tokens of the unmas
 
 Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
 so a step over k micro-batches computes the same gradient as one batch k times larger.
+
+Steps that are not applied: a step whose micro-batches hold no selected (masked) token
+steps neither the optimizer nor the schedule and is counted (`train/empty_steps`); a step
+whose loss or gradient norm is not finite fails the run (`train.nonfinite: stop`, naming the
+first such step and the last good checkpoint; on CUDA the check is a device-side flag read
+at log and checkpoint steps, so nothing past it is ever saved) or is dropped and counted
+(`skip`, `train/skipped_steps`, at most `train.max_skipped_steps` in a row). `step` counts
+applied optimizer steps only.
+
+Stopping early: `request_stop()` (the CLI's SIGINT/SIGTERM handler) makes the loop save a
+checkpoint of the step it reached and raise `TrainingInterrupted`; `train.max_time_s`
+ends the run with a warning and stop reason `time_cap`. Sinks are flushed before every
+checkpoint, so a checkpoint never declares steps whose metrics were not delivered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,25 +53,82 @@ from mlm_pipeline.train.model import document_ids_from_sep
 logger = logging.getLogger(__name__)
 
 
+_STOP = threading.Event()
+_ACTIVE = threading.Event()
+#: Test hook: the step (1-based, applied-step numbering) whose loss is made NaN, so tests
+#: can check the non-finite policy through the CLI in a fresh process.
+_NAN_STEP_ENV = "MLM_PIPELINE_TEST_NAN_AT_STEP"
+
+
+def request_stop() -> None:
+    """Ask a running loop (any thread) to checkpoint the step it reached and raise
+    `TrainingInterrupted` (the CLI calls it on SIGINT and SIGTERM)."""
+    _STOP.set()
+
+
+def clear_stop() -> None:
+    """Forget an earlier `request_stop` (a new run in the same process starts clean)."""
+    _STOP.clear()
+
+
+def stop_requested() -> bool:
+    """True after `request_stop()` until the loop honours it (or `clear_stop()`)."""
+    return _STOP.is_set()
+
+
+def training_active() -> bool:
+    """True while `run_steps` runs in this process (a stop request is then honoured)."""
+    return _ACTIVE.is_set()
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became non-finite (never cured by a retry).
+
+    Attributes:
+        step: the first non-finite optimizer step (1-based).
+        last_checkpoint: the newest intact checkpoint (all written before `step`), or None.
+    """
+
+    def __init__(self, message: str, step: int, last_checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on `request_stop()` after checkpointing `step` in `checkpoint`."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        super().__init__(f"training interrupted at step {step}; checkpoint {checkpoint}")
+        self.step, self.checkpoint = step, checkpoint
+
+
 @dataclass
 class TrainState:
-    """Counters of the run: `step` (optimizer steps taken) and `tokens_seen` (rows *
-    seq_len consumed)."""
+    """Counters of the run: `step` (optimizer steps applied), `tokens_seen` (rows * seq_len
+    trained on), `skipped_steps` (non-finite steps dropped), `empty_steps` (steps without a
+    selected token) and `skipped_in_a_row`."""
 
     step: int = 0
     tokens_seen: int = 0
+    skipped_steps: int = 0
+    empty_steps: int = 0
+    skipped_in_a_row: int = 0
 
     def state_dict(self) -> dict[str, int]:
-        """`{"step": int, "tokens_seen": int}`."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        """The five counters as `{name: int}`."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "skipped_steps": self.skipped_steps, "empty_steps": self.empty_steps,
+                "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters.
+        """Restore the counters (those a checkpoint predates start at 0).
 
         Raises:
             KeyError: `step` or `tokens_seen` is missing.
         """
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        for name in ("skipped_steps", "empty_steps", "skipped_in_a_row"):
+            setattr(self, name, int(state.get(name, 0)))
 
 
 @dataclass
@@ -154,16 +228,32 @@ def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tenso
     return micro, epoch
 
 
-def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int]:
-    """One optimizer step: `grad_accum_steps` micro-batches, clipping, AdamW, schedule.
+_NAN_FIRED: set[int] = set()
+
+
+def _nan_hook(step: int) -> bool:
+    """True once per `run_steps` call for the step named by `MLM_PIPELINE_TEST_NAN_AT_STEP`."""
+    value = os.environ.get(_NAN_STEP_ENV)
+    if not value or int(value) != step or step in _NAN_FIRED:
+        return False
+    _NAN_FIRED.add(step)
+    return True
+
+
+def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]:
+    """One optimizer step: `grad_accum_steps` micro-batches, clipping, AdamW, schedule;
+    not applied when no token was selected or (`nonfinite: skip`) the step is not finite.
 
     Returns:
         (the global gradient L2 norm before clipping, float32 0-dim; the epoch of the step's
-        last micro-batch).
+        last micro-batch; whether the step was applied).
 
     Raises:
         RuntimeError: `torch.compile` failed to build the model (names `train.compile`).
+        NonFiniteLossError: with `nonfinite: skip`, more than `max_skipped_steps` in a row.
+        ValueError: more than `max_skipped_steps` steps in a row selected no token.
     """
+    state, step = parts.train_state, parts.train_state.step + 1
     micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
     try:
         loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast)
@@ -172,53 +262,121 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int]:
             f"train.compile={cfg.compile}: torch.compile failed to build the model on "
             f"{parts.device.type} ({type(exc).__name__}); set train.compile: off"
         ) from exc
-    parts.meter.update(loss_sum, masked)
+    if _nan_hook(step):
+        loss_sum = loss_sum * float("nan")
     clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
+    if int(masked) == 0:  # host read: a step without targets must not move the weights
+        state.empty_steps += 1
+        state.skipped_in_a_row += 1
+        parts.optimizer.zero_grad(set_to_none=True)
+        if state.skipped_in_a_row > cfg.max_skipped_steps:
+            raise ValueError(f"{state.skipped_in_a_row} steps in a row selected no token to "
+                             "predict: raise masking.mlm_probability")
+        return grad_norm, epoch, False
+    if cfg.nonfinite == "skip" and not math.isfinite(float(loss_sum + grad_norm)):
+        state.skipped_steps += 1
+        state.skipped_in_a_row += 1
+        parts.optimizer.zero_grad(set_to_none=True)
+        logger.warning("step %d: non-finite loss or gradient norm, batch skipped (%d in a row)",
+                       step, state.skipped_in_a_row)
+        if state.skipped_in_a_row > cfg.max_skipped_steps:
+            raise NonFiniteLossError(
+                f"{state.skipped_in_a_row} non-finite batches in a row at step {step} "
+                f"(train.max_skipped_steps={cfg.max_skipped_steps}); lower train.lr or set "
+                "train.grad_clip", step, None)
+        return grad_norm, epoch, False
+    state.skipped_in_a_row = 0
+    parts.meter.update(loss_sum, masked, grad_norm, step)
     parts.optimizer.step()
     parts.lr_scheduler.step()
     parts.optimizer.zero_grad(set_to_none=True)
-    parts.train_state.step += 1
-    parts.train_state.tokens_seen += parts.meter.tokens_per_step
-    return grad_norm, epoch
+    state.step = step
+    state.tokens_seen += parts.meter.tokens_per_step
+    return grad_norm, epoch, True
+
+
+def _check_finite(parts: Parts, checkpointer: Checkpointer) -> None:
+    """Raise `NonFiniteLossError` if a step since the last check was not finite (reads the
+    meter's device-side flag: one host sync)."""
+    bad = parts.meter.first_nonfinite_step()
+    if bad is not None:
+        last = checkpointer.latest()
+        raise NonFiniteLossError(
+            f"training loss or gradient norm became non-finite at step {bad}; last good "
+            f"checkpoint: {last or 'none'} (lower train.lr, set train.grad_clip, or "
+            "train.nonfinite: skip)", bad, last)
+
+
+def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
+    """Checkpoint the current step after the finiteness check and a sink flush (the
+    checkpoint must not declare steps whose metrics were not delivered)."""
+    _check_finite(parts, checkpointer)
+    sink.flush()
+    return checkpointer.save(parts.train_state.step)
 
 
 def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
-              sink: MetricsSink) -> tuple[dict[str, float], bool]:
+              sink: MetricsSink) -> tuple[dict[str, float], str]:
     """Train from `parts.train_state.step` to `cfg.max_steps` (or until `cfg.max_time_s`).
 
     Every `cfg.log_every` steps, at the last step and when out of time, the meter's report
-    goes to `sink`; every `cfg.checkpoint_every` steps before the last, `checkpointer`
-    saves (the final checkpoint is the caller's).
+    goes to `sink`; every `cfg.checkpoint_every` steps (and `cfg.checkpoint_interval_s`
+    seconds) before the last, `checkpointer` saves (the final checkpoint is the caller's).
 
     Returns:
-        (the last metrics reported, empty when no step ran; whether `cfg.max_time_s` ended
-        training before `cfg.max_steps`).
+        (the last metrics reported, empty when no step ran; the stop reason: `max_steps`
+        or `time_cap`).
 
     Raises:
-        RuntimeError: the interval loss is not finite, or `torch.compile` fails.
+        NonFiniteLossError: a step was not finite (module docstring).
+        TrainingInterrupted: `request_stop()` was called; the step reached is checkpointed.
+        RuntimeError: `torch.compile` fails.
     """
-    state, last_metrics, stopped_early = parts.train_state, {}, False
-    run_start = time.perf_counter()
+    _ACTIVE.set()
+    try:
+        return _run_steps(parts, cfg, checkpointer, sink)
+    finally:
+        _ACTIVE.clear()
+
+
+def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
+               sink: MetricsSink) -> tuple[dict[str, float], str]:
+    state, last_metrics = parts.train_state, {}
+    _NAN_FIRED.clear()
+    run_start = last_save = time.perf_counter()
     parts.meter.start()
     parts.model.train()
+    every_step = parts.device.type == "cpu"  # a host read per step costs nothing there
     while state.step < cfg.max_steps:
-        grad_norm, epoch = train_step(parts, cfg)
-        out_of_time = (cfg.max_time_s is not None
-                       and time.perf_counter() - run_start > cfg.max_time_s)
-        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
+        grad_norm, epoch, applied = train_step(parts, cfg)
+        now = time.perf_counter()
+        out_of_time = cfg.max_time_s is not None and now - run_start > cfg.max_time_s
+        if every_step:
+            _check_finite(parts, checkpointer)
+        if applied and (state.step % cfg.log_every == 0 or state.step == cfg.max_steps
+                        or out_of_time):
+            _check_finite(parts, checkpointer)
             last_metrics = parts.meter.report(
                 step=state.step, lr=parts.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                 epoch=epoch, tokens_seen=state.tokens_seen,
-            )
+                skipped_steps=state.skipped_steps, empty_steps=state.empty_steps)
             sink.log(last_metrics, state.step)
-        if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
-                and state.step < cfg.max_steps):
-            checkpointer.save(state.step)
+        if _STOP.is_set():
+            _STOP.clear()
+            raise TrainingInterrupted(state.step, _save(parts, checkpointer, sink))
+        due = applied and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
+        interval = cfg.checkpoint_interval_s
+        late = interval is not None and now - last_save >= interval
+        if (due or late) and state.step < cfg.max_steps and not out_of_time:
+            _save(parts, checkpointer, sink)
+            last_save = time.perf_counter()
         if out_of_time:
-            stopped_early = state.step < cfg.max_steps
-            if stopped_early:
-                logger.warning("train.max_time_s=%s reached: stopping at step %d of %d",
-                               cfg.max_time_s, state.step, cfg.max_steps)
+            if state.step < cfg.max_steps:
+                logger.warning("train.max_time_s=%s reached: stopping at step %d of %d "
+                               "(stop reason: time_cap)", cfg.max_time_s, state.step,
+                               cfg.max_steps)
+                return last_metrics, "time_cap"
             break
-    return last_metrics, stopped_early
+    _check_finite(parts, checkpointer)
+    return last_metrics, "max_steps"

@@ -9,8 +9,15 @@ running interval sums (on the training device, no host sync); at the end of a lo
 - `train/tokens_per_s`: tokens (rows * seq_len, padding included) per second of loop time,
 - `train/mfu_pct`: model FLOP utilization (Chowdhery et al. 2022, appendix B) in percent,
   against `perf.peak_flops` (left out when the peak is unknown),
+- `train/masked_tokens`: tokens predicted (selected by masking) in the interval,
+- `train/skipped_steps`, `train/empty_steps`: steps not applied so far (non-finite, or
+  without a selected token; see `loop`),
 - `train/epoch`, `train/tokens_seen`, `train/memory_mb` (`perf.peak_memory_mb`, MiB) and, on
   CUDA, `memory/max_reserved_gib` (GiB).
+
+The meter also keeps a device-side record of the first step whose loss or gradient norm
+was not finite (`first_nonfinite_step`), so the loop can check it without a host sync per
+step.
 
 The interval sums and its elapsed time are the meter's state: a checkpoint taken between
 two reports holds them, so a run resumed from a step that is not a multiple of
@@ -51,6 +58,8 @@ class Meter:
         self.masked_sum = torch.zeros((), device=device, dtype=torch.long)
         #: optimizer steps in the interval.
         self.steps = 0
+        #: int64 0-dim: first step with a non-finite loss or gradient norm, -1 if none.
+        self._first_bad = torch.full((), -1, device=device, dtype=torch.long)
         self._carried_s = 0.0  # interval seconds before a resume
         self._start = time.perf_counter()
 
@@ -60,19 +69,33 @@ class Meter:
         self._start = time.perf_counter() - self._carried_s
         self._carried_s = 0.0
 
-    def update(self, loss_sum: torch.Tensor, masked: torch.Tensor) -> None:
-        """Add one optimizer step.
+    def update(self, loss_sum: torch.Tensor, masked: torch.Tensor,
+               grad_norm: torch.Tensor | None = None, step: int | None = None) -> None:
+        """Add one optimizer step (device ops only, no host sync).
 
         Args:
             loss_sum: float32 0-dim, the step's summed per-token loss (nats).
             masked: int64 0-dim, the step's masked tokens.
+            grad_norm: float32 0-dim, the step's gradient norm; with `step`, a non-finite
+                loss or norm records `step` as the first non-finite step (if none was).
+            step: the step's number (1-based).
         """
         self.loss_sum += loss_sum
         self.masked_sum += masked
         self.steps += 1
+        if step is not None:
+            total = loss_sum.float() + (0.0 if grad_norm is None else grad_norm.float())
+            bad = ~torch.isfinite(total) & (self._first_bad < 0)
+            self._first_bad = torch.where(bad, step, self._first_bad)
+
+    def first_nonfinite_step(self) -> int | None:
+        """The first step whose loss or gradient norm was not finite, or None (a host read)."""
+        bad = int(self._first_bad)
+        return bad if bad >= 0 else None
 
     def report(self, *, step: int, lr: float, grad_norm: torch.Tensor | float, epoch: int,
-               tokens_seen: int) -> dict[str, float]:
+               tokens_seen: int, skipped_steps: int = 0, empty_steps: int = 0
+               ) -> dict[str, float]:
         """The metrics of the interval that ends at `step`, then a new interval.
 
         Args:
@@ -81,6 +104,7 @@ class Meter:
             grad_norm: global gradient L2 norm of the last step, before clipping.
             epoch: epoch of the last batch read.
             tokens_seen: tokens consumed so far.
+            skipped_steps, empty_steps: steps not applied so far (`loop.TrainState`).
 
         Returns:
             The metrics dict (keys in the module docstring; values are Python floats).
@@ -100,6 +124,9 @@ class Meter:
             "train/lr": lr,
             "train/grad_norm": float(grad_norm),
             "train/tokens_per_s": tokens_per_s,
+            "train/masked_tokens": float(self.masked_sum.item()),
+            "train/skipped_steps": float(skipped_steps),
+            "train/empty_steps": float(empty_steps),
             "train/epoch": float(epoch),
             "train/tokens_seen": float(tokens_seen),
         }

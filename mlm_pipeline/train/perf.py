@@ -180,9 +180,14 @@ def gpu_peak_flops(name: str) -> float | None:
 def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024,
                              seconds: float = 0.3) -> float:
     """Measured CPU matmul throughput in FLOP/s (n x n @ n x n, 2 n^3 FLOPs each), with the
-    current torch thread count; about `seconds` of work, cached per process."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    current torch thread count; about `seconds` of work, cached per process.
+
+    The matrices come from a private generator: the measurement never moves the global
+    torch RNG, so dropout masks do not depend on whether (or when) it ran in this process.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
     torch.mm(a, b)  # warm-up
     reps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

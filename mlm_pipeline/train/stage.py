@@ -145,11 +145,22 @@ def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig
 
 def _truncate_metrics_log(path: Path, step: int) -> None:
     """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
-    those steps again, and the log must hold each step once."""
+    those steps again, and the log must hold each step once. A line cut short by a kill
+    (not valid JSON) is dropped with a warning."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            logger.warning("%s:%d: incomplete record (the run was killed while writing it) "
+                           "dropped", path, number)
+            continue
+        if record["step"] <= step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -213,21 +224,20 @@ def train(
         parts.meter.tokens_per_step, len(parts.dataset),
     )
     try:
-        last_metrics, stopped_early = run_steps(
-            parts, cfg, checkpointer, MultiSink(jsonl, sink) if sink is not None else jsonl)
+        sinks = MultiSink(jsonl, sink) if sink is not None else jsonl
+        last_metrics, stop_reason = run_steps(parts, cfg, checkpointer, sinks)
+        sinks.flush()
         final = checkpointer.save(parts.train_state.step)
-        if sink is not None:
-            sink.flush()
     finally:
         jsonl.close()
     return _write_train_manifest(cfg, model, masking, shards, tokenizer, out, watch, final,
-                                 parts, last_metrics, stopped_early)
+                                 parts, last_metrics, stop_reason)
 
 
 def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                           shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
                           watch: Stopwatch, final: Path, parts: Parts,
-                          last_metrics: dict[str, float], stopped_early: bool) -> TrainManifest:
+                          last_metrics: dict[str, float], stop_reason: str) -> TrainManifest:
     """Write and return the manifest of a finished run (`final`: its last checkpoint)."""
     manifest = TrainManifest(
         stage="train",
@@ -243,7 +253,8 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         tokens_seen=parts.train_state.tokens_seen,
         final_metrics=last_metrics,
         metrics_log="metrics.jsonl",
-        stopped_early=stopped_early,
+        stopped_early=stop_reason != "max_steps",
+        stop_reason=stop_reason,
         device=parts.device.type,
         precision=parts.precision,
     )

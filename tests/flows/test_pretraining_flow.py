@@ -77,7 +77,7 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     ckpt = client.list_artifacts(run.info.run_id, "checkpoints")
     assert [a.path for a in ckpt] == ["checkpoints/step-00000006"]
     files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, ckpt[0].path)}
-    assert {"model.pt", "optimizer.pt", "state.json"} <= files
+    assert {"model.safetensors", "optimizer.pt", "state.json"} <= files
 
 
 def test_a_failing_stage_fails_the_flow_and_the_mlflow_run(tmp_path):

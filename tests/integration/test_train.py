@@ -1,6 +1,7 @@
 """Five training steps, exact resume (mid log interval, masker state checked, checkpoints of
 the previous layout), token-weighted gradient accumulation."""
 
+import hashlib
 import json
 import shutil
 
@@ -44,10 +45,17 @@ def test_five_steps(tmp_path, tiny_model_config, tiny_shard_manifest, tiny_token
                                     min_lr_ratio=0.0)
         assert r["train/lr"] == pytest.approx(want)
     ckpt = m.file(m.checkpoint_dir)
-    for name in ("model.pt", "optimizer.pt", "rng.pt", "state.json"):
+    for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         assert (ckpt / name).is_file()
     state = json.loads((ckpt / "state.json").read_text())
-    assert state["train_state"] == {"step": 5, "tokens_seen": m.tokens_seen}
+    # every other file is recorded with its size and sha256 (checked on load)
+    for name in ("model.safetensors", "optimizer.pt", "rng.pt"):
+        data = (ckpt / name).read_bytes()
+        assert state["files"][name] == {"bytes": len(data),
+                                        "sha256": hashlib.sha256(data).hexdigest()}
+    assert state["train_state"] == {"step": 5, "tokens_seen": m.tokens_seen,
+                                    "skipped_steps": 0, "empty_steps": 0,
+                                    "skipped_in_a_row": 0}
     assert state["tokenizer_digest"] == tiny_tokenizer_manifest.digest
     assert state["config"] == m.config  # model, train and masking sections
     masker = build_masker(MaskingConfig(), tiny_shard_manifest.vocab_size)

@@ -35,7 +35,7 @@ def _parts(seed: int) -> dict[str, FakePart]:
     """Tensor states for the `.pt` parts, JSON values for the `state.json` ones."""
     g = torch.Generator().manual_seed(seed)
     return {
-        name: FakePart({"w": torch.randn(3, generator=g)} if file.endswith(".pt")
+        name: FakePart({"w": torch.randn(3, generator=g)} if not file.endswith(".json")
                        else {"value": seed, "name": name})
         for name, (file, _) in LAYOUT.items()
     }
@@ -48,7 +48,7 @@ def test_round_trip_under_fixed_keys(tmp_path):
     assert path.name == "step-00000007"
     assert {p.name for p in path.iterdir()} == {f for f, _ in LAYOUT.values()}
     state = read_state(path)
-    assert state["format"] == 2 and state["seq_len"] == 16 and state["masker"]["name"] == "masker"
+    assert state["format"] == 3 and state["seq_len"] == 16 and state["masker"]["name"] == "masker"
 
     loaded = _parts(2)
     Checkpointer(tmp_path, loaded, meta).load(path)
