@@ -37,7 +37,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import load_config, shipped_configs
@@ -121,6 +121,12 @@ class PretrainParams(BaseModel):
     overrides: list[str] = Field(
         default_factory=list,
         description="Dotted overrides applied last, e.g. `train.warmup_ratio=0.1`.")
+
+    @field_validator("config_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        """An event template renders a missing `config_file` as an empty string."""
+        return None if value == "" else value
 
     def resolved(self) -> tuple[str, list[str]]:
         """(config name or path, overrides): the typed fields become overrides, applied

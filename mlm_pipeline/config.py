@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Fixed ids of the special tokens, shared by the tokenizer, shards, masking and model.
 SPECIAL_TOKENS: dict[str, int] = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
@@ -286,6 +286,12 @@ class TrainConfig(StrictModel):
     compile: Literal["auto", "on", "off"] = "auto"
     """`torch.compile` the model: `auto` = on CUDA only (compilation takes tens of seconds
     and needs a C++ compiler on CPU)."""
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads `on`/`off` (what `--set train.compile=on` says) as booleans."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
     verify_shards: bool = True
     """Recompute every shard's sha256 before training and fail, naming the file, on a
     mismatch (reads the whole dataset once: about 1 s per GB)."""

@@ -55,7 +55,7 @@ def _flow_run_id(output: str) -> str:
 
 
 def _run_deployment(deployed, *overrides) -> tuple[str, float]:
-    params = json.dumps({"config": deployed["config"], "overrides": list(overrides)})
+    params = json.dumps({"config_file": deployed["config"], "overrides": list(overrides)})
     start = time.monotonic()
     out = _prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
                    "--param", f"params={params}", "--watch", "--watch-timeout", "500")
@@ -137,7 +137,8 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
         dep = client.read_deployment_by_name("mlm-pretraining/scheduled-retrain")
         emit_event(event="corpus.updated",
                    resource={"prefect.resource.id": "mlm-pipeline.corpus.test"},
-                   payload={"corpus": str(ASSETS / "tiny_fr.txt"), "config": deployed["config"]})
+                   payload={"corpus": str(ASSETS / "tiny_fr.txt"),
+                            "config_file": deployed["config"]})
         deadline = time.monotonic() + 90
         runs = []
         while time.monotonic() < deadline and not runs:
@@ -148,5 +149,33 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
             time.sleep(1)
     assert runs, "no flow run was created by the corpus.updated event"
     params = runs[0].parameters["params"]
-    assert params["config"] == deployed["config"]
+    assert params["config_file"] == deployed["config"]
     assert params["overrides"][0] == f"ingest.sources=[{ASSETS / 'tiny_fr.txt'}]"
+
+
+def test_the_server_rejects_a_bad_parameter_before_a_worker_starts(deployed):
+    schema = None
+    with _client(deployed) as client:
+        dep = client.read_deployment_by_name("mlm-pretraining/local-cpu")
+        schema = dep.parameter_openapi_schema
+        before = len(client.read_flow_runs())
+    props = schema["definitions"]["PretrainParams"]["properties"]
+    assert props["max_steps"]["anyOf"][0]["minimum"] == 1
+    assert props["lr"]["description"].startswith("Peak learning rate")
+    assert props["config"]["default"] == "tiny"
+    bad = json.dumps({"config": "tiny", "max_steps": 0})
+    out = _prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
+                   "--param", f"params={bad}", check=False)
+    assert out.returncode != 0
+    assert "max_steps" in out.stdout + out.stderr or "validation" in (out.stdout + out.stderr)
+    with _client(deployed) as client:
+        assert len(client.read_flow_runs()) == before  # no run was created
+
+
+def test_retraining_and_gpu_deployments_queue_one_run_at_a_time(deployed):
+    with _client(deployed) as client:
+        for name in ("scheduled-retrain", "gpu"):
+            dep = client.read_deployment_by_name(f"mlm-pretraining/{name}")
+            assert dep.global_concurrency_limit is not None, name
+            assert dep.global_concurrency_limit.limit == 1
+            assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"

@@ -1,0 +1,22 @@
+"""Overrides take the literal choices a field offers, even where YAML reads them otherwise."""
+
+import pytest
+
+from mlm_pipeline.config_files import ConfigError, load_config
+
+
+@pytest.mark.parametrize("value", ["on", "off", "auto"])
+def test_compile_accepts_its_choices_from_the_command_line(value):
+    # YAML 1.1 reads a bare `on`/`off` as a boolean
+    assert load_config("tiny", [f"train.compile={value}"]).train.compile == value
+
+
+def test_compile_rejects_other_values():
+    with pytest.raises(ConfigError, match="train.compile"):
+        load_config("tiny", ["train.compile=maybe"])
+
+
+def test_the_tiny_time_cap_is_only_a_safety_net():
+    cfg = load_config("tiny")
+    # 1,000 steps take about 3 minutes on 2 cores: the cap must be far above that
+    assert cfg.train.max_time_s >= 10 * 180
