@@ -98,8 +98,26 @@ def load_config(
         lines = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            lines.append(f"  {loc}: {err['msg']}")
+            hint = _nearest_key(err["loc"]) if err["type"] == "extra_forbidden" else None
+            lines.append(f"  {loc}: {err['msg']}" + (f" (did you mean {hint}?)" if hint else ""))
         raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None
+
+
+def _nearest_key(loc: tuple) -> str | None:
+    """The valid dotted key closest to an unknown one (`train.max_step` -> `train.max_steps`),
+    by `difflib` similarity within the same section; None when nothing is close."""
+    import difflib
+
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        model = field.annotation
+    if not hasattr(model, "model_fields"):
+        return None
+    match = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return ".".join([*map(str, loc[:-1]), match[0]]) if match else None
 
 
 def shipped_configs() -> dict[str, Traversable]:

@@ -104,6 +104,15 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
                                       str(deployed["tmp"]))
     assert Path(local).stat().st_size > 0
     print(f"\nfirst deployment run: {seconds:.1f} s from `prefect deployment run` to Completed")
+    # the library's INFO logs (the MLflow run id, training metrics) reach Prefect
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with _client(deployed) as client:
+        logs = client.read_logs(log_filter=LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    library = [log for log in logs if log.name.startswith("mlm_pipeline")]
+    assert any(run.info.run_id in log.message for log in library), [l.message for l in logs]
+    assert any("train/loss" in log.message for log in library)
 
     # Second run of the same config: the data stages come from the cache.
     second_id, seconds = _run_deployment(deployed)
