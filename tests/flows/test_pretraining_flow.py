@@ -74,10 +74,25 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
 
     got = Path(client.download_artifacts(run.info.run_id, "tokenizer", str(tmp_path)))
     assert Tokenizer.load(got / "spm.model").normalization == "NFC"
-    ckpt = client.list_artifacts(run.info.run_id, "checkpoints")
-    assert [a.path for a in ckpt] == ["checkpoints/step-00000006"]
-    files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, ckpt[0].path)}
-    assert {"model.safetensors", "optimizer.pt", "state.json"} <= files
+    # The resumable state stays local (tracking.log_training_state is off by default) ...
+    assert client.list_artifacts(run.info.run_id, "checkpoints") == []
+    assert (Path(summary["checkpoint"]) / "optimizer.pt").is_file()
+    # ... the exported model is the run's MLflow model, registered under the experiment
+    # name: the first version is champion and challenger.
+    version = client.get_model_version_by_alias("flow-test", "champion")
+    assert int(version.version) == 1 and version.run_id == run.info.run_id
+    assert int(client.get_model_version_by_alias("flow-test", "challenger").version) == 1
+    assert run.data.tags["registry.decision"] == "first"
+    assert run.data.tags["registry.shards"] == run.data.tags["digest.shards"]
+    assert run.data.metrics["registry/eval_loss"] == run.data.metrics["eval/loss"]
+    assert summary["registry"]["decision"] == "first" and summary["registry"]["version"] == 1
+    assert summary["registry"]["eval_loss"] == run.data.metrics["eval/loss"]
+    logged = client.get_logged_model(run.data.tags["mlm.model_uri"].removeprefix("models:/"))
+    assert logged.source_run_id == run.info.run_id
+    assert {m.key: m.step for m in logged.metrics}["eval/loss"] == 6  # step = final step
+    from mlm_pipeline.tracking.records import summary_markdown
+
+    assert "## Model registry" in summary_markdown(summary)
 
 
 def test_a_failing_stage_fails_the_flow_and_the_mlflow_run(tmp_path):
@@ -209,3 +224,32 @@ def test_resume_refuses_a_changed_config(tmp_path):
     )
     assert state.is_failed()
     assert "train.lr" in str(state.message)
+
+
+def test_a_non_finite_loss_fails_the_run_with_its_reason_and_no_retry(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLM_PIPELINE_TEST_NAN_AT_STEP", "3")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = _overrides(tmp_path, uri) + ["train.checkpoint_every=2"]
+    state = mlm_pretraining(PretrainParams(config="tiny", overrides=overrides),
+                            return_state=True)
+    assert state.is_failed()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("flow-test").experiment_id])
+    assert run.info.status == "FAILED"
+    tags = run.data.tags
+    assert tags["mlm.error"].startswith("NonFiniteLossError: ")
+    assert tags["mlm.error_step"] == "3"
+    assert tags["mlm.last_checkpoint"].endswith("step-00000002")
+    assert "step 3" in tags["mlflow.note.content"]
+    # nothing non-finite was logged, and no checkpoint exists past the bad step
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2]
+    ckpts = sorted((tmp_path / "work" / "train" / run.info.run_id / "checkpoints").glob("step-*"))
+    assert [c.name for c in ckpts] == ["step-00000002"]
+    # the train task ran once: a non-finite loss is not something a retry cures
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        runs = prefect.read_task_runs()
+    train_runs = [r for r in runs if r.name.startswith("train-")
+                  and r.flow_run_id == state.state_details.flow_run_id]
+    assert len(train_runs) == 1 and train_runs[0].run_count == 1
