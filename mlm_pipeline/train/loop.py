@@ -151,6 +151,9 @@ class Parts:
         autocast: context entered around each forward pass (bf16 autocast or a no-op).
         document_attention: pass document ids from [SEP] tokens to the model.
         compile_errors: exceptions of a failing `torch.compile` build (empty when eager).
+        masked_per_row: passed to the model's forward (a static head size) when it is
+            compiled and the masking bounds the labels per row (`exact_k`); None otherwise,
+            and always when eager, whose results it would change in the last bits.
     """
 
     model: torch.nn.Module
@@ -168,6 +171,7 @@ class Parts:
     autocast: contextlib.AbstractContextManager
     document_attention: bool = False
     compile_errors: tuple[type[BaseException], ...] = ()
+    masked_per_row: int | None = None
 
     def stateful(self) -> dict[str, Stateful]:
         """The parts a checkpoint holds, under the `Checkpointer`'s fixed keys."""
@@ -181,6 +185,7 @@ def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[tuple[torch.Tensor, ...]],
     autocast: contextlib.AbstractContextManager | None = None,
+    masked_per_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward every micro-batch, each weighted by its share of the step's
     masked tokens, so the accumulated gradient is that of one batch holding them all.
@@ -192,6 +197,7 @@ def accumulate_gradients(
             `(input_ids, labels, document_ids)` triples (document ids int32 (b, L), passed
             as the model's `document_ids`).
         autocast: context entered around each forward pass (None: none).
+        masked_per_row: the model's static head size (`BertMLM.forward`), or None.
 
     Returns:
         (sum of per-token losses, number of masked tokens) over all micro-batches, as
@@ -202,7 +208,8 @@ def accumulate_gradients(
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     for input_ids, labels, *rest in micro_batches:
         with autocast:
-            output = model(input_ids, labels=labels, document_ids=rest[0] if rest else None)
+            output = model(input_ids, labels=labels, document_ids=rest[0] if rest else None,
+                           masked_per_row=masked_per_row)
         # mean_i * n_i / n_total summed over micro-batches = the mean over all n_total tokens.
         (output.loss * (output.num_masked / total.clamp(min=1))).backward()
         loss_sum += output.loss.detach().float() * output.num_masked
@@ -256,7 +263,8 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
     state, step = parts.train_state, parts.train_state.step + 1
     micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
     try:
-        loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast)
+        loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast,
+                                                parts.masked_per_row)
     except parts.compile_errors as exc:
         raise RuntimeError(
             f"train.compile={cfg.compile}: torch.compile failed to build the model on "

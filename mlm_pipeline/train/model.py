@@ -287,6 +287,7 @@ class BertMLM(nn.Module):
         labels: Tensor | None = None,
         *,
         document_ids: Tensor | None = None,
+        masked_per_row: int | None = None,
     ) -> MLMOutput:
         """Encode and predict.
 
@@ -306,14 +307,23 @@ class BertMLM(nn.Module):
             attention_mask: (B, L), 1 = real token; None = all real.
             labels: int64 (B, L), target ids, -100 where not predicted.
             document_ids: integer (B, L), attention within documents only; see `encode`.
+            masked_per_row: k, a bound on the labels of every row (`exact_k` masking:
+                `masking.keyed.exact_k(L, p)`). The head then runs at k positions of each
+                row, the labelled ones first (a stable sort of the label mask), the others
+                ignored: static shapes, no `nonzero` and no host sync, so a compiled model
+                neither breaks its graph nor recompiles as N changes. Labels past the k-th
+                in a row would be dropped: the bound is checked with `_assert_async`.
 
         Returns:
-            `MLMOutput`: with labels, loss (fp32 scalar), logits (N, V), num_masked = N;
+            `MLMOutput`: with labels, loss (fp32 scalar), logits (N, V) (with
+            `masked_per_row`: (B * k, V), ignored rows included), num_masked = N;
             without, loss None, logits (B, L, V), num_masked = 0.
 
         Raises:
             ValueError: L exceeds `seq_len`, or `labels` or `document_ids` is not shaped
                 like `input_ids`.
+            RuntimeError: with `masked_per_row`, a row holds more labels than k (on
+                CUDA a device-side assert).
         """
         hidden = self.encode(input_ids, attention_mask, document_ids=document_ids)
         if labels is None:
@@ -324,6 +334,8 @@ class BertMLM(nn.Module):
                 f"model: labels shape {tuple(labels.shape)} != input_ids shape "
                 f"{tuple(input_ids.shape)}"
             )
+        if masked_per_row is not None:
+            return self._static_head(hidden, labels, masked_per_row)
         flat_labels = labels.reshape(-1)
         positions = torch.nonzero(flat_labels != IGNORE_INDEX).squeeze(1)  # (N,), row-major
         n = positions.numel()
@@ -340,6 +352,23 @@ class BertMLM(nn.Module):
         num_masked = torch.tensor(n, dtype=torch.int64, device=input_ids.device)
         loss = loss_sum / max(n, 1)
         return MLMOutput(loss, logits[:n], num_masked)
+
+    def _static_head(self, hidden: Tensor, labels: Tensor, k: int) -> MLMOutput:
+        """The head at k positions per row (`forward`'s `masked_per_row`)."""
+        labelled = labels != IGNORE_INDEX
+        counts = labelled.sum(1)
+        torch._assert_async(counts.max() <= k, "model: a row has more labels than masked_per_row")
+        # A stable descending sort puts each row's labelled positions first, in order.
+        positions = torch.sort(labelled.to(torch.uint8), dim=1, descending=True,
+                               stable=True).indices[:, :k]                      # (B, k)
+        targets = labels.gather(1, positions).reshape(-1)                        # (B * k,)
+        rows = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        logits = self._real_vocab(self.head(rows.reshape(-1, hidden.shape[-1])))
+        logits_fp32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss_sum = F.cross_entropy(logits_fp32, targets, reduction="sum",
+                                   ignore_index=IGNORE_INDEX)
+        num_masked = counts.sum()
+        return MLMOutput(loss_sum / num_masked.clamp(min=1), logits, num_masked)
 
     def _real_vocab(self, logits: Tensor) -> Tensor:
         """(..., V rounded up to 64) -> (..., V). Without padding rows, no slice: even a

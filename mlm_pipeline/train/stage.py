@@ -30,6 +30,7 @@ from mlm_pipeline.manifest import (
     compute_digest,
     write_manifest,
 )
+from mlm_pipeline.masking.keyed import exact_k
 from mlm_pipeline.masking.maskers import Masker, build_masker
 from mlm_pipeline.shards.format import verify_shards
 from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
@@ -123,6 +124,11 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         # Inductor builds C++/Triton code at the first step; a missing or broken toolchain
         # surfaces there, deep in a long traceback (empty tuple: nothing to catch).
         compile_errors=(torch._dynamo.exc.BackendCompilerFailed,) if compiled else (),
+        # exact_k selects at most exact_k(L, p) tokens a row (whole words too): a static
+        # head size, so the compiled forward neither breaks its graph at `nonzero` nor
+        # recompiles as the masked count changes (tests/integration/test_compile_recompiles.py).
+        masked_per_row=(exact_k(shards.seq_len, masking.mlm_probability)
+                        if compiled and masking.selection == "exact_k" else None),
     )
 
 
