@@ -364,6 +364,23 @@ def record_results_task(
     pipeline.record_results(tracker, run_id, cfg, trained, evaluated)
 
 
+@task(name="publish-model", **_NOT_CACHED, **_IO)
+def publish_model_task(
+    cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest,
+    tokenizer: TokenizerManifest,
+) -> dict[str, Any] | None:
+    """Log the exported model as the run's MLflow model and register it: `challenger`
+    always, `champion` when better on the same data (None when `tracking.log_model` is off)."""
+    if not cfg.tracking.log_model:
+        return None
+    from mlm_pipeline.tracking import registry
+
+    name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
+    return registry.publish(MlflowTracker.from_config(cfg.tracking), run_id, name, trained,
+                            evaluated, tokenizer.output_dir,
+                            next(iter(cfg.eval.probes), "[MASK]."))
+
+
 @task(name="end-tracking", **_NOT_CACHED, **_IO)
 def end_tracking(cfg: PipelineConfig, run_id: str, status: str,
                  tags: dict[str, str] | None = None) -> None:
@@ -425,13 +442,14 @@ def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)
+        registered = publish_model_task(cfg, run_id, trained, evaluated, tokenizer)
     except BaseException as exc:
         end_tracking(cfg, run_id, *resume.failure_tags(exc))
         raise
     end_tracking(cfg, run_id, "FINISHED")
     tracker = MlflowTracker.from_config(cfg.tracking)
     summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
-                               started_at)
+                               started_at, registered)
     create_markdown_artifact(key="run-summary", markdown=pipeline.summary_markdown(summary),
                              description="final metrics and the MLflow run")
     return summary

@@ -4,7 +4,9 @@
     mlm-pipeline config CONFIG [--set key=value ...]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
     mlm-pipeline fill-mask CHECKPOINT_OR_RUN_DIR TOKENIZER_MODEL TEXT [TEXT ...]
-    mlm-pipeline export CHECKPOINT_OR_RUN_DIR OUT_DIR [--tokenizer PATH] [--force]
+    mlm-pipeline fill-mask (RUN_ID | models:/NAME@ALIAS) TEXT [TEXT ...] [--tracking-uri URI]
+    mlm-pipeline export SOURCE OUT_DIR [--tokenizer PATH] [--force] [--tracking-uri URI]
+    mlm-pipeline promote RUN_ID [--name NAME] [--tracking-uri URI]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. The library never
@@ -89,6 +91,10 @@ def _print_summary(result: dict, experiment: str) -> None:
         lines.append(f"WARNING:       training stopped early ({result['stop_reason']}: "
                      "train.max_time_s was reached) after "
                      f"{result['steps']:,} steps; the metrics are those of a shorter run")
+    if reg := result.get("registry"):
+        from mlm_pipeline.tracking.records import registry_lines
+
+        lines += registry_lines(reg)
     for line in lines:  # paths and commands must stay copyable: never wrap them
         console.print(line, soft_wrap=True, highlight=False)
 
@@ -141,59 +147,41 @@ def _cmd_fetch_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tracker(args: argparse.Namespace):
+    from mlm_pipeline.config import TrackingConfig
+    from mlm_pipeline.tracking import MlflowTracker
+
+    return MlflowTracker.from_config(TrackingConfig(tracking_uri=args.tracking_uri))
+
+
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.consumers import fill_mask_source
 
-    from mlm_pipeline.evaluate.stage import fill_mask
-    from mlm_pipeline.tokenizer import Tokenizer
-    from mlm_pipeline.train.checkpoint import load_model, read_state
-
-    checkpoint = resolve_checkpoint(Path(args.checkpoint))
-    model = load_model(checkpoint)
-    results = fill_mask(
-        model, Tokenizer.load(args.tokenizer), args.texts,
-        seq_len=read_state(checkpoint)["seq_len"], top_k=args.top_k,
-    )
+    results = fill_mask_source(args.source, args.args, top_k=args.top_k,
+                               tracker=_tracker(args))
     print(json.dumps(results, ensure_ascii=False, indent=2))
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from mlm_pipeline.train.export import export_checkpoint
+    from mlm_pipeline.tracking.consumers import export_source
 
-    try:
-        checkpoint = resolve_checkpoint(Path(args.source))
-    except FileNotFoundError as exc:
-        later = (" (MLflow run ids and models:/ URIs are not supported yet)"
-                 if not Path(args.source).exists() else "")
-        raise ValueError(f"export: SOURCE {args.source!r} is not a checkpoint directory "
-                         f"(…/checkpoints/step-XXXXXXXX) or a training run directory holding "
-                         f"one{later}: {exc}") from exc
-    out = export_checkpoint(checkpoint, args.out_dir, tokenizer=args.tokenizer,
-                            overwrite=args.force)
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    print(json.dumps({"checkpoint": str(checkpoint), "out_dir": str(out), "files": files},
-                     indent=2))
+    written = export_source(args.source, args.out_dir, tokenizer=args.tokenizer,
+                            overwrite=args.force, tracker=_tracker(args))
+    print(json.dumps(written, indent=2))
     return 0
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or the newest complete checkpoint under a training run
-    directory or its `checkpoints/` directory.
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.records import registry_lines, registry_summary
+    from mlm_pipeline.tracking.registry import RUN_ID, promote
 
-    Raises:
-        FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
-    """
-    from mlm_pipeline.train.checkpoint import latest_checkpoint
-
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
-    if (path / "state.json").is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"{path}: holds no complete checkpoint (no step-*/state.json)")
+    if not RUN_ID.fullmatch(args.run_id):
+        raise ValueError(f"promote: {args.run_id!r} is not an MLflow run id (32 hex digits)")
+    for line in registry_lines(registry_summary(promote(_tracker(args), args.run_id,
+                                                        args.name))):
+        print(line)
+    return 0
 
 
 class StageMissingError(RuntimeError):
@@ -271,7 +259,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
-    fetch-corpus, fill-mask, export, tokenize)."""
+    fetch-corpus, fill-mask, export, promote, tokenize)."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
     )
@@ -305,24 +293,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="cache directory (default: $MLM_PIPELINE_CACHE)")
     p.set_defaults(func=_cmd_fetch_corpus)
 
-    p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint")
-    p.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), "
-                   "or a training run directory (its newest checkpoint)")
-    p.add_argument("tokenizer", help="SentencePiece .model file")
-    p.add_argument("texts", nargs="+", help="texts containing [MASK]")
+    def tracking_uri(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tracking-uri", metavar="URI", help="MLflow tracking URI for run "
+                       "ids and models:/ URIs (default: $MLFLOW_TRACKING_URI, else "
+                       "sqlite:///./mlflow.db)")
+
+    p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint or an "
+                       "MLflow model")
+    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), a "
+                   "training run directory (its newest checkpoint), an MLflow run id or a "
+                   "models:/NAME@ALIAS URI")
+    p.add_argument("args", nargs="+", metavar="[TOKENIZER_MODEL] TEXT", help="for a "
+                   "checkpoint, its SentencePiece .model file first; then texts with [MASK]")
     p.add_argument("--top-k", type=int, default=5)
+    tracking_uri(p)
     p.set_defaults(func=_cmd_fill_mask)
 
     p = sub.add_parser("export", help="write a Hugging Face transformers model directory "
-                       "from a checkpoint (bert preset)")
-    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), "
-                   "or a training run directory (its newest checkpoint)")
+                       "from a checkpoint or an MLflow model")
+    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), a "
+                   "training run directory (its newest checkpoint), an MLflow run id or a "
+                   "models:/NAME@ALIAS URI")
     p.add_argument("out_dir", help="model directory to create (config.json, "
                    "model.safetensors, tokenizer files, README.md)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer stage directory (default: "
                    "found by the checkpoint's tokenizer digest in its work directory)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    tracking_uri(p)
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("promote", help="force the registry alias champion onto a run's "
+                       "model version")
+    p.add_argument("run_id", help="MLflow run id whose registered version becomes champion")
+    p.add_argument("--name", help="registered model name (default: the one the run "
+                   "registered)")
+    tracking_uri(p)
+    p.set_defaults(func=_cmd_promote)
 
     p = sub.add_parser("tokenize", help="show how the tokenizer segments a text")
     p.add_argument("config", nargs="?",

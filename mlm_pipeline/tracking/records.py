@@ -115,7 +115,9 @@ def record_results(
     trained: TrainManifest,
     evaluated: EvalManifest,
 ) -> None:
-    """Log eval metrics (at the final step), probes, the final checkpoint and manifests."""
+    """Log eval metrics (at the final step), probes and manifests; the final training
+    checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
+    (the model itself is logged by `tracking.registry.publish`)."""
     tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
     tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
     tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
@@ -125,7 +127,7 @@ def record_results(
     for m in (trained, evaluated):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
     tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")
-    if cfg.tracking.log_checkpoint:
+    if cfg.tracking.log_training_state:
         ckpt = trained.file(trained.checkpoint_dir)
         tracker.log_artifacts(run_id, ckpt, f"checkpoints/{ckpt.name}")
 
@@ -139,6 +141,7 @@ def summary(
     trained: TrainManifest,
     evaluated: EvalManifest,
     started_at: float | None = None,
+    registry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able).
 
@@ -148,6 +151,7 @@ def summary(
         started_at: Unix time (s) at which this run started. A stage whose manifest was
             created before it was reused from an earlier run (cache hit): it is listed in
             `reused_stages`, and its `wall_time_s` is the time it took when it was made.
+        registry: what `tracking.registry.publish` decided (None: no model registered).
 
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log
@@ -155,7 +159,8 @@ def summary(
         `train_tokens_per_s_mean` (tokens seen / training stage wall time: start-up and
         checkpoints included), whether training stopped early, checkpoint, manifests,
         per-stage wall times (s), `reused_stages` and `files_rejected` (path and reason of
-        every input file ingestion rejected as bad).
+        every input file ingestion rejected as bad) and `registry` (model name, version,
+        decision and reason, both losses, eval data digest; None when not registered).
     """
     stages = (corpus, tokenizer, shards, trained, evaluated)
     reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
@@ -178,7 +183,37 @@ def summary(
         "reused_stages": reused,
         "files_rejected": [{"path": b.path, "reason": b.reason}
                            for b in getattr(corpus, "bad_files", [])],
+        "registry": registry_summary(registry),
     }
+
+
+def registry_summary(registry: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON-able part of a registry decision shown to users: model, version, model URI,
+    decision and reason, this version's and the previous champion's `eval/loss`, the eval
+    data digest and the champion version after the decision."""
+    if registry is None:
+        return None
+    before = registry.get("champion_before") or {}
+    return {"model": registry["name"], "version": registry["version"],
+            "model_uri": registry.get("model_uri"), "decision": registry["decision"],
+            "reason": registry["reason"], "eval_loss": registry["eval_loss"],
+            "champion_eval_loss": before.get("eval_loss"),
+            "champion_before": before.get("version"),
+            "champion_version": registry["champion_version"],
+            "eval_data_digest": registry["eval_data"]}
+
+
+def registry_lines(reg: dict[str, Any]) -> list[str]:
+    """The registry decision of a summary as lines of text (CLI and Markdown)."""
+    theirs = reg.get("champion_eval_loss")
+    return [f"Registered model: {reg['model']} version {reg['version']} "
+            f"(models:/{reg['model']}/{reg['version']})",
+            f"Decision: {reg['decision']}: {reg['reason']}",
+            f"eval/loss: {reg['eval_loss']:.4f} (this version), "
+            + (f"{theirs:.4f} (champion before)" if theirs is not None else "no champion "
+               "loss compared") + f"; eval data digest {reg['eval_data_digest'][:16]}",
+            f"Champion now: version {reg['champion_version']} "
+            f"(models:/{reg['model']}@champion)"]
 
 
 def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
@@ -246,6 +281,8 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
     if rejected := summary_dict.get("files_rejected"):
         lines += ["", f"Input files rejected as bad ({len(rejected)}; see the ingest "
                   "manifest): " + ", ".join(f"`{r['path']}` ({r['reason']})" for r in rejected)]
+    if reg := summary_dict.get("registry"):
+        lines += ["", "## Model registry", ""] + [f"- {line}" for line in registry_lines(reg)]
     lines += ["", f"Checkpoint: `{summary_dict['checkpoint']}`", "", "| stage | seconds | manifest |",
               "|---|---:|---|"]
     reused = set(summary_dict.get("reused_stages", ()))

@@ -51,7 +51,7 @@ def _config(tmp: Path, name: str, preset: str, masking: str) -> Path:
                   "log_every": 1, "checkpoint_every": 5, "precision": "fp32", "seed": 3},
         "eval": {"batch_size": 8, "probes": []},
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
-                     "experiment_name": name, "log_checkpoint": False},
+                     "experiment_name": name, "log_model": False},
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -207,18 +207,22 @@ def test_cli_exports_newest_checkpoint_of_a_run(bert_run, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(out).mask_token_id == 4
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "mlflow", "exists"])
+@pytest.mark.parametrize("case", ["missing", "empty", "mlflow", "garbage", "exists"])
 def test_cli_bad_source_is_one_line(case, bert_run, bert_exported, tmp_path, capsys):
     work = bert_run[0]
     (tmp_path / "empty").mkdir()
     source, out, expect = {
         "missing": (tmp_path / "nope", tmp_path / "o", "not a checkpoint directory"),
         "empty": (tmp_path / "empty", tmp_path / "o", "holds no complete checkpoint"),
-        "mlflow": ("models:/tiny@champion", tmp_path / "o", "models:/ URIs"),
+        "mlflow": ("models:/tiny@champion", tmp_path / "o", "no MLflow database at"),
+        "garbage": ("not-a-source", tmp_path / "o", "an MLflow run id (32 hex digits) or a "
+                    "models:/NAME@ALIAS URI"),
         "exists": (work / "train" / "bert", bert_exported, "exists and is not empty"),
     }[case]
-    assert cli.main(["export", str(source), str(out)]) == 1
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # no database there: not created
+    assert cli.main(["export", str(source), str(out), "--tracking-uri", uri]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mlm-pipeline: error: ") and expect in err
     assert str(source) in err or str(out) in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()

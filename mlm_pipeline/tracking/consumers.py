@@ -1,0 +1,120 @@
+"""Using a trained model from any SOURCE: `mlm-pipeline fill-mask` and `export`.
+
+A SOURCE is a checkpoint directory, a training run directory (its newest checkpoint), an
+MLflow run id (the run's logged model) or a `models:/NAME@ALIAS` URI (also
+`models:/NAME/VERSION`, `models:/m-...`). A local SOURCE is used through our checkpoint
+(`train.checkpoint`, `train.export`); an MLflow one through the `transformers` directory
+it holds (`tracking.registry.download_model`, `evaluate.hf_fill_mask`), which gives the
+same predictions. torch, transformers and mlflow are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlm_pipeline.tracking.registry import RUN_ID, download_model
+from mlm_pipeline.tracking.tracker import MlflowTracker
+
+#: What a SOURCE may be (for error messages).
+SOURCE_KINDS = ("a checkpoint directory (…/checkpoints/step-XXXXXXXX), a training run "
+                "directory holding one, an MLflow run id (32 hex digits) or a "
+                "models:/NAME@ALIAS URI")
+
+
+def is_mlflow_source(source: str) -> bool:
+    """True for an MLflow SOURCE (run id or `models:/` URI), False for an existing path.
+
+    Raises:
+        ValueError: SOURCE is neither (the message says what was given and what is
+            expected).
+    """
+    if Path(source).exists():
+        return False
+    if source.startswith("models:/") or RUN_ID.fullmatch(source):
+        return True
+    raise ValueError(f"SOURCE {source!r} is not {SOURCE_KINDS}: no such checkpoint or run "
+                     "directory")
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or the newest complete checkpoint under a training run
+    directory or its `checkpoints/` directory.
+
+    Raises:
+        FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
+    """
+    from mlm_pipeline.train.checkpoint import latest_checkpoint
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
+    if (path / "state.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{path}: holds no complete checkpoint (no step-*/state.json)")
+
+
+def fill_mask_source(source: str, args: list[str], *, top_k: int,
+                     tracker: MlflowTracker) -> list[dict[str, Any]]:
+    """Fill-mask predictions of SOURCE (see `evaluate.fill_mask`).
+
+    Args:
+        source: the SOURCE (see the module docstring).
+        args: for a local SOURCE, the SentencePiece `.model` file then the texts; for an
+            MLflow SOURCE, the texts.
+        top_k: candidates per mask.
+        tracker: the MLflow backend of an MLflow SOURCE.
+
+    Raises:
+        ValueError: a bad SOURCE, a local SOURCE without TOKENIZER_MODEL and TEXT, or a
+            text without `[MASK]`.
+        FileNotFoundError: a local SOURCE holds no complete checkpoint.
+    """
+    if is_mlflow_source(source):
+        from mlm_pipeline.evaluate.hf_fill_mask import fill_mask_hf
+
+        with tempfile.TemporaryDirectory(prefix="mlm-fill-mask-") as tmp:
+            return fill_mask_hf(download_model(tracker, source, Path(tmp) / "model"), args,
+                                top_k=top_k)
+    from mlm_pipeline.evaluate.stage import fill_mask
+    from mlm_pipeline.tokenizer import Tokenizer
+    from mlm_pipeline.train.checkpoint import load_model, read_state
+
+    if len(args) < 2:
+        raise ValueError(f"fill-mask {source}: a checkpoint needs TOKENIZER_MODEL and at "
+                         "least one TEXT")
+    checkpoint = resolve_checkpoint(Path(source))
+    return fill_mask(load_model(checkpoint), Tokenizer.load(args[0]), args[1:],
+                     seq_len=read_state(checkpoint)["seq_len"], top_k=top_k)
+
+
+def export_source(source: str, out_dir: str | Path, *, tokenizer: str | None,
+                  overwrite: bool, tracker: MlflowTracker) -> dict[str, Any]:
+    """Write SOURCE as a `transformers` model directory; returns what was written
+    (`checkpoint` or `source`, `out_dir`, `files`: name -> bytes).
+
+    Raises:
+        ValueError: a bad SOURCE (one line: what was given, what is expected), or a
+            model that cannot be exported.
+        FileExistsError: `out_dir` is not empty and `overwrite` is false.
+        FileNotFoundError: the checkpoint's tokenizer is not found.
+    """
+    from mlm_pipeline.train.export import export_checkpoint
+
+    if is_mlflow_source(source):
+        out = download_model(tracker, source, out_dir, overwrite=overwrite)
+        origin = {"source": source}
+    else:
+        try:
+            checkpoint = resolve_checkpoint(Path(source))
+        except FileNotFoundError as exc:
+            raise ValueError(f"export: SOURCE {source!r} is not {SOURCE_KINDS}: "
+                             f"{exc}") from exc
+        out = export_checkpoint(checkpoint, out_dir, tokenizer=tokenizer, overwrite=overwrite)
+        origin = {"checkpoint": str(checkpoint)}
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    return {**origin, "out_dir": str(out), "files": files}

@@ -1,0 +1,341 @@
+"""The run's MLflow model and the model registry's champion and challenger.
+
+At the end of a successful run `publish` exports the final checkpoint as a `transformers`
+model directory (`train.export`), logs it as the run's MLflow model (the `transformers`
+flavor, task `fill-mask`, with a signature, an input example and `step` = the final step),
+registers it under `tracking.registered_model_name` (default: the experiment name) and
+decides the aliases (`decide`):
+
+- every new version gets the alias `challenger`;
+- `champion` moves to it only if its held-out `eval/loss` is lower than the champion's and
+  both were evaluated on the same data (`eval_data_digest`: the validation shards digest,
+  the evaluation seed and row cap, and the masking rates that place the masks); a version
+  evaluated on other data is never compared, and the decision says so;
+- `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`).
+
+The decision, both losses and the data digest are set on the run (tags `registry.*`,
+metrics `registry/eval_loss` and `registry/champion_eval_loss`) and on the model version
+(tags), and returned for the run summary.
+
+`download_model` turns an MLflow run id or a `models:/...` URI back into a local
+`transformers` model directory (for `mlm-pipeline export` and `fill-mask`).
+
+mlflow, torch and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlm_pipeline.manifest import EvalManifest, TrainManifest
+from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
+
+logger = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+#: MLflow run ids: 32 lowercase hex digits.
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+#: Where the flavor stores the weights and the tokenizer inside a logged model.
+_MODEL_DIR, _TOKENIZER_DIR = "model", "components/tokenizer"
+#: The model card as the flavor stores it: body and front matter apart.
+_CARD_TEXT, _CARD_DATA = "model_card.md", "model_card_data.yaml"
+
+
+def eval_data_digest(evaluated: EvalManifest) -> str:
+    """What an `eval/loss` was measured on, as a sha256 (hex): the validation shards
+    digest, the evaluation seed and row cap, and the masking rates. Two losses are
+    comparable only when these digests are equal (the batch size and probes do not
+    change the loss and are left out)."""
+    eval_cfg = evaluated.config.get("eval", {})
+    data = {"shards": evaluated.inputs["shards"], "seed": eval_cfg.get("seed"),
+            "max_rows": eval_cfg.get("max_rows"), "masking": evaluated.config.get("masking")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent model API (`log_model`, `register_model`, `download_artifacts`)
+    reads the process-wide tracking URI: use `uri` for the block, then restore the previous
+    setting. MLflow's own (private) `_use_tracking_uri` restores an unset URI as unset,
+    which `get_tracking_uri()` + `set_tracking_uri()` cannot (it would pin the default)."""
+    import mlflow
+
+    try:
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+    except ImportError:  # a later MLflow: fall back to the public API
+        before = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(before)
+        return
+    with _use_tracking_uri(uri):
+        yield
+
+
+def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
+              input_example: str) -> str:
+    """Log a `transformers` model directory as the run's MLflow model (flavor
+    `transformers`, task `fill-mask`; the signature is inferred from `input_example`, a
+    text with `[MASK]`; the model card is the directory's `README.md`; served texts are
+    truncated to the model's sequence length). Returns the `models:/m-...` URI.
+
+    Raises:
+        RuntimeError: `transformers` is not installed.
+    """
+    import mlflow
+    import transformers
+    from huggingface_hub import ModelCard
+
+    pipe = transformers.pipeline("fill-mask", model=str(model_dir), device="cpu")
+    # Given explicitly, the card is not looked up on the Hugging Face Hub (offline runs).
+    card = ModelCard.load(model_dir / "README.md")
+    run = tracker.get_run(run_id)
+    # Created here because `log_model` would put it in the fluent API's current experiment
+    # (the Default one, artifacts under ./mlruns), not the run's.
+    logged = tracker.client.create_logged_model(
+        run.info.experiment_id, name="model", source_run_id=run_id,
+        params=dict(run.data.params))
+    with _tracking_uri(tracker.tracking_uri):
+        info = mlflow.transformers.log_model(
+            pipe, name="model", task="fill-mask", model_card=card, run_id=run_id,
+            model_id=logged.model_id,
+            input_example=[input_example], step=step,
+            # Texts longer than the model's sequence length are cut, not an index error.
+            model_config={"tokenizer_kwargs": {"truncation": True}},
+            pip_requirements=[f"transformers=={transformers.__version__}", "torch"])
+    tracker.set_tags(run_id, {"mlm.model_uri": info.model_uri})
+    return info.model_uri
+
+
+def _version_record(version) -> dict[str, Any]:
+    tags = version.tags
+    return {"version": int(version.version), "run_id": version.run_id,
+            "eval_loss": float(tags["eval_loss"]) if "eval_loss" in tags else None,
+            "eval_data": tags.get("eval_data"), "shards": tags.get("digest.shards")}
+
+
+def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
+    """The version holding `champion` (version, run id, eval loss, eval data digest,
+    shards digest), or None when no version has it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _version_record(tracker.client.get_model_version_by_alias(name, CHAMPION))
+    except MlflowException:
+        return None
+
+
+def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
+           eval_loss: float, eval_data: str, shards_digest: str) -> dict[str, Any]:
+    """Register `model_uri` as a new version of `name`, give it `challenger`, and move
+    `champion` to it when it is better on the same data (see the module docstring).
+
+    Args:
+        tracker: the MLflow backend.
+        name: registered model name (created when missing).
+        run_id: the run that logged the model; the decision is recorded on it.
+        model_uri: the logged model (`models:/m-...`).
+        eval_loss: its held-out `eval/loss` (token-weighted mean, nats).
+        eval_data: `eval_data_digest` of that evaluation.
+        shards_digest: the shards digest of the validation data (shown to users).
+
+    Returns:
+        `name`, `version`, `decision` (`first`: no champion before; `promoted`: lower
+        loss on the same data; `kept`: not lower; `not_compared`: the champion was
+        evaluated on other data), `reason` (a sentence), `eval_loss`, `champion_before`
+        (the previous champion's record, or None) and `champion_version` (after).
+    """
+    with _tracking_uri(tracker.tracking_uri):
+        import mlflow
+
+        version = mlflow.register_model(model_uri, name, tags={
+            "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
+            "digest.shards": shards_digest})
+    new = int(version.version)
+    before = champion(tracker, name)
+    if before is None:
+        decision, reason = "first", f"version {new} is the first champion of {name!r}"
+    elif before["eval_data"] != eval_data or before["eval_loss"] is None:
+        decision = "not_compared"
+        reason = (f"not compared: version {new} was evaluated on other data than champion "
+                  f"version {before['version']} (shards {shards_digest[:12]} vs "
+                  f"{(before['shards'] or 'unknown')[:12]}, eval data {eval_data[:12]} vs "
+                  f"{(before['eval_data'] or 'unknown')[:12]}); champion stays")
+    elif eval_loss < before["eval_loss"]:
+        decision = "promoted"
+        reason = (f"eval/loss {eval_loss:.4f} < champion version {before['version']}'s "
+                  f"{before['eval_loss']:.4f} on the same data: version {new} is champion")
+    else:
+        decision = "kept"
+        reason = (f"eval/loss {eval_loss:.4f} >= champion version {before['version']}'s "
+                  f"{before['eval_loss']:.4f} on the same data: champion stays")
+    client = tracker.client
+    client.set_registered_model_alias(name, CHALLENGER, str(new))
+    if decision in ("first", "promoted"):
+        client.set_registered_model_alias(name, CHAMPION, str(new))
+    client.set_model_version_tag(name, str(new), "decision", decision)
+    result = {"name": name, "version": new, "decision": decision, "reason": reason,
+              "eval_loss": float(eval_loss), "eval_data": eval_data,
+              "shards": shards_digest, "champion_before": before,
+              "champion_version": new if decision in ("first", "promoted")
+              else before["version"]}
+    _record_on_run(tracker, run_id, result)
+    logger.info("registry %s: %s", name, reason)
+    return result
+
+
+def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) -> None:
+    before = result["champion_before"]
+    tracker.set_tags(run_id, {
+        "registry.model_name": result["name"], "registry.version": str(result["version"]),
+        "registry.decision": result["decision"], "registry.reason": result["reason"],
+        "registry.champion_version": str(result["champion_version"]),
+        "registry.eval_data": result["eval_data"], "registry.shards": result["shards"],
+        **({"registry.champion_before": str(before["version"]),
+            "registry.champion_before_run_id": before["run_id"],
+            "registry.champion_before_eval_data": before["eval_data"] or "unknown"}
+           if before else {}),
+    })
+    metrics = {"registry/eval_loss": result["eval_loss"]}
+    if before and before["eval_loss"] is not None:
+        metrics["registry/champion_eval_loss"] = before["eval_loss"]
+    tracker.log_metrics(run_id, metrics)
+
+
+def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManifest,
+            evaluated: EvalManifest, tokenizer_dir: str | Path,
+            input_example: str) -> dict[str, Any]:
+    """Export the run's final checkpoint, log it as the run's model and register it
+    (`log_model`, then `decide`). Returns `decide`'s record with `model_uri`.
+
+    Raises:
+        ValueError: the model cannot be exported (see `train.export.export_checkpoint`).
+        RuntimeError: `transformers` is not installed.
+    """
+    from mlm_pipeline.train.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="mlm-export-") as tmp:
+        out = export_checkpoint(trained.file(trained.checkpoint_dir), Path(tmp) / "model",
+                                tokenizer=tokenizer_dir)
+        model_uri = log_model(tracker, run_id, out, trained.steps, input_example)
+    result = decide(tracker, name, run_id, model_uri, evaluated.metrics["eval/loss"],
+                    eval_data_digest(evaluated), evaluated.inputs["shards"])
+    return {**result, "model_uri": model_uri}
+
+
+def promote(tracker: MlflowTracker, run_id: str, name: str | None = None) -> dict[str, Any]:
+    """Force `champion` onto the registered version of `run_id`'s model (the newest one
+    when the run registered several); the decision `forced` is recorded on the run.
+
+    Raises:
+        ValueError: the run registered no version (under `name`, when given), or
+            versions under several names and `name` is None.
+    """
+    query = f"run_id = '{run_id}'" + (f" and name = '{name}'" if name else "")
+    versions = tracker.client.search_model_versions(query)
+    names = sorted({v.name for v in versions})
+    if not versions:
+        raise ValueError(f"promote: run {run_id} registered no model version"
+                         + (f" under {name!r}" if name else ""))
+    if len(names) > 1:
+        raise ValueError(f"promote: run {run_id} registered versions of {names}; name one")
+    version = max(versions, key=lambda v: int(v.version))
+    before = champion(tracker, version.name)
+    tracker.client.set_registered_model_alias(version.name, CHAMPION, version.version)
+    tracker.client.set_model_version_tag(version.name, version.version, "decision", "forced")
+    record = _version_record(version)
+    result = {"name": version.name, "version": record["version"], "decision": "forced",
+              "reason": f"champion forced to version {version.version} by promote",
+              "eval_loss": record["eval_loss"] if record["eval_loss"] is not None
+              else float("nan"), "eval_data": record["eval_data"] or "unknown",
+              "shards": record["shards"] or "unknown", "champion_before": before,
+              "champion_version": record["version"]}
+    _record_on_run(tracker, run_id, result)
+    return result
+
+
+def resolve_model_uri(tracker: MlflowTracker, source: str) -> str:
+    """The model URI of an MLflow SOURCE: a `models:/...` URI as is, a run id's logged
+    model (its `mlm.model_uri` tag).
+
+    Raises:
+        ValueError: SOURCE is neither, the tracking URI is a SQLite file that does not
+            exist (it is not created), the run does not exist, or it logged no model.
+    """
+    db = sqlite_db_path(tracker.tracking_uri)
+    if db is not None and not db.is_file():
+        raise ValueError(f"{source!r}: no MLflow database at {db} (give --tracking-uri or "
+                         "set MLFLOW_TRACKING_URI)")
+    if source.startswith("models:/"):
+        return source
+    if not RUN_ID.fullmatch(source):
+        raise ValueError(f"{source!r} is neither an MLflow run id (32 hex digits) nor a "
+                         "models:/NAME@ALIAS URI")
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = tracker.get_run(source)
+    except MlflowException as exc:
+        raise ValueError(f"MLflow run {source!r} not found at {tracker.tracking_uri}") from exc
+    uri = run.data.tags.get("mlm.model_uri")
+    if uri is None:
+        raise ValueError(f"MLflow run {source} logged no model (tracking.log_model was off, "
+                         "or the run did not finish)")
+    return uri
+
+
+def download_model(tracker: MlflowTracker, source: str, out_dir: str | Path,
+                   overwrite: bool = False) -> Path:
+    """Write the `transformers` model directory of an MLflow SOURCE (run id or
+    `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`) to `out_dir`:
+    weights, config, tokenizer files and the model card as `README.md`.
+
+    Raises:
+        ValueError: SOURCE is not an MLflow model (the message says what was expected).
+        FileExistsError: `out_dir` exists, is not empty, and `overwrite` is false.
+    """
+    from mlflow.exceptions import MlflowException
+
+    # A progress bar per download is noise on a terminal and in logs.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    uri = resolve_model_uri(tracker, source)
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not empty (choose a new directory, "
+                              "or overwrite)")
+    with tempfile.TemporaryDirectory(prefix="mlm-download-") as tmp, \
+            _tracking_uri(tracker.tracking_uri):
+        import mlflow
+
+        try:
+            got = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))
+        except MlflowException as exc:
+            raise ValueError(f"{source!r}: no such MLflow model at {tracker.tracking_uri} "
+                             f"({str(exc).splitlines()[0]})") from exc
+        if not (got / _MODEL_DIR / "config.json").is_file():
+            raise ValueError(f"{source!r}: not a transformers model logged by mlm-pipeline")
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(got / _MODEL_DIR, out)
+        for f in (got / _TOKENIZER_DIR).iterdir():
+            shutil.copy2(f, out / f.name)
+        if (got / _CARD_TEXT).is_file():
+            data = (got / _CARD_DATA).read_text(encoding="utf-8") if (
+                got / _CARD_DATA).is_file() else ""
+            front = f"---\n{data}---\n" if data.strip() else ""
+            (out / "README.md").write_text(front + (got / _CARD_TEXT).read_text(
+                encoding="utf-8"), encoding="utf-8")
+    return out
