@@ -5,7 +5,8 @@ MLflow run is opened first, so that a failure in any stage leaves a FAILED run w
 config, and closed last. Run it locally with `mlm-pipeline run CONFIG` (no server needed:
 Prefect starts a temporary local API) or through a deployment (`prefect.yaml`).
 
-This module imports no other module of `flows/`: Prefect loads it as a script
+This module imports no other module of `flows/` but `result_store` (how its results are
+stored: JSON, never pickle): Prefect loads it as a script
 (`flows/pretraining.py:mlm_pretraining`) from the checkout, and the wheel installs it as
 `mlm_pipeline_flows.pretraining`; a `flows.` import would only work in the first case.
 
@@ -51,6 +52,11 @@ from mlm_pipeline.manifest import (
 from mlm_pipeline.sinks import AfterStepSink, MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
+
+try:  # a package: flows.pretraining (checkout) or mlm_pipeline_flows.pretraining (wheel)
+    from .result_store import MANIFEST_RESULTS
+except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
+    from result_store import MANIFEST_RESULTS
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
 
@@ -121,12 +127,24 @@ class PretrainParams(BaseModel):
     overrides: list[str] = Field(
         default_factory=list,
         description="Dotted overrides applied last, e.g. `train.warmup_ratio=0.1`.")
+    event_sources: list[str] | None = Field(
+        None, max_length=1000, description="Corpus sources named by an event (the "
+        "corpus.updated trigger): they replace ingest.sources, and each must match the "
+        "config's ingest.allowed_sources, or the run stops before reading anything.")
 
     @field_validator("config_file", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         """An event template renders a missing `config_file` as an empty string."""
         return None if value == "" else value
+
+    @field_validator("event_sources", mode="before")
+    @classmethod
+    def _no_empty_sources(cls, value: Any) -> Any:
+        """An event without a corpus renders `["{{ event.payload.corpus }}"]` as `[""]`."""
+        if isinstance(value, list) and all(v == "" for v in value):
+            return None
+        return value
 
     def resolved(self) -> tuple[str, list[str]]:
         """(config name or path, overrides): the typed fields become overrides, applied
@@ -217,7 +235,7 @@ def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
     return tracker.start_run(params, tags)
 
 
-@task(name="ingest", cache_key_fn=_ingest_key, persist_result=True, **_IO)
+@task(name="ingest", cache_key_fn=_ingest_key, **MANIFEST_RESULTS, **_IO)
 def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus."""
     from mlm_pipeline.ingest import ingest
@@ -225,7 +243,7 @@ def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
     return ingest(cfg.ingest, cfg.work_dir)
 
 
-@task(name="tokenizer", cache_key_fn=_tokenizer_key, persist_result=True)
+@task(name="tokenizer", cache_key_fn=_tokenizer_key, **MANIFEST_RESULTS)
 def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerManifest:
     """Train the SentencePiece tokenizer on the training split."""
     from mlm_pipeline.tokenizer import train_tokenizer
@@ -233,7 +251,7 @@ def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerMani
     return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
 
 
-@task(name="shards", cache_key_fn=_shards_key, persist_result=True)
+@task(name="shards", cache_key_fn=_shards_key, **MANIFEST_RESULTS)
 def shards_task(
     cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest
 ) -> ShardManifest:
@@ -430,6 +448,10 @@ def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]
     logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
     started_at = time.time()  # stages made before this are cache hits (summary)
     cfg = load_config(*params.resolved())
+    if params.event_sources is not None:  # checked against ingest.allowed_sources first
+        from mlm_pipeline.ingest.allowed import with_event_sources
+
+        cfg = with_event_sources(cfg, params.event_sources)
     run_id = start_tracking(cfg)
     try:
         corpus = _fresh(ingest_task, cfg)

@@ -73,6 +73,23 @@ class IngestConfig(StrictModel):
     not one array, Parquet or CSV without `text_field`, CSV quote never closed, ...):
     `skip` names it with its reason in the manifest and reads the others; `fail` stops the
     run with one error naming every bad file."""
+    allowed_sources: list[str] | None = None
+    """Sources a deployment run may take from an event (the `corpus.updated` trigger's
+    `event_sources`): absolute directory roots (a source must resolve inside one), URL
+    prefixes (`s3://bucket/corpus/`) or exact `debian:NAME` names; any other event source is
+    refused before a file is read. None: events may name no source. Sources of the config
+    itself are not checked."""
+
+    @field_validator("allowed_sources")
+    @classmethod
+    def _allowed_sources_are_roots(cls, value: list[str] | None) -> list[str] | None:
+        """Each entry is an absolute path, a URL prefix (`scheme://...`) or `debian:NAME`."""
+        bad = [v for v in value or [] if not ("://" in v or v.startswith("debian:")
+                                               or v.startswith(("/", "~")))]
+        if bad:
+            raise ValueError(f"allowed_sources: {bad} are not absolute directory roots, URL "
+                             "prefixes (scheme://...) or debian:NAME names")
+        return value
 
 
 class TokenizerConfig(StrictModel):

@@ -87,6 +87,7 @@ from mlm_pipeline.ingest.sources import (
     source_name,
     source_size,
 )
+from mlm_pipeline.locks import remove_stale_temporaries, stage_lock, temp_path
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -144,17 +145,28 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     out_dir = stage_dir(work_dir, "ingest", digest)
     # Reused only when every document file still has its sha256 (a changed one is named).
     cached = load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is not None:
-        logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
-        if cached.bad_files and cfg.on_bad_file == "fail":
-            raise bad_files_error(cached.bad_files)
-        for b in cached.bad_files:
-            logger.warning("ingest: cached corpus skipped a bad input file (%s): %s",
-                           b.reason, b.error)
-        return cached
+    if cached is None:
+        with stage_lock(out_dir, "ingest"):  # one builder; the others wait, then reuse
+            cached = load_if_complete(out_dir, CorpusManifest, digest,
+                                      HashMemo(work_dir).file_sha256)
+            if cached is None:
+                return _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch)
+    logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
+    if cached.bad_files and cfg.on_bad_file == "fail":
+        raise bad_files_error(cached.bad_files)
+    for b in cached.bad_files:
+        logger.warning("ingest: cached corpus skipped a bad input file (%s): %s",
+                       b.reason, b.error)
+    return cached
+
+
+def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes: list[str],
+           skipped: list[SkippedFile], digest: str, out_dir: Path,
+           watch: Stopwatch) -> CorpusManifest:
+    """Write the stage directory `out_dir` (the caller holds its `stage_lock`); the
+    arguments and errors are `ingest`'s."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".*.tmp"):  # left by an interrupted run
-        stale.unlink()
+    remove_stale_temporaries(out_dir)  # left by an interrupted run
     reader = Accounting(cfg)
     writers = {"train": _SplitWriter(out_dir, "train"),
                "validation": _SplitWriter(out_dir, "validation")}
@@ -243,7 +255,8 @@ def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
 
 def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str]) -> str:
     return compute_digest(
-        "ingest", cfg.model_dump(mode="json", exclude={"cache_dir", "sources", "on_bad_file"}),
+        "ingest", cfg.model_dump(mode="json", exclude={
+            "cache_dir", "sources", "on_bad_file", "allowed_sources"}),
         _inputs(files, hashes),
     )
 
@@ -295,7 +308,7 @@ class _SplitWriter:
         """Buffer one document (`data`: its text, UTF-8); flush a batch and roll files
         over as needed."""
         if self.writer is None:
-            self.tmp = self.out_dir / f".{self.split}-{len(self.entries):05d}.parquet.tmp"
+            self.tmp = temp_path(self.out_dir / f"{self.split}-{len(self.entries):05d}.parquet")
             self.writer = pq.ParquetWriter(self.tmp, _SCHEMA, compression="zstd")
         if len(self.text) + len(data) > _MAX_OFFSET and len(self.offsets) > 1:
             self.chunks.append(self._seal())
@@ -380,6 +393,6 @@ def _move_to_validation(out_dir: Path, train: list[FileEntry], file_index: int,
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import ipc
 
+from mlm_pipeline.locks import temp_path
 from mlm_pipeline.manifest import FileEntry, ShardManifest, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ def write_arrow(
     out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int
 ) -> FileEntry:
     """Write (rows, seq_len) arrays as fixed-size-list columns in one record batch,
-    atomically: a temporary name `.NAME.tmp`, fsync, then rename, so a crash never leaves
-    a partial file under `path`. The arrays are wrapped, not copied.
+    atomically: a temporary name unique to the process (`locks.temp_path`), fsync, then
+    rename, so a crash never leaves a partial file under `path`. The arrays are wrapped, not copied.
 
     Args:
         out_dir: the stage directory `FileEntry.path` is relative to.
@@ -142,7 +143,7 @@ def _write(
         for a, buf in zip(columns.values(), buffers)
     ]
     schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             sink = _HashingFile(f, None if body_path is None else (buffers[0], body_path))

@@ -75,6 +75,7 @@ import sentencepiece as spm
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
 from mlm_pipeline.ingest.documents import text_tasks
 from mlm_pipeline.ingest.hashing import HashMemo
+from mlm_pipeline.locks import remove_stale_temporaries, stage_lock, temp_path
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -210,9 +211,19 @@ def write_shards(
     # Reused only when every shard still has its sha256 (else the changed one is named in
     # a warning and the shards written again).
     cached = load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is not None:
-        logger.info("shards: reusing %s", out_dir)
-        return cached
+    if cached is None:
+        with stage_lock(out_dir, STAGE):  # one builder; the others wait, then reuse
+            cached = load_if_complete(out_dir, ShardManifest, digest,
+                                      HashMemo(work_dir).file_sha256)
+            if cached is None:
+                return _build(cfg, corpus, tokenizer, masking, digest, out_dir)
+    logger.info("shards: reusing %s", out_dir)
+    return cached
+
+
+def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
+           masking: MaskingConfig | None, digest: str, out_dir: Path) -> ShardManifest:
+    """Write `out_dir` (the caller holds its `stage_lock`); errors: `write_shards`'s."""
     watch = Stopwatch()
     tok = Tokenizer.load(tokenizer)  # checks the special-token ids and the model's sha256
     # Tokenizer.encode returns Python int lists; the processor's numpy output avoids an int
@@ -221,8 +232,7 @@ def write_shards(
     dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
     out_dir.mkdir(parents=True, exist_ok=True)
     # Temporary files of a killed earlier attempt: never shards, always rewritten.
-    for stale in out_dir.glob(".*.tmp"):
-        stale.unlink()
+    remove_stale_temporaries(out_dir)
     splits: dict[str, ShardSplit] = {}
     for name, files in (("train", corpus.train), ("validation", corpus.validation)):
         paths = [corpus.file(e.path) for e in files]
@@ -375,13 +385,16 @@ class _ShardWriter:
         self.dtype = _DTYPES[dtype][0]
         self.filled = 0
         self.body: BinaryIO | None = None
+        self._body: Path | None = None  # the body file's temporary name
         self.entries: list[FileEntry] = []
 
     def _path(self) -> Path:
         return self.out_dir / f"{self.split}-{len(self.entries):05d}.arrow"
 
-    def _body_path(self) -> Path:  # a ".*.tmp" name: removed as stale by a rerun
-        return self.out_dir / f".{self._path().name}.body.tmp"
+    def _body_path(self) -> Path:  # a temporary name: removed as stale by a rerun
+        if self._body is None:
+            self._body = temp_path(self._path().with_suffix(".arrow.body"))
+        return self._body
 
     def pack(self, stream: np.ndarray) -> int:
         """Cut the full rows out of `stream` (each [CLS] + `seq_len - 1` stream tokens)
@@ -426,4 +439,5 @@ class _ShardWriter:
         self.entries.append(write_arrow_from_body(
             self.out_dir, self._path(), "input_ids", body_path, self.dtype, self.seq_len))
         body_path.unlink()
+        self._body = None
         self.filled = 0

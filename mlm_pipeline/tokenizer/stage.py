@@ -51,6 +51,7 @@ from mlm_pipeline.config import (
 )
 from mlm_pipeline.ingest.documents import write_training_text
 from mlm_pipeline.ingest.hashing import HashMemo
+from mlm_pipeline.locks import remove_stale_temporaries, stage_lock
 from mlm_pipeline.manifest import (
     CorpusManifest,
     Stopwatch,
@@ -132,16 +133,26 @@ def train_tokenizer(
     # Reused only when the model and vocab files still have their sha256 (else the changed
     # file is named in a warning and the model trained again).
     cached = load_if_complete(out_dir, TokenizerManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is not None:
-        logger.info("tokenizer: reusing %s", out_dir)
-        return cached
+    if cached is None:
+        with stage_lock(out_dir, STAGE):  # one builder; the others wait, then reuse
+            cached = load_if_complete(out_dir, TokenizerManifest, digest,
+                                      HashMemo(work_dir).file_sha256)
+            if cached is None:
+                return _build(cfg, corpus, digest, out_dir)
+    logger.info("tokenizer: reusing %s", out_dir)
+    return cached
+
+
+def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
+           out_dir: Path) -> TokenizerManifest:
+    """Train into `out_dir` (the caller holds its `stage_lock`); errors: `train_tokenizer`'s."""
     watch = Stopwatch()
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".tmp-*"):  # left by a killed run (SIGKILL skips cleanup)
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temporaries(out_dir)  # left by a killed run (SIGKILL skips cleanup)
     try:
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp-") as tmp_name:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".trainer.{os.getpid()}-",
+                                         suffix=".tmp") as tmp_name:
             tmp = Path(tmp_name)
             lines, candidates, sample_digest = write_training_text(
                 corpus, tmp / "train.txt", cfg.max_sentence_length,

@@ -118,9 +118,24 @@ class MlflowTracker:
 
     @property
     def client(self) -> MlflowClient:
-        """The `MlflowClient`, created on first use (no connection before that)."""
+        """The `MlflowClient`, created on first use (no connection before that); with a
+        SQLite URI, the store is opened once under `.<db name>.lock` beside the database."""
         if self._client is None:
-            self._client = _mlflow_client(self.tracking_uri)
+            db = sqlite_db_path(self.tracking_uri)
+            if db is None:
+                self._client = _mlflow_client(self.tracking_uri)
+                return self._client
+            # Two processes creating a new database race in MLflow's schema migration (one
+            # fails with "duplicate column name"): the client, whose constructor opens the
+            # store (creating and migrating the database), is made under a lock file beside
+            # the database, with the model registry's store, which checks its tables too.
+            from filelock import FileLock
+
+            db.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(db.with_name(f".{db.name}.lock"), thread_local=False):
+                client = _mlflow_client(self.tracking_uri)
+                client.search_registered_models(max_results=1)
+            self._client = client
         return self._client
 
     def experiment_id(self) -> str:

@@ -36,7 +36,8 @@ def deployed(stack):
     config.write_text(yaml.safe_dump({
         "name": "deploy-test",
         "work_dir": str(stack["tmp"] / "work"),
-        "ingest": {"sources": [str(ASSETS / "tiny_fr.txt")], "validation_fraction": 0.15},
+        "ingest": {"sources": [str(ASSETS / "tiny_fr.txt")], "validation_fraction": 0.15,
+                   "allowed_sources": [str(ASSETS)]},
         "tokenizer": {"vocab_size": 128},
         "shards": {"seq_len": 16},
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
@@ -159,7 +160,32 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
     assert runs, "no flow run was created by the corpus.updated event"
     params = runs[0].parameters["params"]
     assert params["config_file"] == deployed["config"]
-    assert params["overrides"][0] == f"ingest.sources=[{ASSETS / 'tiny_fr.txt'}]"
+    # the corpus arrives as a typed parameter, checked against ingest.allowed_sources
+    assert params["event_sources"] == [str(ASSETS / "tiny_fr.txt")]
+    assert not any(o.startswith("ingest.") for o in params["overrides"])
+
+
+def test_five_deployment_runs_at_once_on_a_cold_cache_all_complete(deployed):
+    """Issue 13, item 1: runs sharing a work directory each build a stage once, under its
+    lock, and reuse it; none fails on another's temporary files."""
+    work = deployed["tmp"] / "work-concurrent"  # cold: no stage built yet
+    params = json.dumps({"config_file": deployed["config"],
+                         "overrides": [f"work_dir={work}", "train.max_steps=2"]})
+    ids = [_flow_run_id(_prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
+                                 "--param", f"params={params}").stdout) for _ in range(5)]
+    deadline, states = time.monotonic() + 600, {}
+    with _client(deployed) as client:
+        while time.monotonic() < deadline:
+            states = {i: client.read_flow_run(i).state for i in ids}
+            if all(s is not None and s.is_final() for s in states.values()):
+                break
+            time.sleep(2)
+    names = {i: s.name if s else None for i, s in states.items()}
+    print(f"\n5 concurrent deployment runs (cold): 5 started, "
+          f"{sum(n == 'Completed' for n in names.values())} completed")
+    assert list(names.values()) == ["Completed"] * 5, names
+    for stage in ("ingest", "tokenizer", "shards"):
+        assert len(list((work / stage).iterdir())) == 1, stage  # built once
 
 
 def test_the_server_rejects_a_bad_parameter_before_a_worker_starts(deployed):

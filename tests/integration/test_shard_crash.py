@@ -8,6 +8,7 @@ process: no Python cleanup runs, exactly as with `kill -9` or the OOM killer.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -90,11 +91,16 @@ def test_killed_writer_leaves_no_partial_shard_and_rerun_completes(
     np.testing.assert_array_equal(open_shard(out_dir / visible[0]),
                                   open_shard(reference.file(visible[0])))
     # The second shard exists only under temporary names, which are not shard names: its
-    # body file (rows appended while packing) and the Arrow file being written around it.
+    # body file (rows appended while packing) and the Arrow file being written around it,
+    # both named with the killed process's id (`locks.temp_path`).
     temps = sorted(p.name for p in out_dir.iterdir() if p.name.endswith(".tmp"))
     second = reference.train.shards[1].path
-    assert temps == [f".{second}.body.tmp", f".{second}.tmp"]
-    tmp = out_dir / f".{second}.tmp"
+    found = [re.fullmatch(rf"\.{re.escape(second)}(\.body)?\.(\d+)-[0-9a-f]{{16}}\.tmp", t)
+             for t in temps]
+    assert len(temps) == 2 and all(found), temps
+    assert [bool(m.group(1)) for m in found] == [False, True]  # the Arrow file, the body
+    assert found[0].group(2) == found[1].group(2)  # one process
+    tmp = out_dir / temps[0]
     if kill_at == "write_batch":  # no Arrow footer: not readable as a shard
         with pytest.raises(ValueError):
             open_shard(tmp)
@@ -114,6 +120,6 @@ def test_killed_writer_leaves_no_partial_shard_and_rerun_completes(
         for e in got.shards:
             np.testing.assert_array_equal(open_shard(m.file(e.path)),
                                           open_shard(reference.file(e.path)))
-    # The stale temporary file was overwritten by the same name and renamed: none is left.
+    # The rerun, holding the stage lock, removed the killed run's temporaries: none is left.
     assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")]
     assert json.loads(m.path.read_text())["digest"] == digest
