@@ -69,12 +69,24 @@ class LocalPrefectApi:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
-        """Start the server and wait until `/api/health` answers.
+        """Start the server and wait until `/api/health` answers, holding
+        `<PREFECT_HOME>/.local-api-start.lock` meanwhile: servers of concurrent runs share
+        the database in PREFECT_HOME, and two migrating a new one at once fail (alembic
+        "table already exists"); the next one starts on the migrated database.
 
         Raises:
             RuntimeError: it exited or did not answer within `timeout_s` seconds (the
                 message says what to do).
         """
+        from filelock import FileLock
+        from prefect.settings import get_current_settings
+
+        home = Path(get_current_settings().home).expanduser()
+        home.mkdir(parents=True, exist_ok=True)
+        with FileLock(home / ".local-api-start.lock", thread_local=False):
+            self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> None:
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1"}
