@@ -81,8 +81,15 @@ def _tracking_uri(uri: str) -> Iterator[None]:
         finally:
             mlflow.set_tracking_uri(before)
         return
-    with _use_tracking_uri(uri):
-        yield
+    # Restoring an unset URI also unsets $MLFLOW_TRACKING_URI (MLflow 3.17
+    # `set_tracking_uri(None)`), which this process's later trackers read: keep it.
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
