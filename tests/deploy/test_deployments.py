@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +116,20 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
     library = [log for log in logs if log.name.startswith("mlm_pipeline")]
     assert any(run.info.run_id in log.message for log in library), [l.message for l in logs]
     assert any("train/loss" in log.message for log in library)
+
+    # The run's model is registered on the server, champion (the first version), and loads
+    # back by alias in a fresh process through the server's artifact store.
+    version = mlflow.get_model_version_by_alias("deploy-test", "champion")
+    assert version.run_id == run.info.run_id
+    assert run.data.tags["registry.decision"] == "first"
+    load = subprocess.run(
+        [sys.executable, "-c",
+         "import mlflow, sys; m = mlflow.pyfunc.load_model('models:/deploy-test@champion');"
+         " print(m.predict(['Le [MASK] du chat.']))"],
+        env={**os.environ, "MLFLOW_TRACKING_URI": deployed["env"]["MLFLOW_TRACKING_URI"]},
+        capture_output=True, text=True, timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert "token_str" in load.stdout or "[" in load.stdout
 
     # Second run of the same config: the data stages come from the cache.
     second_id, seconds = _run_deployment(deployed)
