@@ -79,9 +79,11 @@ class LocalPrefectApi:
                 message says what to do).
         """
         from filelock import FileLock
-        from prefect.settings import get_current_settings
 
-        home = Path(get_current_settings().home).expanduser()
+        # Not from prefect.settings: importing prefect before PREFECT_API_URL is set would
+        # freeze its settings without it, and the flow would start Prefect's own ephemeral
+        # server (no session of its own, no parent-death signal) instead of this one.
+        home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
         home.mkdir(parents=True, exist_ok=True)
         with FileLock(home / ".local-api-start.lock", thread_local=False):
             self._start(timeout_s)
