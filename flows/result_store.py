@@ -108,20 +108,34 @@ class ManifestResultStorage(LocalFileSystem):
         return super()._resolve_path(path)
 
     async def aread_path(self, path: str) -> bytes:
+        """Async form of `read_path` (Prefect calls either)."""
         return self.read_path(path, _sync=True)
 
     @async_dispatch(aread_path)
     def read_path(self, path: str) -> bytes:
+        """The bytes of the result record at `path` (relative to the storage base).
+
+        Raises:
+            ValueError: no such file, or the record does not name our manifest
+                serializer (`check_record`: it is never handed to Prefect to deserialize).
+        """
         resolved = self._resolve_path(path)
         if not resolved.is_file():
             raise ValueError(f"Path {resolved} does not exist or is not a file.")
         return check_record(resolved.read_bytes(), str(resolved))
 
     async def awrite_path(self, path: str, content: bytes) -> str:
+        """Async form of `write_path` (Prefect calls either)."""
         return self.write_path(path, content, _sync=True)
 
     @async_dispatch(awrite_path)
     def write_path(self, path: str, content: bytes) -> str:
+        """Write a result record atomically (a unique temporary file, then `os.replace`);
+        returns the resolved path as a string.
+
+        Raises:
+            OSError: the record cannot be written (the temporary file is removed).
+        """
         resolved = self._resolve_path(path)
         resolved.parent.mkdir(parents=True, exist_ok=True)
         tmp = resolved.with_name(f".{resolved.name}.{os.getpid()}-{secrets.token_hex(8)}.tmp")

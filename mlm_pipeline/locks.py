@@ -27,12 +27,14 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock, Timeout
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M")
 
 #: A temporary name made by `temp_path`: `.<name>.<pid>-<random>.tmp`.
 _TEMP = re.compile(r"^\..*\.(?P<pid>\d+)-[0-9a-z_]+\.tmp$")
@@ -71,6 +73,31 @@ def stage_lock(out_dir: str | os.PathLike[str], what: str = "stage") -> Iterator
         yield
     finally:
         lock.release()
+
+
+def reuse_or_build(out_dir: str | os.PathLike[str], what: str, load: Callable[[], M | None],
+                   build: Callable[[], M]) -> tuple[M, bool]:
+    """The stage's manifest: reused when `load()` finds a complete, verified one, else
+    built by `build()` under `stage_lock(out_dir)` (checking `load()` again once the lock is
+    held, so a run that waited reuses what the other run built).
+
+    Args:
+        out_dir: the stage directory.
+        what: the stage's name, for log lines.
+        load: returns the reusable manifest, or None.
+        build: builds the directory and returns its manifest.
+
+    Returns:
+        (the manifest, whether it was reused rather than built here).
+    """
+    found = load()
+    if found is not None:
+        return found, True
+    with stage_lock(out_dir, what):  # one builder; the others wait, then reuse
+        found = load()
+        if found is not None:
+            return found, True
+        return build(), False
 
 
 def temp_path(final: str | os.PathLike[str]) -> Path:

@@ -87,7 +87,7 @@ from mlm_pipeline.ingest.sources import (
     source_name,
     source_size,
 )
-from mlm_pipeline.locks import remove_stale_temporaries, stage_lock, temp_path
+from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build, temp_path
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -144,13 +144,12 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
     # Reused only when every document file still has its sha256 (a changed one is named).
-    cached = load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is None:
-        with stage_lock(out_dir, "ingest"):  # one builder; the others wait, then reuse
-            cached = load_if_complete(out_dir, CorpusManifest, digest,
-                                      HashMemo(work_dir).file_sha256)
-            if cached is None:
-                return _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch)
+    cached, reused = reuse_or_build(
+        out_dir, "ingest",
+        lambda: load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256),
+        lambda: _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch))
+    if not reused:
+        return cached
     logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
     if cached.bad_files and cfg.on_bad_file == "fail":
         raise bad_files_error(cached.bad_files)

@@ -75,7 +75,7 @@ import sentencepiece as spm
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
 from mlm_pipeline.ingest.documents import text_tasks
 from mlm_pipeline.ingest.hashing import HashMemo
-from mlm_pipeline.locks import remove_stale_temporaries, stage_lock, temp_path
+from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build, temp_path
 from mlm_pipeline.manifest import (
     CorpusManifest,
     FileEntry,
@@ -210,13 +210,12 @@ def write_shards(
     out_dir = stage_dir(work_dir, STAGE, digest)
     # Reused only when every shard still has its sha256 (else the changed one is named in
     # a warning and the shards written again).
-    cached = load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is None:
-        with stage_lock(out_dir, STAGE):  # one builder; the others wait, then reuse
-            cached = load_if_complete(out_dir, ShardManifest, digest,
-                                      HashMemo(work_dir).file_sha256)
-            if cached is None:
-                return _build(cfg, corpus, tokenizer, masking, digest, out_dir)
+    cached, reused = reuse_or_build(
+        out_dir, STAGE,
+        lambda: load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256),
+        lambda: _build(cfg, corpus, tokenizer, masking, digest, out_dir))
+    if not reused:
+        return cached
     logger.info("shards: reusing %s", out_dir)
     return cached
 

@@ -51,7 +51,7 @@ from mlm_pipeline.config import (
 )
 from mlm_pipeline.ingest.documents import write_training_text
 from mlm_pipeline.ingest.hashing import HashMemo
-from mlm_pipeline.locks import remove_stale_temporaries, stage_lock
+from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
     CorpusManifest,
     Stopwatch,
@@ -67,7 +67,7 @@ from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, Tokenizer, check_speci
 logger = logging.getLogger(__name__)
 
 __all__ = ["MASK_MARKER", "MODEL_FILE", "STAGE", "VOCAB_FILE", "Tokenizer", "tokenizer_digest",
-           "train_tokenizer"]  # Tokenizer and MASK_MARKER live in `tokenizer_io`
+           "train_tokenizer"]  # Tokenizer and MASK_MARKER live in `tokenizer.tokenizer`
 
 STAGE = "tokenizer"
 MODEL_FILE = "spm.model"
@@ -132,13 +132,13 @@ def train_tokenizer(
     out_dir = stage_dir(work_dir, STAGE, digest)
     # Reused only when the model and vocab files still have their sha256 (else the changed
     # file is named in a warning and the model trained again).
-    cached = load_if_complete(out_dir, TokenizerManifest, digest, HashMemo(work_dir).file_sha256)
-    if cached is None:
-        with stage_lock(out_dir, STAGE):  # one builder; the others wait, then reuse
-            cached = load_if_complete(out_dir, TokenizerManifest, digest,
-                                      HashMemo(work_dir).file_sha256)
-            if cached is None:
-                return _build(cfg, corpus, digest, out_dir)
+    cached, reused = reuse_or_build(
+        out_dir, STAGE,
+        lambda: load_if_complete(out_dir, TokenizerManifest, digest,
+                                 HashMemo(work_dir).file_sha256),
+        lambda: _build(cfg, corpus, digest, out_dir))
+    if not reused:
+        return cached
     logger.info("tokenizer: reusing %s", out_dir)
     return cached
 
