@@ -40,7 +40,7 @@ COPY pyproject.toml README.md prefect.yaml ./
 COPY configs ./configs
 COPY flows ./flows
 COPY mlm_pipeline ./mlm_pipeline
-RUN pip install . "torch==${TORCH_VERSION}" "prefect==${PREFECT_VERSION}" \
+RUN pip install ".[gpu]" "torch==${TORCH_VERSION}" "prefect==${PREFECT_VERSION}" \
         "mlflow==${MLFLOW_VERSION}" "boto3>=1.34,<2" \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
