@@ -396,7 +396,7 @@ def publish_model_task(
     name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
     return registry.publish(MlflowTracker.from_config(cfg.tracking), run_id, name, trained,
                             evaluated, tokenizer.output_dir,
-                            next(iter(cfg.eval.probes), "[MASK]."))
+                            next((p.text for p in cfg.eval.probes), "[MASK]."))
 
 
 @task(name="end-tracking", **_NOT_CACHED, **_IO)

@@ -174,7 +174,8 @@ def _run_probes(model, tok: Tokenizer, cfg: EvalConfig, seq_len: int,
     """Fill-mask on each probe; a probe that cannot run (no [MASK] within `seq_len`
     tokens) is reported with an `error` instead of failing the evaluation."""
     results = []
-    for text in cfg.probes:
+    for probe in cfg.probes:
+        text = probe.text
         try:
             results += fill_mask(model, tok, [text], seq_len=seq_len, top_k=cfg.top_k,
                                  device=device)
@@ -241,7 +242,9 @@ def evaluate(
         "evaluate",
         # The key is added only when set, so digests of earlier evaluations still match.
         # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
-        {"eval": cfg, "masking": mc.masks_record(),
+        # The periodic settings shape the curve during training, not this evaluation.
+        {"eval": cfg.model_dump(mode="json", exclude={"every_steps", "periodic_rows"}),
+         "masking": mc.masks_record(),
          **({"document_attention": True} if document_attention else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )

@@ -154,7 +154,7 @@ def test_logits_match_at_masked_positions(exported, run, preset):
 
 def test_fill_mask_pipeline_top5(exported, run):
     _, tok_manifest, _, trained, _ = run
-    probes = EvalConfig().probes
+    probes = [p.text for p in EvalConfig().probes]
     ours = fill_mask(load_model(trained.file(trained.checkpoint_dir)),
                      Tokenizer.load(tok_manifest), probes, seq_len=SEQ_LEN, top_k=5)
     fill = transformers.pipeline("fill-mask", model=str(exported))

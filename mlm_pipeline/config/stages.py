@@ -1,35 +1,12 @@
-"""Typed, frozen configuration for every stage of the pipeline.
-
-One pydantic model per stage; `PipelineConfig` groups them. Every model is frozen and
-rejects unknown keys, so a typo in a YAML file or an override is an error, not a silently
-ignored setting. Cross-field checks collect every problem and raise one `ValueError`.
-Finding, loading and printing config files (YAML, dotted overrides, the shipped configs)
-is `mlm_pipeline.config_files`.
-
-This module imports neither torch nor prefect (STYLE rule 3): flows and CPU workers load
-configs cheaply.
-"""
+"""Configs of the data and training stages: ingest, tokenizer, shards, masking, model, train."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-#: Fixed ids of the special tokens, shared by the tokenizer, shards, masking and model.
-SPECIAL_TOKENS: dict[str, int] = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
-#: First id of an ordinary (non-special) piece; ids `[0, NUM_SPECIAL)` are special.
-NUM_SPECIAL = len(SPECIAL_TOKENS)
-#: Label of a position that is not predicted (PyTorch `cross_entropy`'s default
-#: `ignore_index`, and Hugging Face's): the one definition for masking, model and metrics.
-IGNORE_INDEX = -100
-
-
-class StrictModel(BaseModel):
-    """Base of every config: frozen, unknown keys rejected, attribute docstrings kept."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+from mlm_pipeline.config.base import NUM_SPECIAL, StrictModel
 
 
 class IngestConfig(StrictModel):
@@ -84,8 +61,7 @@ class IngestConfig(StrictModel):
     @classmethod
     def _allowed_sources_are_roots(cls, value: list[str] | None) -> list[str] | None:
         """Each entry is an absolute path, a URL prefix (`scheme://...`) or `debian:NAME`."""
-        bad = [v for v in value or [] if not ("://" in v or v.startswith("debian:")
-                                               or v.startswith(("/", "~")))]
+        bad = [v for v in value or [] if not ("://" in v or v.startswith(("debian:", "/", "~")))]
         if bad:
             raise ValueError(f"allowed_sources: {bad} are not absolute directory roots, URL "
                              "prefixes (scheme://...) or debian:NAME names")
@@ -341,81 +317,4 @@ class TrainConfig(StrictModel):
         if self.warmup > self.max_steps:
             raise ValueError(f"train: warmup_steps {self.warmup} exceeds max_steps "
                              f"{self.max_steps}; lower it or set train.warmup_ratio instead")
-        return self
-
-
-class EvalConfig(StrictModel):
-    """Held-out evaluation with fixed masks."""
-
-    batch_size: int = Field(default=64, ge=1)
-    """Rows per evaluation batch (metrics do not depend on it)."""
-    seed: int = 1234
-    """Masking key of the evaluation positions: the same seed gives the same positions."""
-    max_rows: int | None = Field(default=None, ge=1)
-    """Evaluate on at most this many validation rows; None uses all."""
-    probes: list[str] = Field(
-        default_factory=lambda: [
-            "Le banquier est allé à la [MASK] pour retirer de l'argent.",
-            "Le [MASK] du chat est doux et chaud.",
-        ]
-    )
-    """Fill-mask probe sentences; each `[MASK]` is predicted."""
-    top_k: int = Field(default=5, ge=1)
-    """Candidates reported per probe mask."""
-
-
-class TrackingConfig(StrictModel):
-    """MLflow tracking."""
-
-    tracking_uri: str | None = None
-    """MLflow tracking URI; None uses `$MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`."""
-    experiment_name: str = "mlm-pipeline"
-    """MLflow experiment."""
-    run_name: str | None = None
-    """MLflow run name; None lets MLflow pick one."""
-    log_model: bool = True
-    """At the end of a successful run, log the exported `transformers` model as the run's
-    MLflow model and register it (champion/challenger, see `tracking.registry`)."""
-    registered_model_name: str | None = None
-    """Registered model name of `log_model`; None uses `experiment_name`."""
-    log_training_state: bool = False
-    """Also upload the final training checkpoint (weights, optimizer, RNG: ~1.3 GB for
-    BERT-base) as run artifacts; it always stays in the local work directory."""
-    resume_run_id: str | None = None
-    """Continue this MLflow run (e.g. after a cancelled or crashed flow run): training
-    resumes from the newest checkpoint of that run; the config must be compatible."""
-    resume: Literal["auto", "never"] = "auto"
-    """`auto`: a rerun of the same config continues the newest unfinished run of the
-    experiment that has a checkpoint (same MLflow run, same step numbering); `never`
-    (`mlm-pipeline run --fresh`) always starts a new run. A FINISHED run is never resumed."""
-
-
-class PipelineConfig(StrictModel):
-    """The whole pipeline: one config per stage plus where outputs go."""
-
-    name: str = "mlm"
-    """A label for the config (logged as a param)."""
-    work_dir: str = ".mlm-pipeline"
-    """Root of every stage's outputs (content-addressed subdirectories)."""
-    ingest: IngestConfig = IngestConfig()
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    shards: ShardConfig = ShardConfig()
-    masking: MaskingConfig = MaskingConfig()
-    model: ModelConfig = ModelConfig()
-    train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
-    tracking: TrackingConfig = TrackingConfig()
-
-    @model_validator(mode="after")
-    def _check_cross(self) -> PipelineConfig:
-        problems = []
-        if self.tokenizer.vocab_size > 2**32:
-            problems.append("tokenizer.vocab_size must fit in uint32")
-        if self.model.hidden_size // self.model.num_heads % 2:
-            problems.append(
-                f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
-                "must be even"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
         return self

