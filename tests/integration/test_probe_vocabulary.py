@@ -1,0 +1,103 @@
+"""The default corpus can answer its domain probes (needs the Debian apt archive: slow).
+
+A fill-mask probe has an accuracy only if its expected answer is a token the model can
+predict: a single word-start piece (`▁paquet`) of the vocabulary. The guide's sentences fail
+that on the default corpus (`banque`, `chat`, `poil`, `pelage`, `fourrure` are split or
+`[UNK]` in the 8k vocabulary trained on software documentation), so the default probes add
+held-out sentences from the corpus's own domain. This test rebuilds exactly what the `tiny`
+config trains (ingest of `debian:fr`, unigram 8000) and checks, for each domain probe, that
+every answer is one word-start piece of that vocabulary, that it stays one piece when the
+tokenizer encodes the completed sentence, that it is a frequent word of the training text,
+and that the completed sentence does not occur in the ingested text (train or validation).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+import sentencepiece as spm
+
+from mlm_pipeline.config import EvalConfig, FillMaskProbe
+from mlm_pipeline.config.evaluation import GUIDE_PROBES
+from mlm_pipeline.config_files import load_config
+from mlm_pipeline.ingest import ingest
+from mlm_pipeline.tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.slow
+
+#: Probes from the default corpus's domain (LibreOffice help, Debian handbook and
+#: reference). Each answer occurred at least 200 times in the tiny run's training text when
+#: they were written (debian:fr of Debian 12: `noyau` 229 ... `document` 4,052).
+DOMAIN_PROBES: tuple[FillMaskProbe, ...] = (
+    FillMaskProbe(text="Pour installer un [MASK], utilisez la commande apt.",
+                  answers=["paquet", "logiciel", "programme"]),
+    FillMaskProbe(text="Appuyez sur la [MASK] Entrée pour valider votre saisie.",
+                  answers=["touche"]),
+    FillMaskProbe(text="Cliquez sur le [MASK] OK pour fermer la boîte de dialogue.",
+                  answers=["bouton"]),
+    FillMaskProbe(text="Sélectionnez une [MASK] du tableau, puis saisissez la formule.",
+                  answers=["cellule", "colonne", "ligne", "plage"]),
+    FillMaskProbe(text="Le [MASK] Linux gère la mémoire et les périphériques de la machine.",
+                  answers=["noyau", "système"]),
+    FillMaskProbe(text="Enregistrez le [MASK] avant de fermer l'application.",
+                  answers=["document", "fichier"]),
+    FillMaskProbe(text="Pour changer la [MASK] des caractères, choisissez Format - Caractères.",
+                  answers=["police", "taille", "couleur"]),
+    FillMaskProbe(text="Le [MASK] web répond aux requêtes des clients sur le port 80.",
+                  answers=["serveur"]),
+)
+MIN_COUNT = 200  # occurrences in the training text for "a frequent word of the domain"
+
+
+def probes_under_test() -> list[FillMaskProbe]:
+    """The domain probes above and every default probe that is not one of the guide's."""
+    guide = {p.text for p in GUIDE_PROBES}
+    extra = [p for p in EvalConfig().probes if p.text not in guide]
+    known = {p.text for p in DOMAIN_PROBES}
+    return list(DOMAIN_PROBES) + [p for p in extra if p.text not in known]
+
+
+def squash(text: str) -> str:
+    """Lower case, whitespace runs as one space (so line breaks do not hide a match)."""
+    return re.sub(r"\s+", " ", text).lower()
+
+
+@pytest.fixture(scope="module")
+def tiny_vocabulary(tmp_path_factory):
+    """(SentencePiece processor, squashed ingested text, training-text word counts) of
+    the `tiny` config's ingest and tokenizer stages, run for real."""
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        pytest.skip("not a Debian system: the default corpus comes from Debian packages")
+    cfg = load_config("tiny")
+    assert cfg.ingest.sources == ["debian:fr"]  # the default corpus is what this checks
+    work = tmp_path_factory.mktemp("work")
+    corpus = ingest(cfg.ingest, work)
+    tok = train_tokenizer(cfg.tokenizer, corpus, work)
+    sp = spm.SentencePieceProcessor(model_file=str(tok.file(tok.model.path)))
+
+    def texts(entries):
+        return [t for e in entries
+                for t in pq.read_table(corpus.file(e.path), columns=["text"])["text"].to_pylist()]
+
+    train = texts(corpus.train)
+    counts = Counter(re.findall(r"\w+", "\n".join(train).lower()))
+    return sp, squash("\n".join(train + texts(corpus.validation))), counts
+
+
+@pytest.mark.parametrize("probe", probes_under_test(), ids=lambda p: p.answers[0])
+def test_domain_probe_is_answerable_and_held_out(tiny_vocabulary, probe):
+    sp, text, counts = tiny_vocabulary
+    assert probe.text.count("[MASK]") == 1 and probe.answers
+    before, after = probe.text.split("[MASK]")
+    for answer in probe.answers:
+        piece = "\u2581" + answer
+        assert sp.piece_to_id(piece) != sp.unk_id(), f"{piece!r} is not in the vocabulary"
+        completed = before + answer + after
+        assert piece in sp.encode(completed, out_type=str), (
+            f"{answer!r} is split when encoding {completed!r}")
+        assert counts[answer] >= MIN_COUNT, (answer, counts[answer])
+        assert squash(completed) not in text, f"{completed!r} occurs in the corpus"
