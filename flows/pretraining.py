@@ -207,13 +207,15 @@ def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
     if flow_run.id:
         extra = {"prefect.flow_run_id": str(flow_run.id),
                  "prefect.flow_run_name": str(flow_run.name)}
+        if flow_run.ui_url:
+            extra["prefect.flow_run_url"] = str(flow_run.ui_url)
         if deployment.id:
             extra["prefect.deployment_id"] = str(deployment.id)
             extra["prefect.deployment_name"] = str(deployment.name)
     tracker = MlflowTracker.from_config(cfg.tracking)
     params = pipeline.run_params(cfg)
-    tags = {**pipeline.run_tags(extra), **resume.process_tags(),
-            resume.JOB_KEY_TAG: resume.job_key(cfg)}
+    tags = {**pipeline.run_tags(extra, ENTRYPOINT, "JOB" if deployment.id else "LOCAL"),
+            **resume.process_tags(), resume.JOB_KEY_TAG: resume.job_key(cfg)}
     newest = _newest_checkpoint(cfg)
     if cfg.tracking.resume_run_id:
         run_id = cfg.tracking.resume_run_id
@@ -232,7 +234,9 @@ def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
             step = int(found.checkpoint.name.split("-")[-1])
             resume.continue_run(tracker, found.run_id, params, tags, step, found.compatible)
             return found.run_id
-    return tracker.start_run(params, tags)
+    # One name for both runs: the flow run's (`_flow_run_name`), unless the config sets one.
+    name = cfg.tracking.run_name or (str(flow_run.name) if flow_run.id else None)
+    return tracker.start_run(params, tags, run_name=name or pipeline.run_name(cfg))
 
 
 @task(name="ingest", cache_key_fn=_ingest_key, **MANIFEST_RESULTS, **_IO)
@@ -354,12 +358,13 @@ def train_task(
     mlflow_sink = tracker.sink(run_id)
     sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
                      PrefectProgressSink(cfg.train.max_steps))
-    try:
-        with stop_gracefully():
-            return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                         _train_dir(cfg, run_id), sink)
-    finally:
-        sink.close()
+    with tracker.system_metrics(run_id):
+        try:
+            with stop_gracefully():
+                return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                             _train_dir(cfg, run_id), sink)
+        finally:
+            sink.close()
 
 
 @task(name="evaluate", **_NOT_CACHED)
@@ -438,7 +443,24 @@ def _fresh(stage_task, *args):
     return manifest
 
 
-@flow(name="mlm-pretraining",
+#: The flow's entry point (`prefect.yaml`), recorded as the MLflow run's `mlflow.source.name`.
+ENTRYPOINT = "flows/pretraining.py:mlm_pretraining"
+
+
+def _flow_run_name() -> str:
+    """The flow run's name, shared with its MLflow run: `tracking.run_name` when the config
+    sets it, else `records.run_name` (config name, model preset, steps and a short random
+    suffix), e.g. `tiny-modern-1000-3fa2c1`; `mlm-pretraining-<suffix>` when the
+    parameters do not load (the flow run then fails on them, with the error)."""
+    try:
+        params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
+        cfg = load_config(*params.resolved())
+    except Exception:  # noqa: BLE001 - the flow itself reports bad parameters
+        return pipeline.run_name(None)
+    return cfg.tracking.run_name or pipeline.run_name(cfg)
+
+
+@flow(name="mlm-pretraining", flow_run_name=_flow_run_name,
       on_cancellation=[_close_mlflow_run("KILLED", "cancelled")],
       on_crashed=[_close_mlflow_run("FAILED", "crashed")])
 def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]:  # noqa: B008
@@ -472,6 +494,8 @@ def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]
     tracker = MlflowTracker.from_config(cfg.tracking)
     summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
                                started_at, registered)
-    create_markdown_artifact(key="run-summary", markdown=pipeline.summary_markdown(summary),
+    markdown = pipeline.summary_markdown(summary)
+    tracker.set_tags(run_id, {"mlflow.note.content": markdown})  # the run's description
+    create_markdown_artifact(key="run-summary", markdown=markdown,
                              description="final metrics and the MLflow run")
     return summary

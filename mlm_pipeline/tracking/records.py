@@ -7,7 +7,11 @@ user) and into the summary a user reads at the end of a run. No torch, no prefec
 
 from __future__ import annotations
 
+import getpass
 import json
+import re
+import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from mlm_pipeline.manifest import (
     TrainManifest,
     load_if_complete,
 )
+from mlm_pipeline.tracking.lineage import shard_inputs
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 
 
@@ -33,12 +38,40 @@ def run_params(cfg: PipelineConfig) -> dict[str, Any]:
     return {**flatten(cfg), "train.warmup_in_effect": cfg.train.warmup}
 
 
-def run_tags(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Tags known when a run starts: code version and whatever the caller adds
-    (e.g. the Prefect flow-run id)."""
+def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:
+    """A readable run name shared by the Prefect flow run and its MLflow run:
+    `<config name>-<model preset>-<max_steps>-<suffix>`, e.g. `tiny-modern-1000-3fa2c1`
+    (characters other than `A-Za-z0-9._-` in the config name become `-`);
+    `mlm-pretraining-<suffix>` without a config. `suffix` defaults to 6 random hex digits,
+    so that two runs of one config have different names. `tracking.run_name`, when set,
+    is used instead by the caller."""
+    suffix = suffix or secrets.token_hex(3)
+    if cfg is None:
+        return f"mlm-pretraining-{suffix}"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.name).strip("-") or "mlm"
+    return f"{name}-{cfg.model.preset}-{cfg.train.max_steps}-{suffix}"
+
+
+def _user() -> str:
+    """The OS user (MLflow's `mlflow.user`); `unknown` when the system has none for the uid."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no $USER/$LOGNAME and no passwd entry (containers)
+        return "unknown"
+
+
+def run_tags(extra: dict[str, str] | None = None, source_name: str | None = None,
+             source_type: str = "LOCAL") -> dict[str, str]:
+    """Tags known when a run starts: code version, `mlflow.user`, `mlflow.source.name`
+    (`source_name`, default the program's name, e.g. `mlm-pipeline`) and
+    `mlflow.source.type` (`LOCAL`, or `JOB` for a deployment's run; MLflow's
+    `SourceType`), the git commit (`mlflow.source.git.commit`, when running from a
+    checkout) and whatever the caller adds (e.g. the Prefect flow-run id and URL)."""
     from mlm_pipeline import __version__
 
-    tags = {"mlm_pipeline.version": __version__}
+    tags = {"mlm_pipeline.version": __version__, "mlflow.user": _user(),
+            "mlflow.source.name": source_name or Path(sys.argv[0]).name or "python",
+            "mlflow.source.type": source_type}
     commit = git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
@@ -58,27 +91,38 @@ def data_tags(
     }
 
 
+def data_accounting(
+    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
+) -> dict[str, int]:
+    """Ingestion accounting and data sizes: counts of documents (read, per split, dropped
+    and repaired by reason), characters, vocabulary, rows and tokens, and input files
+    rejected as bad or skipped. `record_data` logs them as params `data.<name>` and as the
+    artifact `data/accounting.json`, not as metrics (one-point charts would bury the
+    training curves in the MLflow UI)."""
+    m: dict[str, int] = {
+        "documents_read": corpus.documents_read,
+        "documents_train": corpus.documents_train,
+        "documents_validation": corpus.documents_validation,
+        "characters": corpus.characters,
+        "vocab_size": tokenizer.vocab_size,
+        "train_rows": shards.train.rows,
+        "validation_rows": shards.validation.rows,
+        "train_tokens": shards.train.rows * shards.seq_len,
+        "remainder_tokens": shards.train.remainder_tokens + shards.validation.remainder_tokens,
+    }
+    m.update({f"dropped_{k}": v for k, v in corpus.dropped.items()})
+    m.update({f"repaired_{k}": v for k, v in corpus.repaired.items()})
+    m["files_rejected"] = len(corpus.bad_files)
+    m["files_skipped"] = len(corpus.skipped_files)
+    return m
+
+
 def data_metrics(
     corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
 ) -> dict[str, float]:
-    """Ingestion accounting and data sizes, as MLflow metrics (counts of documents, tokens,
-    and of input files rejected as bad or skipped entries)."""
-    m: dict[str, float] = {
-        "data/documents_read": corpus.documents_read,
-        "data/documents_train": corpus.documents_train,
-        "data/documents_validation": corpus.documents_validation,
-        "data/characters": corpus.characters,
-        "data/vocab_size": tokenizer.vocab_size,
-        "data/train_rows": shards.train.rows,
-        "data/validation_rows": shards.validation.rows,
-        "data/train_tokens": shards.train.rows * shards.seq_len,
-        "data/remainder_tokens": shards.train.remainder_tokens + shards.validation.remainder_tokens,
-    }
-    m.update({f"data/dropped_{k}": v for k, v in corpus.dropped.items()})
-    m.update({f"data/repaired_{k}": v for k, v in corpus.repaired.items()})
-    m["data/files_rejected"] = len(corpus.bad_files)
-    m["data/files_skipped"] = len(corpus.skipped_files)
-    return {k: float(v) for k, v in m.items()}
+    """`data_accounting` as floats keyed `data/<name>`, the metric names runs logged before
+    (for readers of older runs); new runs hold the same values as params `data.<name>`."""
+    return {f"data/{k}": float(v) for k, v in data_accounting(corpus, tokenizer, shards).items()}
 
 
 def record_data(
@@ -88,7 +132,9 @@ def record_data(
     tokenizer: TokenizerManifest,
     shards: ShardManifest,
 ) -> None:
-    """Log data lineage tags, accounting metrics, the rejected input files
+    """Log data lineage (digest tags, and both shard splits as dataset inputs with contexts
+    `training` / `validation`: `lineage.shard_inputs`), the accounting (`data_accounting`:
+    params `data.<name>` and `data/accounting.json`), the rejected input files
     (`data/bad_files.json`, when any), the tokenizer files and the manifests.
 
     Raises:
@@ -96,7 +142,10 @@ def record_data(
             (a `ValueError` naming the manifest; nothing outside is logged or read).
     """
     tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
-    tracker.log_metrics(run_id, data_metrics(corpus, tokenizer, shards), step=0)
+    tracker.client.log_inputs(run_id, datasets=shard_inputs(shards))
+    accounting = data_accounting(corpus, tokenizer, shards)
+    tracker.log_params(run_id, {f"data.{k}": v for k, v in accounting.items()})
+    tracker.log_dict(run_id, accounting, "data/accounting.json")
     if corpus.bad_files:
         tracker.log_dict(run_id, [b.model_dump() for b in corpus.bad_files],
                          "data/bad_files.json")
@@ -206,14 +255,14 @@ def registry_summary(registry: dict[str, Any] | None) -> dict[str, Any] | None:
 def registry_lines(reg: dict[str, Any]) -> list[str]:
     """The registry decision of a summary as lines of text (CLI and Markdown)."""
     theirs = reg.get("champion_eval_loss")
-    return [f"Registered model: {reg['model']} version {reg['version']} "
-            f"(models:/{reg['model']}/{reg['version']})",
+    return [(f"Registered model: {reg['model']} version {reg['version']} "
+             f"(models:/{reg['model']}/{reg['version']})"),
             f"Decision: {reg['decision']}: {reg['reason']}",
             f"eval/loss: {reg['eval_loss']:.4f} (this version), "
             + (f"{theirs:.4f} (champion before)" if theirs is not None else "no champion "
                "loss compared") + f"; eval data digest {reg['eval_data_digest'][:16]}",
-            f"Champion now: version {reg['champion_version']} "
-            f"(models:/{reg['model']}@champion)"]
+            (f"Champion now: version {reg['champion_version']} "
+             f"(models:/{reg['model']}@champion)")]
 
 
 def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:

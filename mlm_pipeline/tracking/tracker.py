@@ -16,12 +16,23 @@ SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (
 other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
 experiments keep their location; an MLflow server decides for itself.
 
+Experiment kind: MLflow 3's UI opens an experiment on the view its tag `mlflow.experimentKind`
+names (`genai_development`: traces; `custom_model_development`: runs and training curves;
+values from the UI bundle of MLflow 3.17, `ExperimentKind`); without the tag it guesses, and
+shows an empty traces page. `experiment_id` sets `custom_model_development` on the
+experiments it creates and on existing ones that lack the tag.
+
+System metrics: `MlflowTracker.system_metrics` samples CPU, memory, disk, network and (with
+`nvidia-ml-py`, the `gpu` extra) GPU use into `system/...` metrics with MLflow's
+`SystemMetricsMonitor`, which works on a run id (no fluent active run).
+
 Limits (MLflow 3.17 `mlflow/utils/validation.py`): 100 params or tags per `log_batch`, param
 values up to 6000 characters, tag values up to 8000, keys as in `sinks.check_key`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +41,7 @@ import posixpath
 import re
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
@@ -52,6 +63,8 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_TAG_VALUE_LENGTH = 8000
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+#: Experiment tag and value that open an experiment on the MLflow UI's training-runs view.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
@@ -139,7 +152,9 @@ class MlflowTracker:
         return self._client
 
     def experiment_id(self) -> str:
-        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB) if missing.
+        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB) if missing;
+        the experiment is tagged `mlflow.experimentKind = custom_model_development` (the
+        UI's runs view) when it lacks that tag.
 
         Raises:
             ValueError: the experiment exists but is deleted (restore it or pick a new name).
@@ -153,7 +168,8 @@ class MlflowTracker:
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.experiment_name).lstrip(".") or "_"
             location = str(db.parent / "mlartifacts" / safe) if db else None
             try:
-                return self.client.create_experiment(self.experiment_name, location)
+                return self.client.create_experiment(
+                    self.experiment_name, location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except MlflowException:  # another worker created it first
                 exp = self.client.get_experiment_by_name(self.experiment_name)
                 if exp is None:
@@ -164,9 +180,13 @@ class MlflowTracker:
                 f" `mlflow experiments restore --experiment-id {exp.experiment_id}` or set"
                 " tracking.experiment_name"
             )
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG,
+                                           EXPERIMENT_KIND)
         return exp.experiment_id
 
-    def start_run(self, params: Mapping[str, object], tags: Mapping[str, str] | None = None) -> str:
+    def start_run(self, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
+                  run_name: str | None = None) -> str:
         """Create a run, log `params` and `tags`; returns the run id.
 
         Args:
@@ -174,6 +194,7 @@ class MlflowTracker:
                 cut to 6000 characters with a warning.
             tags: key -> value, cut to 8000 characters with a warning; e.g. the code's
                 commit as `mlflow.source.git.commit` (see `git_commit`), which the UI shows.
+            run_name: the run's name; None uses the tracker's `run_name` (None: MLflow picks).
 
         Raises:
             ValueError: a param key is not MLflow-legal (see `check_key`), or the experiment
@@ -182,7 +203,7 @@ class MlflowTracker:
         for key in params:
             check_key(key)
         exp_id = self.experiment_id()
-        run = self.client.create_run(exp_id, run_name=self.run_name)
+        run = self.client.create_run(exp_id, run_name=run_name or self.run_name)
         run_id = run.info.run_id
         self._experiment_ids[run_id] = exp_id
         try:
@@ -296,6 +317,39 @@ class MlflowTracker:
             text = json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n"
             path.write_text(text, encoding="utf-8")
             self.client.log_artifact(run_id, str(path), posixpath.dirname(artifact_file) or None)
+
+    @contextlib.contextmanager
+    def system_metrics(self, run_id: str, sampling_interval_s: float = 10.0) -> Iterator[None]:
+        """While the block runs, sample system use every `sampling_interval_s` seconds into
+        the run's `system/...` metrics (`system/cpu_utilization_percentage`,
+        `system/system_memory_usage_megabytes`, `system/gpu_0_utilization_percentage`, ...;
+        names, units and the GPU probe are MLflow's `SystemMetricsMonitor`); steps continue
+        after those a continued run holds. One last sample is logged when the block ends, so
+        a block shorter than the interval still has a point.
+        `$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` overrides the interval. A monitor that
+        fails to start or to log only warns: training never fails for its system metrics.
+        """
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        try:
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_interval_s,
+                                           resume_logging=True, tracking_uri=self.tracking_uri)
+        except Exception as exc:  # noqa: BLE001 - psutil missing, the server unreachable
+            logger.warning("MLflow system metrics are off for run %s: %s", run_id, exc)
+            yield
+            return
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.finish()
+            try:  # the samples since the last publication (the monitor drops them)
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                logger.warning("last system metrics sample of run %s not logged: %s",
+                               run_id, exc)
 
     def end_run(self, run_id: str, status: RunStatus = "FINISHED") -> None:
         """Mark the run terminated with `status`.
