@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mlm_pipeline.config import IGNORE_INDEX, NUM_SPECIAL, EvalConfig, MaskingConfig
+from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
     ShardManifest,
@@ -77,6 +78,7 @@ def masked_lm_metrics(
 
     Returns:
         `eval/loss` (mean cross-entropy, nats per masked token), `eval/mlm_accuracy`,
+        `eval/top5_accuracy` (the target among the 5 most probable ids),
         `eval/perplexity` (exp of the loss), `eval/masked_tokens`, `eval/rows`, and
         `eval/baseline_accuracy` when `baseline_token` is given.
 
@@ -91,7 +93,7 @@ def masked_lm_metrics(
         if precision == "bf16"
         else contextlib.nullcontext()
     )
-    loss_sum, correct, baseline_hits, masked = 0.0, 0, 0, 0
+    loss_sum, correct, top5, baseline_hits, masked = 0.0, 0, 0, 0, 0
     for start in range(0, rows, batch_size):
         index = torch.arange(start, min(start + batch_size, rows), dtype=torch.long)
         original = dataset.get(index.numpy())
@@ -106,6 +108,8 @@ def masked_lm_metrics(
         logits = logits.float()
         loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
         correct += (logits.argmax(dim=-1) == targets).sum().item()
+        top5 += (logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                 == targets[:, None]).any(dim=-1).sum().item()
         if baseline_token is not None:
             baseline_hits += (targets == baseline_token).sum().item()
         masked += targets.numel()
@@ -115,6 +119,7 @@ def masked_lm_metrics(
     metrics = {
         "eval/loss": loss,
         "eval/mlm_accuracy": correct / masked,
+        "eval/top5_accuracy": top5 / masked,
         "eval/perplexity": math.exp(min(loss, 700.0)),  # exp overflows a double past ~709
         "eval/masked_tokens": float(masked),
         "eval/rows": float(rows),
@@ -169,10 +174,11 @@ def fill_mask(
     return results
 
 
-def _run_probes(model, tok: Tokenizer, cfg: EvalConfig, seq_len: int,
-                device: torch.device) -> list[dict[str, Any]]:
-    """Fill-mask on each probe; a probe that cannot run (no [MASK] within `seq_len`
-    tokens) is reported with an `error` instead of failing the evaluation."""
+def run_probes(model: torch.nn.Module, tok: Tokenizer, cfg: EvalConfig, seq_len: int,
+               device: torch.device) -> list[dict[str, Any]]:
+    """`fill_mask` on each of `cfg.probes` (top `cfg.top_k`), one result per probe in order;
+    a probe that cannot run (no [MASK] within `seq_len` tokens) is reported with an
+    `error` instead of failing the evaluation."""
     results = []
     for probe in cfg.probes:
         text = probe.text
@@ -182,6 +188,14 @@ def _run_probes(model, tok: Tokenizer, cfg: EvalConfig, seq_len: int,
         except ValueError as exc:
             results.append({"text": text, "error": str(exc)})
     return results
+
+
+def eval_masking(cfg: EvalConfig, masking: MaskingConfig, shards: ShardManifest,
+                 tok: Tokenizer) -> KeyedMasking:
+    """The evaluation masks: the training run's masking (selection, whole words,
+    `mlm_probability`) keyed by `cfg.seed` instead of the training seed."""
+    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
+    return KeyedMasking(masking, shards.vocab_size, word_starts, seed=cfg.seed)
 
 
 def most_frequent_token(shards: ShardManifest) -> int:
@@ -253,11 +267,10 @@ def evaluate(
     device = torch.device(trained.device)
     model = load_model(trained.file(trained.checkpoint_dir), device)
     tok = Tokenizer.load(tokenizer)
-    word_starts = torch.from_numpy(tok.word_starts()) if mc.whole_word else None
     metrics = masked_lm_metrics(
         model,
         ShardDataset(shards, "validation"),
-        masking=KeyedMasking(mc, shards.vocab_size, word_starts, seed=cfg.seed),
+        masking=eval_masking(cfg, mc, shards, tok),
         batch_size=cfg.batch_size,
         max_rows=cfg.max_rows,
         baseline_token=most_frequent_token(shards),
@@ -265,7 +278,9 @@ def evaluate(
         precision=trained.precision,
         document_attention=document_attention,
     )
-    probes = _run_probes(model, tok, cfg, shards.seq_len, device)
+    warn_answer_problems(tok, cfg.probes)
+    probes = run_probes(model, tok, cfg, shards.seq_len, device)
+    metrics.update(probe_metrics(probes, cfg.probes, cfg.top_k))
     for probe in probes:
         if "error" in probe:
             logger.warning("fill-mask probe skipped: %s", probe["error"])

@@ -22,6 +22,11 @@ at log and checkpoint steps, so nothing past it is ever saved) or is dropped and
 (`skip`, `train/skipped_steps`, at most `train.max_skipped_steps` in a row). `step` counts
 applied optimizer steps only.
 
+Evaluation during training: when `Parts.evaluator` is set, every `evaluator.every_steps`
+applied steps before the last it is called on the (uncompiled) model in eval mode and its
+metrics go to the sink at that step; its time is left out of `train/tokens_per_s`. It
+reads no global RNG, so a run with and without it trains bit-identically.
+
 Stopping early: `request_stop()` (the CLI's SIGINT/SIGTERM handler) makes the loop save a
 checkpoint of the step it reached and raise `TrainingInterrupted`; `train.max_time_s`
 ends the run with a warning and stop reason `time_cap`. Sinks are flushed before every
@@ -38,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -102,6 +107,28 @@ class TrainingInterrupted(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
+class Evaluator(Protocol):
+    """Periodic held-out evaluation during training (`mlm_pipeline.evaluate.periodic`).
+
+    Attributes:
+        every_steps: evaluate after every this many applied optimizer steps.
+    """
+
+    every_steps: int
+
+    def __call__(self, model: torch.nn.Module, step: int, precision: str) -> dict[str, float]:
+        """Evaluate `model` (in eval mode, under no_grad) at optimizer step `step`.
+
+        Args:
+            model: the uncompiled `BertMLM` being trained (on its training device).
+            step: optimizer steps applied so far.
+            precision: `fp32` or `bf16` (the run's resolved precision).
+
+        Returns:
+            Metrics (`eval/...` keys, floats) logged at `step`.
+        """
+
+
 @dataclass
 class TrainState:
     """Counters of the run: `step` (optimizer steps applied), `tokens_seen` (rows * seq_len
@@ -151,6 +178,7 @@ class Parts:
         autocast: context entered around each forward pass (bf16 autocast or a no-op).
         document_attention: pass document ids from [SEP] tokens to the model.
         compile_errors: exceptions of a failing `torch.compile` build (empty when eager).
+        evaluator: periodic held-out evaluation (`Evaluator`), or None.
         masked_per_row: passed to the model's forward (a static head size) when it is
             compiled and the masking bounds the labels per row (`exact_k`); None otherwise,
             and always when eager, whose results it would change in the last bits.
@@ -172,6 +200,7 @@ class Parts:
     document_attention: bool = False
     compile_errors: tuple[type[BaseException], ...] = ()
     masked_per_row: int | None = None
+    evaluator: Evaluator | None = None
 
     def stateful(self) -> dict[str, Stateful]:
         """The parts a checkpoint holds, under the `Checkpointer`'s fixed keys."""
@@ -316,6 +345,19 @@ def _check_finite(parts: Parts, checkpointer: Checkpointer) -> None:
             "train.nonfinite: skip)", bad, last)
 
 
+def _evaluate(parts: Parts, sink: MetricsSink) -> None:
+    """Run the periodic evaluator at the current step and log its metrics; its wall time
+    is excluded from the meter's interval (it is not training throughput)."""
+    started = time.perf_counter()
+    parts.model.eval()
+    try:
+        metrics = parts.evaluator(parts.model, parts.train_state.step, parts.precision)
+    finally:
+        parts.model.train()
+    sink.log(metrics, parts.train_state.step)
+    parts.meter.exclude(time.perf_counter() - started)
+
+
 def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
     """Checkpoint the current step after the finiteness check and a sink flush (the
     checkpoint must not declare steps whose metrics were not delivered)."""
@@ -370,6 +412,9 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
                 epoch=epoch, tokens_seen=state.tokens_seen,
                 skipped_steps=state.skipped_steps, empty_steps=state.empty_steps)
             sink.log(last_metrics, state.step)
+        if (applied and parts.evaluator is not None and state.step < cfg.max_steps
+                and state.step % parts.evaluator.every_steps == 0):
+            _evaluate(parts, sink)
         if _STOP.is_set():
             _STOP.clear()
             raise TrainingInterrupted(state.step, _save(parts, checkpointer, sink))

@@ -69,6 +69,11 @@ class Meter:
         self._start = time.perf_counter() - self._carried_s
         self._carried_s = 0.0
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of wall time (e.g. a periodic evaluation) out of the current
+        interval's throughput and MFU."""
+        self._start += seconds
+
     def update(self, loss_sum: torch.Tensor, masked: torch.Tensor,
                grad_norm: torch.Tensor | None = None, step: int | None = None) -> None:
         """Add one optimizer step (device ops only, no host sync).

@@ -38,7 +38,7 @@ from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState
 from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
 from mlm_pipeline.train.hf import hf_class_name
-from mlm_pipeline.train.loop import Parts, TrainState, run_steps
+from mlm_pipeline.train.loop import Evaluator, Parts, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
@@ -178,6 +178,7 @@ def train(
     tokenizer: TokenizerManifest,
     out_dir: str | Path,
     sink: MetricsSink | None = None,
+    evaluator: Evaluator | None = None,
 ) -> TrainManifest:
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
@@ -191,6 +192,9 @@ def train(
             `manifest.json`. If it already holds a checkpoint, training resumes from it.
         sink: receives one metrics dict per log interval (besides `metrics.jsonl`); not
             closed here.
+        evaluator: periodic held-out evaluation during training (`loop.Evaluator`, e.g.
+            `mlm_pipeline.evaluate.PeriodicEvaluator`); its metrics go to the same sinks at
+            the steps it runs. It does not change what is trained.
 
     Returns:
         The `TrainManifest` (also written as `out_dir/manifest.json`).
@@ -212,6 +216,7 @@ def train(
     if cfg.verify_shards:
         verify_shards(shards)
     parts = build_parts(cfg, model, masking, shards, tokenizer)
+    parts.evaluator = evaluator
     checkpointer = Checkpointer(out / "checkpoints", parts.stateful(),
                                 checkpoint_meta(cfg, model, masking, shards, tokenizer),
                                 keep_last=cfg.keep_last_checkpoints)

@@ -48,7 +48,7 @@ def test_metrics_match_a_full_head_reference(model_and_data):
         counts += torch.bincount(train.get([i])[0], minlength=manifest.vocab_size)
     counts[:5] = -1
     top = int(counts.argmax())
-    hits = 0
+    hits = top5 = 0
     with torch.no_grad():
         for i in range(len(data)):
             index = torch.tensor([i])
@@ -58,10 +58,14 @@ def test_metrics_match_a_full_head_reference(model_and_data):
             sel = labels[0] != -100
             loss_sum += F.cross_entropy(logits[sel], labels[0][sel], reduction="sum").item()
             correct += (logits[sel].argmax(-1) == labels[0][sel]).sum().item()
+            # Rank of the target: how many ids score strictly higher (ties: none here).
+            target_logit = logits[sel].gather(1, labels[0][sel][:, None])
+            top5 += ((logits[sel] > target_logit).sum(-1) < 5).sum().item()
             hits += (labels[0][sel] == top).sum().item()
             masked += int(sel.sum())
     assert got["eval/masked_tokens"] == masked
     assert got["eval/loss"] == pytest.approx(loss_sum / masked, rel=1e-5)
     assert got["eval/mlm_accuracy"] == pytest.approx(correct / masked)
+    assert got["eval/top5_accuracy"] == pytest.approx(top5 / masked)
     assert got["eval/perplexity"] == pytest.approx(math.exp(loss_sum / masked), rel=1e-5)
     assert got["eval/baseline_accuracy"] == pytest.approx(hits / masked)
