@@ -1,7 +1,8 @@
 """Stage 6, evaluation (torch): held-out masked-token loss, accuracy and perplexity with
-fixed masks, and fill-mask probes.
+fixed masks, fill-mask probes, and the downstream linear probe.
 """
 
+from mlm_pipeline.evaluate.downstream import linear_probe, run_linear_probe
 from mlm_pipeline.evaluate.stage import (
     check_evaluable,
     evaluate,
@@ -9,4 +10,5 @@ from mlm_pipeline.evaluate.stage import (
     masked_lm_metrics,
 )
 
-__all__ = ["check_evaluable", "evaluate", "fill_mask", "masked_lm_metrics"]
+__all__ = ["check_evaluable", "evaluate", "fill_mask", "linear_probe", "masked_lm_metrics",
+           "run_linear_probe"]
