@@ -28,6 +28,7 @@ from mlm_pipeline.config.base import (
     StrictModel,
 )
 from mlm_pipeline.config.evaluation import (
+    DOMAIN_PROBES,
     GUIDE_PROBES,
     EvalConfig,
     FillMaskProbe,
@@ -45,7 +46,7 @@ from mlm_pipeline.config.stages import (
 )
 
 __all__ = [
-    "CLS_ID", "DEFAULT_WARMUP_STEPS", "GUIDE_PROBES", "MODEL_PRESETS", "IGNORE_INDEX", "MASK_ID", "NUM_SPECIAL", "PAD_ID", "SEP_ID",
+    "CLS_ID", "DEFAULT_WARMUP_STEPS", "DOMAIN_PROBES", "GUIDE_PROBES", "MODEL_PRESETS", "IGNORE_INDEX", "MASK_ID", "NUM_SPECIAL", "PAD_ID", "SEP_ID",
     "SPECIAL_TOKENS", "UNK_ID", "EvalConfig", "FillMaskProbe", "IngestConfig",
     "LinearProbeConfig", "MaskingConfig", "ModelConfig", "PipelineConfig", "ShardConfig",
     "StrictModel", "TokenizerConfig", "TrackingConfig", "TrainConfig",

@@ -21,12 +21,36 @@ class FillMaskProbe(StrictModel):
 
 
 #: The guide's two sentences (../shared/seed): the bank and the cat's fur. Their answers are
-#: general-domain words that a run on software documentation rarely has in its vocabulary.
+#: general-domain words that a run on software documentation rarely has in its vocabulary
+#: (a warning says so at the first evaluation).
 GUIDE_PROBES: tuple[FillMaskProbe, ...] = (
     FillMaskProbe(text="Le banquier est allé à la [MASK] pour retirer de l'argent.",
                   answers=["banque"]),
     FillMaskProbe(text="Le [MASK] du chat est doux et chaud.",
                   answers=["poil", "pelage", "fourrure"]),
+)
+
+#: Held-out sentences of the default corpus's domain (`debian:fr`: LibreOffice help, the
+#: Debian handbook and reference): each answer is one word-start piece of the tiny config's
+#: 8k vocabulary and frequent in its training text, and no sentence occurs in the corpus
+#: (tests/integration/test_probe_vocabulary.py checks both on the real corpus).
+DOMAIN_PROBES: tuple[FillMaskProbe, ...] = (
+    FillMaskProbe(text="Pour installer un [MASK], utilisez la commande apt.",
+                  answers=["paquet", "logiciel", "programme"]),
+    FillMaskProbe(text="Appuyez sur la [MASK] Entrée pour valider votre saisie.",
+                  answers=["touche"]),
+    FillMaskProbe(text="Cliquez sur le [MASK] OK pour fermer la boîte de dialogue.",
+                  answers=["bouton"]),
+    FillMaskProbe(text="Sélectionnez une [MASK] du tableau, puis saisissez la formule.",
+                  answers=["cellule", "colonne", "ligne", "plage"]),
+    FillMaskProbe(text="Le [MASK] Linux gère la mémoire et les périphériques de la machine.",
+                  answers=["noyau", "système"]),
+    FillMaskProbe(text="Enregistrez le [MASK] avant de fermer l'application.",
+                  answers=["document", "fichier"]),
+    FillMaskProbe(text="Pour changer la [MASK] des caractères, choisissez Format - Caractères.",
+                  answers=["police", "taille", "couleur"]),
+    FillMaskProbe(text="Le [MASK] web répond aux requêtes des clients sur le port 80.",
+                  answers=["serveur"]),
 )
 
 
@@ -45,9 +69,12 @@ class EvalConfig(StrictModel):
     the same fixed masks; None evaluates only at the end."""
     periodic_rows: int = Field(default=256, ge=1)
     """Validation rows of each periodic evaluation (a fixed subset: points are comparable)."""
-    probes: list[FillMaskProbe | str] = Field(default_factory=lambda: list(GUIDE_PROBES))
+    probes: list[FillMaskProbe | str] = Field(
+        default_factory=lambda: [*GUIDE_PROBES, *DOMAIN_PROBES])
     """Fill-mask probe sentences (a string, or `{text, answers}`); each `[MASK]` is
-    predicted at every evaluation and logged as a table."""
+    predicted at every evaluation and logged as a table; `eval/probe_accuracy` is the
+    top-1 hit rate of those with answers. Default: the guide's two sentences, then eight
+    from the default corpus's domain."""
     top_k: int = Field(default=5, ge=1)
     """Candidates reported per probe mask."""
 
