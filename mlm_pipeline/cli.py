@@ -8,6 +8,8 @@
     mlm-pipeline export SOURCE OUT_DIR [--tokenizer PATH] [--force] [--tracking-uri URI]
     mlm-pipeline promote RUN_ID [--name NAME] [--tracking-uri URI]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
+    mlm-pipeline runs [--experiment NAME] [--filter FILTER] [--max N] [--json] [--tracking-uri URI]
+    mlm-pipeline compare RUN [RUN ...] [--out compare.png] [--experiment NAME] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. The library never
 imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
@@ -184,6 +186,38 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_runs(table, title: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(table.rows, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped: keep every column whole rather than fit 80 columns
+        console = Console(width=100_000)
+    console.print(table.rich(title))
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.compare import find_runs, run_table
+
+    tracker = _tracker(args)
+    experiment = args.experiment or tracker.experiment_name
+    runs = find_runs(tracker, experiment, args.filter, args.max)
+    _print_runs(run_table(tracker, runs), f"{len(runs)} runs of experiment {experiment} "
+                f"({tracker.tracking_uri})", args.json)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.compare import compare_runs
+
+    table, _ = compare_runs(_tracker(args), args.runs, args.out, args.experiment)
+    _print_runs(table, f"{len(table.rows)} runs; loss against tokens seen: {args.out}",
+                args.json)
+    return 0
+
+
 class StageMissingError(RuntimeError):
     """A stage output the command needs has not been produced for this config yet."""
 
@@ -259,7 +293,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
-    fetch-corpus, fill-mask, export, promote, tokenize)."""
+    fetch-corpus, fill-mask, export, promote, tokenize, runs, compare)."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
     )
@@ -341,6 +375,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text to segment, repeatable (default: each line of stdin)")
     p.add_argument("--json", action="store_true", help="print JSON (text, pieces, ids)")
     p.set_defaults(func=_cmd_tokenize)
+
+    def table_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the rows as JSON (full "
+                       "ids and digests, wall time in seconds)")
+        tracking_uri(p)
+
+    p = sub.add_parser("runs", help="list the runs of an experiment with the params that "
+                       "differ, speed and final metrics")
+    p.add_argument("--experiment", metavar="NAME", help="MLflow experiment (default: "
+                   "mlm-pipeline, tracking.experiment_name's default)")
+    p.add_argument("--filter", default="", metavar="FILTER", help="MLflow search filter, "
+                   "e.g. \"params.`train.lr` = '0.001'\" or \"metrics.`eval/loss` < 5\"")
+    p.add_argument("--max", type=int, default=50, metavar="N", help="at most N runs, "
+                   "newest first (default: 50)")
+    table_args(p)
+    p.set_defaults(func=_cmd_runs)
+
+    p = sub.add_parser("compare", help="compare runs: the table of `runs` and a PNG of "
+                       "eval loss against tokens seen")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run id or run name")
+    p.add_argument("--out", default="compare.png", metavar="PATH",
+                   help="PNG to write (default: compare.png)")
+    p.add_argument("--experiment", metavar="NAME", help="look run names up in this "
+                   "experiment only (default: every experiment)")
+    table_args(p)
+    p.set_defaults(func=_cmd_compare)
     return parser
 
 

@@ -1,0 +1,275 @@
+"""Runs side by side, outside the MLflow UI: the table of `mlm-pipeline runs` and
+`mlm-pipeline compare`, and the comparison PNG of `compare`.
+
+One row per run: name and short id, status, the params that differ between the listed
+runs (only those), tokens seen, wall time, mean training speed, the final `eval/loss`,
+`eval/mlm_accuracy` and `probe/accuracy`, the data digest (tag `digest.shards`) and the
+model-registry aliases (`champion`, `challenger`) held by a version the run registered.
+
+Everything is read from the tracking store with the tracker's `MlflowClient` (mlflow is
+imported lazily); nothing is written to it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlm_pipeline.tracking.plots import compare_figure, metric_series, run_curve
+from mlm_pipeline.tracking.registry import RUN_ID
+from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+__all__ = ["SPEED", "RunTable", "compare_runs", "find_runs", "loop_tokens_per_s",
+           "resolve_runs", "run_table"]
+
+#: Header of the speed column, saying what it is.
+SPEED = "tokens/s (seen / loop time)"
+#: Final metrics shown, in this order (blank when a run did not log one).
+FINAL_METRICS = ("eval/loss", "eval/mlm_accuracy", "probe/accuracy")
+#: Run ids are shown by their first characters in the table.
+SHORT = 8
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """The comparison table: `columns` in order, one dict per run (column -> value; None
+    is blank). Values are raw (numbers, full ids and digests); `rich` shortens them."""
+
+    columns: list[str]
+    rows: list[dict[str, Any]]
+
+    def rich(self, title: str | None = None):
+        """A `rich.table.Table` of the rows: ids and digests cut to 8 and 12 characters,
+        wall time as h:mm:ss, floats to 4 decimals, counts with thousands separators."""
+        from rich.table import Table
+
+        table = Table(title=title)
+        for col in self.columns:
+            table.add_column(col, justify="right" if col in _NUMERIC else "left")
+        for row in self.rows:
+            table.add_row(*(_cell(col, row.get(col)) for col in self.columns))
+        return table
+
+
+_NUMERIC = {"tokens seen", "wall time", SPEED, *FINAL_METRICS}
+
+
+def _cell(col: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if col == "id":
+        return value[:SHORT]
+    if col == "data (digest.shards)":
+        return value[:12]
+    if col == "wall time":
+        s = round(value)
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    if col == "tokens seen" or col == SPEED:
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _check_store(tracker: MlflowTracker) -> None:
+    """Reading a SQLite URI whose file is missing would create an empty database."""
+    db = sqlite_db_path(tracker.tracking_uri)
+    if db is not None and not db.is_file():
+        raise ValueError(f"no MLflow database at {db} (give --tracking-uri or set "
+                         "MLFLOW_TRACKING_URI)")
+
+
+def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> list[str]:
+    if experiment is None:
+        return [e.experiment_id for e in client.search_experiments()]
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ValueError(f"no MLflow experiment {experiment!r} at {uri} (experiments there: "
+                         f"{', '.join(names) or 'none'}); give --experiment NAME")
+    return [exp.experiment_id]
+
+
+def find_runs(tracker: MlflowTracker, experiment: str | None = None,
+              filter_string: str = "", max_results: int = 50) -> list[Run]:
+    """The runs of an experiment, newest first (MLflow's `search_runs`, active runs only).
+
+    Args:
+        tracker: the tracking store (`tracker.tracking_uri`).
+        experiment: experiment name; None uses `tracker.experiment_name`.
+        filter_string: an MLflow search filter, e.g. `params."train.lr" = '0.001'` or
+            `metrics."eval/loss" < 5`.
+        max_results: at most this many runs.
+
+    Raises:
+        ValueError: the SQLite database does not exist, the experiment does not exist
+            (the message lists those that do), `max_results` < 1, or MLflow rejects the
+            filter (its message is kept).
+    """
+    from mlflow.exceptions import MlflowException
+
+    if max_results < 1:
+        raise ValueError(f"runs: --max {max_results} must be at least 1")
+    _check_store(tracker)
+    client = tracker.client
+    ids = _experiment_ids(client, experiment or tracker.experiment_name, tracker.tracking_uri)
+    try:
+        return list(client.search_runs(ids, filter_string or "", max_results=max_results))
+    except MlflowException as exc:
+        raise ValueError(f"runs: bad --filter {filter_string!r}: {exc.message}") from exc
+
+
+def resolve_runs(tracker: MlflowTracker, refs: Sequence[str],
+                 experiment: str | None = None) -> list[Run]:
+    """The runs named by `refs`, in that order: each a run id (32 hex digits) or a run
+    name, looked up in `experiment` (None: every active experiment of the store).
+
+    Raises:
+        ValueError: the SQLite database does not exist, `refs` is empty, a run id does not
+            exist, no run has a given name, or several do (their ids are listed); the
+            message names the reference.
+    """
+    from mlflow.exceptions import MlflowException
+
+    if not refs:
+        raise ValueError("compare: give at least one run id or run name")
+    _check_store(tracker)
+    client = tracker.client
+    runs = []
+    for ref in refs:
+        if RUN_ID.fullmatch(ref):
+            try:
+                runs.append(client.get_run(ref))
+                continue
+            except MlflowException as exc:
+                raise ValueError(f"MLflow run {ref!r} not found at {tracker.tracking_uri}"
+                                 ) from exc
+        ids = _experiment_ids(client, experiment, tracker.tracking_uri)
+        quoted = ref.replace("'", "\\'")
+        found = client.search_runs(ids, f"attributes.run_name = '{quoted}'", max_results=10)
+        if not found:
+            raise ValueError(f"no MLflow run with id or name {ref!r} at "
+                             f"{tracker.tracking_uri}" + (f" in experiment {experiment!r}"
+                                                          if experiment else ""))
+        if len(found) > 1:
+            raise ValueError(f"several MLflow runs are named {ref!r} ("
+                             + ", ".join(r.info.run_id for r in found) + "); give the id")
+        runs.append(found[0])
+    return runs
+
+
+def loop_tokens_per_s(tokens_seen: list[tuple[int, float]],
+                      tokens_per_s: list[tuple[int, float]]) -> float | None:
+    """Mean training speed of a run: tokens seen / loop time, from its log intervals.
+
+    Each log interval's tokens are the rise of `train/tokens_seen` since the previous
+    report (from 0 at the first), and its loop time those tokens / the interval's
+    `train/tokens_per_s` (the meter's tokens per second of loop time); the mean is total
+    tokens / total time. Checkpoints, evaluation and start-up are outside the loop time.
+
+    Args:
+        tokens_seen, tokens_per_s: the two histories (`plots.metric_series`), logged at
+            the same steps.
+
+    Returns:
+        Tokens per second, or None when no step carries both with a positive speed.
+    """
+    speed = dict(tokens_per_s)
+    tokens = seconds = 0.0
+    before = 0.0
+    for step, seen in tokens_seen:
+        rise, before = seen - before, seen
+        if speed.get(step, 0.0) > 0 and rise > 0:
+            tokens += rise
+            seconds += rise / speed[step]
+    return tokens / seconds if seconds > 0 else None
+
+
+def _aliases(client: MlflowClient, run_id: str, models: dict[str, dict[str, int]]
+             ) -> str | None:
+    """`alias (model vN)` for each alias held by a version `run_id` registered; `models`
+    caches each registered model's alias -> version map (`search_model_versions` leaves
+    `aliases` empty on a SQLite store in MLflow 3.17; `get_registered_model` fills it)."""
+    found = []
+    for v in client.search_model_versions(f"run_id = '{run_id}'"):
+        if v.name not in models:
+            models[v.name] = dict(client.get_registered_model(v.name).aliases)
+        found += [f"{alias} ({v.name} v{v.version})" for alias, version
+                  in sorted(models[v.name].items()) if str(version) == str(v.version)]
+    return ", ".join(found) or None
+
+
+def _differing(params: list[dict[str, str]]) -> list[str]:
+    """Keys whose value is not the same in every run (absent counts as a value)."""
+    keys = sorted({k for p in params for k in p})
+    return [k for k in keys if len({p.get(k) for p in params}) > 1]
+
+
+def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
+    """The comparison table of `runs` (see the module docstring), in their order.
+
+    Columns: `run`, `id`, `status`, the differing params (sorted by key), `tokens seen`
+    (last `train/tokens_seen`), `wall time` (s: run end, or now while running, minus its
+    start), `SPEED` (`loop_tokens_per_s`), `FINAL_METRICS` (the value at the highest
+    step), `data (digest.shards)` and `registry alias`.
+    """
+    client = tracker.client
+    differing = _differing([dict(r.data.params) for r in runs])
+    columns = ["run", "id", "status", *differing, "tokens seen", "wall time", SPEED,
+               *FINAL_METRICS, "data (digest.shards)", "registry alias"]
+    rows = []
+    models: dict[str, dict[str, int]] = {}
+    now_ms = time.time() * 1000
+    for run in runs:
+        info, data = run.info, run.data
+        seen = metric_series(client, info.run_id, "train/tokens_seen")
+        speed = metric_series(client, info.run_id, "train/tokens_per_s")
+        end = info.end_time if info.end_time else now_ms
+        final = {k: data.metrics.get(k) for k in FINAL_METRICS}
+        rows.append({
+            "run": info.run_name, "id": info.run_id, "status": info.status,
+            **{k: data.params.get(k) for k in differing},
+            "tokens seen": seen[-1][1] if seen else None,
+            "wall time": (end - info.start_time) / 1000 if info.start_time else None,
+            SPEED: loop_tokens_per_s(seen, speed),
+            **{k: v if v is None or math.isfinite(v) else None for k, v in final.items()},
+            "data (digest.shards)": data.tags.get("digest.shards"),
+            "registry alias": _aliases(client, info.run_id, models),
+        })
+    return RunTable(columns, rows)
+
+
+def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | None = None,
+                 experiment: str | None = None) -> tuple[RunTable, Figure]:
+    """The table and the loss-against-tokens figure of the runs `refs` (ids or names; see
+    `resolve_runs`), the figure written as a PNG to `out` when given.
+
+    The figure has one line per run (`plots.run_curve`: `eval/loss`, else `train/loss`
+    said in the label), labelled with the run name (`name (id[:8])` when two runs share a
+    name), 800 x 500 pixels (`plots.FIGSIZE_IN` at `plots.DPI`).
+
+    Raises:
+        ValueError: see `resolve_runs`; a run logged no loss or no `train/tokens_seen`.
+        OSError: `out` cannot be written.
+    """
+    from mlm_pipeline.tracking.plots import DPI
+
+    runs = resolve_runs(tracker, refs, experiment)
+    names = [r.info.run_name or r.info.run_id for r in runs]
+    labels = [n if names.count(n) == 1 else f"{n} ({r.info.run_id[:SHORT]})"
+              for n, r in zip(names, runs)]
+    fig = compare_figure([run_curve(tracker.client, r, label) for r, label in
+                          zip(runs, labels)])
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI, format="png")
+    return run_table(tracker, runs), fig

@@ -1,0 +1,222 @@
+"""Pictures of runs, drawn from the metric histories MLflow holds: the loss plot a run logs
+at the end of training (`plots/loss.png`, `log_loss_plot`) and the eval-loss comparison of
+`mlm-pipeline compare` (`compare_figure`).
+
+Figures use matplotlib's object API on the Agg canvas (`matplotlib.figure.Figure`), never
+`pyplot`: pyplot keeps every figure in a process-wide registry until it is closed, which
+leaks memory in a long-lived worker and picks a GUI backend on a desktop. The x axis is
+tokens seen, so runs with other batch sizes or sequence lengths line up.
+
+mlflow is imported lazily (through the caller's client), matplotlib inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+    from mlm_pipeline.tracking.tracker import MlflowTracker
+
+__all__ = ["DPI", "FIGSIZE_IN", "LOSS_PLOT", "Curve", "compare_figure", "log_loss_plot",
+           "loss_figure", "metric_series", "run_curve", "tokens_at"]
+
+#: Size of every figure here: 8 x 5 inches at 100 dots per inch, i.e. 800 x 500 pixels.
+FIGSIZE_IN = (8.0, 5.0)
+DPI = 100
+#: Artifact path of the loss plot in the run.
+LOSS_PLOT = "plots/loss.png"
+
+#: A metric history: (step, value) pairs sorted by step, one per step.
+Series = list[tuple[int, float]]
+
+
+class Curve(NamedTuple):
+    """One line of `compare_figure`: its legend label, x (tokens seen) and y (loss, nats)."""
+
+    label: str
+    tokens: np.ndarray
+    values: np.ndarray
+
+
+def _client(tracker_or_client: MlflowTracker | MlflowClient) -> MlflowClient:
+    # An MlflowTracker holds its client as `.client`; an MlflowClient has no such attribute.
+    return getattr(tracker_or_client, "client", tracker_or_client)
+
+
+def metric_series(client: MlflowClient, run_id: str, key: str) -> Series:
+    """The history of metric `key` of a run as (step, value) pairs sorted by step.
+
+    A step logged twice (a resumed run that repeats a log interval) keeps the value with
+    the latest timestamp. An absent metric gives an empty list.
+
+    Raises:
+        mlflow.exceptions.MlflowException: the run does not exist.
+    """
+    latest: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        if m.step not in latest or m.timestamp >= latest[m.step][0]:
+            latest[m.step] = (m.timestamp, m.value)
+    return [(step, value) for step, (_, value) in sorted(latest.items())]
+
+
+def tokens_at(steps: Sequence[int], tokens_seen: Series) -> np.ndarray:
+    """Tokens seen at optimizer steps `steps`, from the `train/tokens_seen` history.
+
+    Between logged steps, linear interpolation (exact: the loop adds the same number of
+    tokens each step); before the first or after the last logged step, that point's
+    tokens-per-step ratio.
+
+    Returns:
+        float64 array, shape `(len(steps),)`, in tokens.
+
+    Raises:
+        ValueError: `tokens_seen` is empty (the run logged no `train/tokens_seen`).
+    """
+    if not tokens_seen:
+        raise ValueError("no train/tokens_seen history to place steps on the tokens axis")
+    known_steps = np.array([s for s, _ in tokens_seen], dtype=np.float64)
+    known_tokens = np.array([t for _, t in tokens_seen], dtype=np.float64)
+    x = np.asarray(steps, dtype=np.float64)
+    out = np.interp(x, known_steps, known_tokens)
+    first, last = tokens_seen[0], tokens_seen[-1]
+    if first[0] > 0:
+        out[x < first[0]] = x[x < first[0]] * first[1] / first[0]
+    if last[0] > 0:
+        out[x > last[0]] = x[x > last[0]] * last[1] / last[0]
+    return out
+
+
+def _new_figure() -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def loss_figure(train_loss: Series, eval_loss: Series, lr: Series, tokens_seen: Series,
+                title: str | None = None) -> Figure:
+    """Training curves of one run against tokens seen: `train/loss` as a line, `eval/loss`
+    as markers (each evaluation during training and the final one) and `train/lr` on a
+    second y axis.
+
+    Args:
+        train_loss, eval_loss, lr: histories of `train/loss`, `eval/loss` (nats) and
+            `train/lr`, as `metric_series` returns; any may be empty (left out).
+        tokens_seen: history of `train/tokens_seen`, which places every step on the x axis
+            (see `tokens_at`).
+        title: figure title (e.g. the run name).
+
+    Returns:
+        An 800 x 500 pixel figure (`FIGSIZE_IN` at `DPI`) on the Agg canvas.
+
+    Raises:
+        ValueError: `tokens_seen` is empty while some curve is not.
+    """
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    handles = []
+    if train_loss:
+        x = tokens_at([s for s, _ in train_loss], tokens_seen)
+        handles += ax.plot(x, [v for _, v in train_loss], color="tab:blue", lw=1.2,
+                           label="train/loss")
+    if eval_loss:
+        x = tokens_at([s for s, _ in eval_loss], tokens_seen)
+        handles += ax.plot(x, [v for _, v in eval_loss], color="tab:orange", marker="o",
+                           ls="--", lw=1, label="eval/loss (held out)")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats per masked token)")
+    ax.grid(alpha=0.3)
+    if lr:
+        ax_lr = ax.twinx()
+        x = tokens_at([s for s, _ in lr], tokens_seen)
+        handles += ax_lr.plot(x, [v for _, v in lr], color="tab:green", lw=1, alpha=0.7,
+                              label="train/lr")
+        ax_lr.set_ylabel("learning rate")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if handles:
+        ax.legend(handles=handles, loc="upper right")
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def log_loss_plot(tracker_or_client: MlflowTracker | MlflowClient, run_id: str) -> str:
+    """Draw `loss_figure` from the run's MLflow histories (`train/loss`, `eval/loss`,
+    `train/lr`, `train/tokens_seen`) and log it as the run artifact `plots/loss.png`.
+
+    Args:
+        tracker_or_client: an `MlflowTracker` or an `MlflowClient` of the run's store.
+        run_id: the run.
+
+    Returns:
+        The artifact path, `plots/loss.png`.
+
+    Raises:
+        ValueError: the run logged no `train/tokens_seen` but some curve.
+        mlflow.exceptions.MlflowException: the run does not exist.
+    """
+    client = _client(tracker_or_client)
+    run = client.get_run(run_id)
+    keys = ("train/loss", "eval/loss", "train/lr", "train/tokens_seen")
+    train_loss, eval_loss, lr, tokens = (metric_series(client, run_id, k) for k in keys)
+    fig = loss_figure(train_loss, eval_loss, lr, tokens, title=run.info.run_name)
+    client.log_figure(run_id, fig, LOSS_PLOT, save_kwargs={"dpi": DPI})
+    return LOSS_PLOT
+
+
+def run_curve(client: MlflowClient, run: Run, label: str | None = None) -> Curve:
+    """The comparison curve of a run: `eval/loss` against tokens seen, or `train/loss`
+    when the run has no eval curve (fewer than two `eval/loss` points), which the label
+    then says.
+
+    Args:
+        client: the run's store.
+        run: the run (`MlflowClient.get_run` or `search_runs`).
+        label: legend label; None uses the run name.
+
+    Raises:
+        ValueError: the run logged neither curve, or no `train/tokens_seen`.
+    """
+    run_id = run.info.run_id
+    label = label or run.info.run_name or run_id
+    series = metric_series(client, run_id, "eval/loss")
+    if len(series) < 2:
+        series = metric_series(client, run_id, "train/loss")
+        label = f"{label} (train loss: no eval curve)"
+    if not series:
+        raise ValueError(f"run {run_id} ({run.info.run_name}) logged neither eval/loss nor "
+                         "train/loss")
+    tokens = metric_series(client, run_id, "train/tokens_seen")
+    if not tokens:
+        raise ValueError(f"run {run_id} ({run.info.run_name}) logged no train/tokens_seen")
+    return Curve(label, tokens_at([s for s, _ in series], tokens),
+                 np.array([v for _, v in series], dtype=np.float64))
+
+
+def compare_figure(curves: Sequence[Curve], title: str | None = None) -> Figure:
+    """One line (with markers) per run: loss against tokens seen, legend with the labels.
+
+    Returns:
+        An 800 x 500 pixel figure (`FIGSIZE_IN` at `DPI`) on the Agg canvas; its axes hold
+        exactly one `Line2D` per curve, labelled with `Curve.label`.
+    """
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    for curve in curves:
+        ax.plot(curve.tokens, curve.values, marker="o", ms=3, lw=1.2, label=curve.label)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats per masked token)")
+    ax.set_title(title or "eval/loss (held out) against tokens seen")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(loc="upper right")
+    return fig

@@ -1,0 +1,202 @@
+"""`mlm-pipeline runs` / `compare` and the loss plot on real MLflow runs (SQLite in tmp_path).
+
+The runs are logged the way the pipeline logs them, through `MlflowTracker`: params from
+`records.run_params` of two configs that differ only in `train.lr`, `train/*` per log
+interval through the tracker's `MlflowSink`, `eval/*` at evaluation steps with
+`log_metrics`, the `digest.shards` tag. The commands run in a fresh process
+(`python -m mlm_pipeline.cli`); expected values are computed here from what was logged.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mlm_pipeline.config_files import load_config
+from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.tracking.plots import LOSS_PLOT, log_loss_plot
+from mlm_pipeline.tracking.records import run_params
+
+EXPERIMENT = "compare-test"
+TOKENS_PER_STEP = 512
+STEPS = (10, 20, 30, 40, 50, 60)
+EVAL_STEPS = (20, 40, 60)
+#: Per run: lr override, train/loss and train/tokens_per_s per interval, eval/loss at
+#: EVAL_STEPS, final eval/mlm_accuracy, probe/accuracy (None: not logged), shards digest.
+RUNS = {
+    "run-a": {"lr": "0.001", "loss": (9.0, 8.0, 7.5, 7.0, 6.8, 6.6),
+              "speed": (1000.0, 2000.0, 2000.0, 4000.0, 4000.0, 4000.0),
+              "eval": (8.5, 7.4, 6.9), "acc": 0.125, "probe": 0.75, "digest": "a1" * 32},
+    "run-b": {"lr": "0.002", "loss": (8.8, 7.7, 7.1, 6.6, 6.3, 6.1),
+              "speed": (500.0, 500.0, 1000.0, 1000.0, 1000.0, 1000.0),
+              "eval": (8.0, 6.9, 6.2), "acc": 0.25, "probe": None, "digest": "b2" * 32},
+}
+WIDTH_PX, HEIGHT_PX = 800, 500
+
+
+def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = True) -> str:
+    tracker.run_name = name
+    cfg = load_config(None, [f"train.lr={spec['lr']}"])
+    run_id = tracker.start_run(run_params(cfg), {"digest.shards": spec["digest"]})
+    sink = tracker.sink(run_id)
+    for step, loss, speed in zip(STEPS, spec["loss"], spec["speed"]):
+        sink.log({"train/loss": loss, "train/lr": float(spec["lr"]) * step / STEPS[-1],
+                  "train/tokens_seen": step * TOKENS_PER_STEP, "train/tokens_per_s": speed},
+                 step)
+    sink.close()
+    if with_eval:
+        for step, loss in zip(EVAL_STEPS, spec["eval"]):
+            tracker.log_metrics(run_id, {"eval/loss": loss}, step=step)
+        final = {"eval/mlm_accuracy": spec["acc"]}
+        if spec["probe"] is not None:
+            final["probe/accuracy"] = spec["probe"]
+        tracker.log_metrics(run_id, final, step=STEPS[-1])
+    tracker.end_run(run_id)
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """Two finished runs (and the tracker), run-a holding the registry alias champion;
+    shared by the module's tests, which add runs only to other experiments."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    tracker = MlflowTracker(uri, EXPERIMENT)
+    ids = {name: _log_run(tracker, name, spec) for name, spec in RUNS.items()}
+    client = tracker.client
+    client.create_registered_model("tiny-model")
+    version = client.create_model_version("tiny-model", f"runs:/{ids['run-a']}/model",
+                                          run_id=ids["run-a"])
+    client.set_registered_model_alias("tiny-model", "champion", version.version)
+    return tracker, ids
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlm_pipeline.cli", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _expected_speed(speeds) -> float:
+    # Every interval adds 10 steps of 512 tokens; its loop time is those tokens / speed.
+    interval = 10 * TOKENS_PER_STEP
+    return interval * len(speeds) / sum(interval / s for s in speeds)
+
+
+def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged):
+    tracker, ids = logged
+    out = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
+               tracker.tracking_uri, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["run"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == set(RUNS)
+    for name, spec in RUNS.items():
+        row = rows[name]
+        assert row["id"] == ids[name] and row["status"] == "FINISHED"
+        assert row["train.lr"] == spec["lr"]
+        assert "model.hidden_size" not in row and "train.max_steps" not in row
+        assert row["tokens seen"] == STEPS[-1] * TOKENS_PER_STEP
+        assert row["tokens/s (seen / loop time)"] == pytest.approx(
+            _expected_speed(spec["speed"]))
+        assert row["eval/loss"] == spec["eval"][-1]
+        assert row["eval/mlm_accuracy"] == spec["acc"]
+        assert row["probe/accuracy"] == spec["probe"]
+        assert row["data (digest.shards)"] == spec["digest"]
+        assert row["wall time"] >= 0
+    assert rows["run-a"]["registry alias"] == "champion (tiny-model v1)"
+    assert rows["run-b"]["registry alias"] is None
+
+    table = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
+                 tracker.tracking_uri)
+    assert table.returncode == 0, table.stderr
+    for name in RUNS:
+        assert name in table.stdout and ids[name][:8] in table.stdout
+        assert RUNS[name]["digest"][:12] in table.stdout
+    assert "train.lr" in table.stdout and "model.hidden_size" not in table.stdout
+    assert "0.0010" not in table.stdout and "0.001" in table.stdout  # params shown as logged
+
+
+def test_runs_filter_and_unknown_experiment(tmp_path, logged):
+    tracker, ids = logged
+    out = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
+               tracker.tracking_uri, "--json", "--filter", "params.`train.lr` = '0.002'")
+    assert out.returncode == 0, out.stderr
+    assert [r["id"] for r in json.loads(out.stdout)] == [ids["run-b"]]
+    bad = _cli(tmp_path, "runs", "--experiment", "nope", "--tracking-uri",
+               tracker.tracking_uri)
+    assert bad.returncode == 1 and "'nope'" in bad.stderr and EXPERIMENT in bad.stderr
+
+
+def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged):
+    tracker, ids = logged
+    png = tmp_path / "out" / "x.png"
+    out = _cli(tmp_path, "compare", "run-a", ids["run-b"], "--out", str(png),
+               "--tracking-uri", tracker.tracking_uri)
+    assert out.returncode == 0, out.stderr
+    assert "run-a" in out.stdout and "run-b" in out.stdout and "train.lr" in out.stdout
+    with Image.open(png) as img:
+        img.load()
+        assert img.format == "PNG" and img.size == (WIDTH_PX, HEIGHT_PX)
+
+    from mlm_pipeline.tracking.compare import compare_runs
+
+    table, fig = compare_runs(tracker, ["run-a", ids["run-b"]])
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["run-a", "run-b"]
+    for line, spec in zip(lines, RUNS.values()):
+        assert list(line.get_xdata()) == [s * TOKENS_PER_STEP for s in EVAL_STEPS]
+        assert list(line.get_ydata()) == list(spec["eval"])
+    assert [r["run"] for r in table.rows] == ["run-a", "run-b"]
+
+
+def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logged):
+    tracker, ids = logged
+    other = MlflowTracker(tracker.tracking_uri, "other-experiment")
+    no_eval = _log_run(other, "run-c", RUNS["run-a"], with_eval=False)
+    from mlm_pipeline.tracking.compare import compare_runs
+
+    _, fig = compare_runs(tracker, [ids["run-a"], no_eval])
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["run-a", "run-c (train loss: no eval curve)"]
+    assert list(fig.axes[0].get_lines()[1].get_ydata()) == list(RUNS["run-a"]["loss"])
+
+    missing = "0" * 32
+    out = _cli(tmp_path, "compare", ids["run-a"], missing, "--tracking-uri",
+               tracker.tracking_uri, "--out", str(tmp_path / "y.png"))
+    assert out.returncode == 1 and missing in out.stderr
+    assert not (tmp_path / "y.png").exists()
+    out = _cli(tmp_path, "compare", "no-such-run", "--tracking-uri", tracker.tracking_uri)
+    assert out.returncode == 1 and "'no-such-run'" in out.stderr
+
+
+def test_log_loss_plot_logs_a_png_artifact(tmp_path, logged):
+    tracker, ids = logged
+    path = log_loss_plot(tracker, ids["run-a"])
+    assert path == LOSS_PLOT == "plots/loss.png"
+    listed = [a.path for a in tracker.client.list_artifacts(ids["run-a"], "plots")]
+    assert listed == [LOSS_PLOT]
+    local = tracker.client.download_artifacts(ids["run-a"], LOSS_PLOT, str(tmp_path))
+    with Image.open(local) as img:
+        img.load()
+        assert img.format == "PNG" and img.size == (WIDTH_PX, HEIGHT_PX)
+
+
+def test_loss_figure_places_eval_steps_on_the_tokens_axis():
+    from mlm_pipeline.tracking.plots import loss_figure
+
+    tokens = [(s, float(s * TOKENS_PER_STEP)) for s in STEPS]
+    train = list(zip(STEPS, RUNS["run-a"]["loss"]))
+    evals = [(5, 9.5), (25, 7.9), (70, 6.0)]  # before, between and after the logged steps
+    lr = [(s, 1e-3) for s in STEPS]
+    fig = loss_figure(train, evals, lr, tokens, title="run-a")
+    loss_ax, lr_ax = fig.axes
+    by_label = {line.get_label(): line for line in loss_ax.get_lines()}
+    assert list(by_label["eval/loss (held out)"].get_xdata()) == [
+        5 * TOKENS_PER_STEP, 25 * TOKENS_PER_STEP, 70 * TOKENS_PER_STEP]
+    assert list(by_label["train/loss"].get_ydata()) == list(RUNS["run-a"]["loss"])
+    assert [line.get_label() for line in lr_ax.get_lines()] == ["train/lr"]
+    with pytest.raises(ValueError, match="train/tokens_seen"):
+        loss_figure(train, [], [], [])
