@@ -142,7 +142,8 @@ def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Toke
     """Run the linear probe on an in-memory model.
 
     A `StandardScaler` + `LogisticRegression(C=cfg.C)` pipeline is fit on the train rows'
-    `embed_texts` features and scored on the test rows.
+    `embed_texts` features and scored on the test rows; the baseline is `tfidf_accuracy`
+    with `cfg.tfidf_C`.
 
     Args:
         cfg: the `linear_probe` config section (`enabled` is not consulted here).
@@ -166,7 +167,7 @@ def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Toke
     clf.fit(features["train"], np.asarray(split.train_labels))
     metrics = {
         "probe/accuracy": float(clf.score(features["test"], np.asarray(split.test_labels))),
-        "probe/tfidf_accuracy": tfidf_accuracy(split, cfg.C),
+        "probe/tfidf_accuracy": tfidf_accuracy(split, cfg.tfidf_C),
         "probe/majority_accuracy": majority_rate(split),
         "probe/train_rows": float(len(split.train_texts)),
         "probe/test_rows": float(len(split.test_texts)),

@@ -89,7 +89,8 @@ def reference_split(rows, test_fraction, max_rows=None):
 
 def test_probe_reports_both_accuracies_and_tfidf_equals_sklearn(reviews, csv_path, tok, model,
                                                                 caplog):
-    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=200, test_fraction=0.3)
+    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=200, test_fraction=0.3,
+                            tfidf_C=3.0)
     with caplog.at_level(logging.INFO, logger="mlm_pipeline.evaluate.downstream"):
         got = linear_probe(cfg, model, tok, seq_len=SEQ_LEN)
     assert "linear probe: accuracy" in caplog.text
@@ -99,7 +100,7 @@ def test_probe_reports_both_accuracies_and_tfidf_equals_sklearn(reviews, csv_pat
     for key in ("probe/accuracy", "probe/tfidf_accuracy", "probe/majority_accuracy"):
         assert 0.0 <= got[key] <= 1.0, key
     tfidf = make_pipeline(TfidfVectorizer(ngram_range=(1, 2)),
-                          LogisticRegression(C=1.0, max_iter=2000))
+                          LogisticRegression(C=3.0, max_iter=2000))
     tfidf.fit([t for t, _ in train_], [lab for _, lab in train_])
     assert got["probe/tfidf_accuracy"] == tfidf.score([t for t, _ in test_],
                                                       [lab for _, lab in test_])
