@@ -38,6 +38,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field, field_validator
 
 from mlm_pipeline.config import PipelineConfig
@@ -207,8 +208,10 @@ def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
     if flow_run.id:
         extra = {"prefect.flow_run_id": str(flow_run.id),
                  "prefect.flow_run_name": str(flow_run.name)}
-        if flow_run.ui_url:
-            extra["prefect.flow_run_url"] = str(flow_run.ui_url)
+        # The UI's route, as the engine's "View at" log line (`prefect.runtime`'s
+        # `flow_run.ui_url` is `/flow-runs/flow-run/<id>`, which the UI does not serve).
+        if url := url_for("flow-run", obj_id=str(flow_run.id)):
+            extra["prefect.flow_run_url"] = url
         if deployment.id:
             extra["prefect.deployment_id"] = str(deployment.id)
             extra["prefect.deployment_name"] = str(deployment.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -71,9 +72,9 @@ def _client(deployed):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: deployed["env"]["PREFECT_API_URL"]}):
-        with get_client(sync_client=True) as client:
-            yield client
+    with (temporary_settings(updates={PREFECT_API_URL: deployed["env"]["PREFECT_API_URL"]}),
+          get_client(sync_client=True) as client):
+        yield client
 
 
 def _task_states(deployed, flow_run_id: str) -> dict[str, str]:
@@ -98,6 +99,28 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
     run = runs[0]
     assert run.info.status == "FINISHED"
     assert run.data.tags["prefect.deployment_name"] == "local-cpu"
+    # One name for the flow run and the MLflow run (config name, preset, steps, suffix).
+    assert run.info.run_name == flow_run.name
+    assert re.fullmatch(r"deploy-test-(bert|modern)-6-[0-9a-f]{6}", flow_run.name)
+    # Source, user and the flow run's page on the Prefect server's UI.
+    tags = run.data.tags
+    assert tags["mlflow.source.type"] == "JOB"
+    assert tags["mlflow.source.name"] == "flows/pretraining.py:mlm_pretraining"
+    assert tags["mlflow.user"]
+    ui = deployed["env"]["PREFECT_API_URL"].removesuffix("/").removesuffix("/api")
+    assert tags["prefect.flow_run_url"] == f"{ui}/runs/flow-run/{flow_run_id}"
+    assert tags["mlflow.note.content"].startswith("# mlm-pretraining run")
+    # Both shard splits are dataset inputs under the shards digest, found by it.
+    contexts = {{t.key: t.value for t in i.tags}["mlflow.data.context"]: i.dataset.digest
+                for i in run.inputs.dataset_inputs}
+    assert contexts == {"training": tags["digest.shards"][:36],
+                        "validation": tags["digest.shards"][:36]}
+    assert run.info.run_id in {r.info.run_id for r in mlflow.search_runs(
+        [experiment.experiment_id], f"dataset.digest = '{tags['digest.shards'][:36]}'")}
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    assert not [k for k in run.data.metrics if k.startswith("data/")]
+    assert int(run.data.params["data.documents_read"]) > 0
     assert [m.step for m in mlflow.get_metric_history(run.info.run_id, "train/loss")] == [2, 4, 6]
     assert "eval/mlm_accuracy" in run.data.metrics
     # artifacts went through the server into its artifact store
@@ -124,10 +147,10 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
     assert run.data.tags["registry.decision"] == "first"
     load = subprocess.run(
         [sys.executable, "-c",
-         "import mlflow, sys; m = mlflow.pyfunc.load_model('models:/deploy-test@champion');"
-         " print(m.predict(['Le [MASK] du chat.']))"],
+         ("import mlflow, sys; m = mlflow.pyfunc.load_model('models:/deploy-test@champion');"
+          " print(m.predict(['Le [MASK] du chat.']))")],
         env={**os.environ, "MLFLOW_TRACKING_URI": deployed["env"]["MLFLOW_TRACKING_URI"]},
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, check=False)
     assert load.returncode == 0, load.stderr[-3000:]
     assert "token_str" in load.stdout or "[" in load.stdout
 

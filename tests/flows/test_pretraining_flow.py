@@ -253,3 +253,74 @@ def test_a_non_finite_loss_fails_the_run_with_its_reason_and_no_retry(tmp_path, 
     train_runs = [r for r in runs if r.name.startswith("train-")
                   and r.flow_run_id == state.state_details.flow_run_id]
     assert len(train_runs) == 1 and train_runs[0].run_count == 1
+
+
+def _flow_run_name(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).name
+
+
+def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path):
+    import getpass
+    import re
+
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    state = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri)),
+                            return_state=True)
+    summary = state.result()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    flow_run_id = state.state_details.flow_run_id
+    # One name: the flow run's, from the config name, the preset (tiny: modern) and steps.
+    assert run.info.run_name == _flow_run_name(flow_run_id)
+    assert re.fullmatch(r"tiny-modern-6-[0-9a-f]{6}", run.info.run_name)
+    # The two shard splits are dataset inputs with the shards manifest's digest.
+    shards = json.loads(Path(summary["manifests"]["shards"]).read_text())
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"shards-train", "shards-validation"}
+    for split, context in (("train", "training"), ("validation", "validation")):
+        given = inputs[f"shards-{split}"]
+        assert given.dataset.digest == shards["digest"][:36]
+        assert {t.key: t.value for t in given.tags}[MLFLOW_DATASET_CONTEXT] == context
+        profile = json.loads(given.dataset.profile)
+        assert profile["rows"] == shards[split]["rows"]
+        assert profile["tokens"] == shards[split]["rows"] * shards["seq_len"]
+        assert json.loads(given.dataset.source)["uri"] == Path(
+            summary["manifests"]["shards"]).parent.resolve().as_uri()
+    exp_id = run.info.experiment_id
+    found = client.search_runs([exp_id], f"dataset.digest = '{shards['digest'][:36]}'")
+    assert [r.info.run_id for r in found] == [run.info.run_id]
+    # System metrics were sampled while training ran.
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
+    assert any(k.startswith("system/system_memory_usage") for k in run.data.metrics)
+    # Tags: user, source, commit (when run from a checkout), the Prefect flow run.
+    tags = run.data.tags
+    assert tags["mlflow.user"] == getpass.getuser()
+    assert tags["mlflow.source.name"] == "flows/pretraining.py:mlm_pretraining"
+    assert tags["mlflow.source.type"] == "LOCAL"
+    assert re.fullmatch(r"[0-9a-f]{40}", tags.get("mlflow.source.git.commit", "0" * 40))
+    assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{flow_run_id}")
+    assert tags["mlflow.note.content"].startswith("# mlm-pretraining run")
+    assert f"`{run.info.run_id}`" in tags["mlflow.note.content"]
+    # The experiment opens on the UI's training view.
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
+    # Data accounting: params and an artifact, no one-point metrics.
+    corpus = json.loads(Path(summary["manifests"]["ingest"]).read_text())
+    assert not [k for k in run.data.metrics if k.startswith("data/")]
+    assert run.data.params["data.documents_read"] == str(corpus["documents_read"])
+    assert run.data.params["data.train_rows"] == str(shards["train"]["rows"])
+    got = Path(client.download_artifacts(run.info.run_id, "data/accounting.json", str(tmp_path)))
+    assert json.loads(got.read_text())["documents_validation"] == corpus["documents_validation"]
+
+    # tracking.run_name names both runs (a new run: the first one is FINISHED).
+    named = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri) + [
+        "tracking.run_name=my-named-run", "train.max_steps=2", "train.warmup_steps=1"]),
+        return_state=True)
+    run = client.get_run(named.result()["mlflow_run_id"])
+    assert run.info.run_name == "my-named-run"
+    assert _flow_run_name(named.state_details.flow_run_id) == "my-named-run"
