@@ -1,11 +1,12 @@
 """Built-in French corpora, fetched from Debian packages with the ordinary apt clients.
 
 Users' machines may reach nothing but package registries, so the default corpus is text
-that Debian ships: translated documentation in HTML (and, optionally, man pages). A
+that Debian ships: translated documentation in HTML (and, optionally, man pages, and the
+general-domain Littré dictionary, whose StarDict articles quote French literature). A
 corpus is downloaded with `apt-get download` (nothing is installed), unpacked with
 `dpkg-deb -x` into a temporary directory, converted to plain text by
-`mlm_pipeline.ingest.page_text` (for a non-English corpus, lines of untranslated English
-dropped) and written as JSONL, one document per line: `{"id", "text", "source",
+`mlm_pipeline.ingest.page_text` or, for a StarDict dictionary, `_stardict_docs` (for a
+non-English corpus, lines of untranslated English dropped) and written as JSONL, one document per line: `{"id", "text", "source",
 "lang"}`, sorted by id, NFC, without control characters, paragraphs separated by a blank
 line, exact-duplicate texts removed.
 
@@ -19,24 +20,32 @@ Standard library only; imports neither torch nor prefect.
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
+import html
 import json
 import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mlm_pipeline.ingest.page_text import drop_english_lines, html_to_text, render_man
+from mlm_pipeline.ingest.page_text import (
+    clean_text,
+    drop_english_lines,
+    html_to_text,
+    render_man,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Bump when the text extraction (`_extract`, `mlm_pipeline.ingest.page_text`) changes, so
 #: cached JSONL corpora are rebuilt.
-EXTRACTOR_VERSION = 1
+EXTRACTOR_VERSION = 1  # the StarDict extraction was added without changing the others
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,18 @@ class DebianCorpus:
     """Regex (searched) on the path relative to `subdir` of the files to read."""
     exclude: str = ""
     """Regex on the same relative path of files to skip (tables of contents, indexes)."""
-    kind: Literal["html", "man"] = "html"
-    """`html`: stdlib HTML-to-text; `man`: gzipped roff rendered by groff."""
+    kind: Literal["html", "man", "stardict"] = "html"
+    """`html`: stdlib HTML-to-text; `man`: gzipped roff rendered by groff; `stardict`: a
+    StarDict dictionary (`include` matches its `.idx`), one document per article."""
     root: str = ""
     """`attr=value` of the HTML element holding the page body; empty reads the whole page."""
     lang: str = "fr"
     """BCP 47 language recorded in every document."""
     min_chars: int = 200
     """Documents shorter than this (characters) are left out (stubs, redirects)."""
+    drop: str = ""
+    """`stardict` only: regex (dot matches newline) of article markup removed before the
+    tags are stripped (pronunciations, citation sources, sections in Old French)."""
 
 
 DEBIAN_CORPORA: dict[str, DebianCorpus] = {
@@ -77,15 +90,28 @@ DEBIAN_CORPORA: dict[str, DebianCorpus] = {
         ("debian-reference-fr",), "usr/share/debian-reference", r"^[^/]+\.fr\.html$",
         exclude=r"^index\.",
     ),
+    # Émile Littré's "Dictionnaire de la langue française" (1863-1877, public domain; XML
+    # edition GPL-2+), 31 MB .deb: definitions and quotations of French literature, ~34,000
+    # articles, ~39 MB of text. Kept: the definitions and quotations; dropped: the
+    # pronunciation, the author and work of each quotation, and the HISTORIQUE (Old French
+    # quotations) and ÉTYMOLOGIE sections.
+    "littre-fr": DebianCorpus(
+        ("stardict-xmlittre",), "usr/share/stardict/dic", r"^XMLittre\.idx$", kind="stardict",
+        drop=(r'\A\s*<i><small>.*?</small></i>|<span foreground="#(?:B22222|556B2F)">.*?</span>'
+              r"|<b><big>(?:HISTORIQUE|ÉTYMOLOGIE)</big></b>.*"),
+    ),
     # French man pages (GPL-3+ translations); needs groff, ~30 s of rendering on 2 cores.
     "manpages-fr": DebianCorpus(
         ("manpages-fr", "manpages-fr-dev"), "usr/share/man/fr", r"^man[0-9n][^/]*/[^/]+\.gz$",
         kind="man",
     ),
 }
-#: Names that stand for several corpora; `fr` is the default set (HTML only: no groff, fast).
+#: Names that stand for several corpora; `fr` is the default set (HTML only: no groff, fast);
+#: `fr-general` adds the Littré's general-domain prose (5x the text of `fr`).
 DEBIAN_CORPUS_SETS: dict[str, tuple[str, ...]] = {
     "fr": ("libreoffice-help-fr", "debian-handbook-fr", "debian-reference-fr"),
+    "fr-general": ("libreoffice-help-fr", "debian-handbook-fr", "debian-reference-fr",
+                   "littre-fr"),
 }
 
 
@@ -143,7 +169,7 @@ class _Apt:
             subprocess.CalledProcessError: the command exits non-zero.
         """
         env = dict(os.environ, LC_ALL="C", DEBIAN_FRONTEND="noninteractive")
-        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+        r = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True)
         if r.returncode:
             raise subprocess.CalledProcessError(r.returncode, cmd, r.stdout, r.stderr)
         return r.stdout
@@ -325,12 +351,59 @@ def _extract(spec: DebianCorpus, pkg: str, base: Path) -> list[dict[str, str]]:
         with concurrent.futures.ThreadPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
             texts = list(ex.map(render_man, (p for _, p in files)))
         rels = [rel.removesuffix(".gz") for rel, _ in files]
+    elif spec.kind == "stardict":
+        drop = re.compile(spec.drop, re.DOTALL) if spec.drop else None
+        articles = [(f"{rel.removesuffix('.idx')}/{word}", text)
+                    for rel, p in files for word, text in _stardict_docs(p, drop)]
+        rels, texts = [a for a, _ in articles], [t for _, t in articles]
     else:
         root = tuple(spec.root.split("=", 1)) if spec.root else None
         texts = [html_to_text(p.read_bytes().decode("utf-8", "replace"), root) for _, p in files]
         rels = [rel for rel, _ in files]
     return [{"id": f"{pkg}:{rel}", "text": drop_english_lines(t) if spec.lang != "en" else t,
              "source": pkg, "lang": spec.lang} for rel, t in zip(rels, texts) if t]
+
+
+def _stardict_docs(idx: Path, drop: re.Pattern[str] | None) -> list[tuple[str, str]]:
+    """(headword, text) of each article of a StarDict dictionary with Pango-markup articles.
+
+    Format (StarDict 2.4.2 `doc/StarDictFileFormat`): the `.idx` holds records of a UTF-8
+    headword, a NUL byte, then the article's offset and size in bytes (32-bit big-endian)
+    in the uncompressed `.dict`; `.dict.dz` is dictzip, i.e. gzip. An article listed under
+    several headwords (spelling variants) is read once, under its first headword; a
+    headword repeated for another article gets ` (2)`, ` (3)`... Text: `drop` matches
+    removed, tags stripped, entities unescaped, the commas left dangling by removed spans
+    before a period removed (`text, , .` -> `text.`), then `clean_text`.
+
+    Raises:
+        RuntimeError: the `.dict.dz` beside `idx` is missing or unreadable, or an `.idx`
+            record is truncated or points past the end of the dictionary.
+    """
+    dz = idx.with_name(idx.name.removesuffix(".idx") + ".dict.dz")
+    try:
+        data = gzip.decompress(dz.read_bytes())
+    except (OSError, EOFError) as exc:
+        raise RuntimeError(f"cannot read the StarDict dictionary {dz}: {exc}") from None
+    raw, pos, seen, names, out = idx.read_bytes(), 0, set(), {}, []
+    while pos < len(raw):
+        end = raw.find(b"\0", pos)
+        if end < 0 or end + 9 > len(raw):
+            raise RuntimeError(f"{idx}: truncated record at byte {pos}")
+        word = raw[pos:end].decode("utf-8", "replace").strip()
+        off, size = struct.unpack(">II", raw[end + 1:end + 9])
+        pos = end + 9
+        if off + size > len(data):
+            raise RuntimeError(f"{idx}: the article of {word!r} ends at byte {off + size}, "
+                               f"past the end of {dz.name} ({len(data)} bytes)")
+        if (off, size) in seen:
+            continue
+        seen.add((off, size))
+        names[word] = names.get(word, 0) + 1
+        article = data[off:off + size].decode("utf-8", "replace")
+        text = html.unescape(re.sub(r"<[^>]*>", "", drop.sub("", article) if drop else article))
+        text = re.sub(r"(?:[ \t]*,)+[ \t]*\.", ".", text)
+        out.append((word if names[word] == 1 else f"{word} ({names[word]})", clean_text(text)))
+    return out
 
 
 def _write_jsonl(path: Path, docs: list[dict[str, str]], min_chars: int) -> int:

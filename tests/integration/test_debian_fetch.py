@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import unicodedata
+from collections import Counter
 
 import pytest
 
@@ -17,9 +18,11 @@ pytestmark = pytest.mark.slow
 
 # Independent language checks (not the module's filter): common French function words,
 # and English ones that French prose does not use.
-FRENCH = set("le la les de des du un une et est en pour dans avec sur par qui que ne pas au "
-             "aux ce il se sont être vous à".split())
-ENGLISH = set("the and with which that this you from are have would should their".split())
+FRENCH = {"le", "la", "les", "de", "des", "du", "un", "une", "et", "est", "en", "pour", "dans",
+          "avec", "sur", "par", "qui", "que", "ne", "pas", "au", "aux", "ce", "il", "se", "sont",
+          "être", "vous", "à"}
+ENGLISH = {"the", "and", "with", "which", "that", "this", "you", "from", "are", "have", "would",
+           "should", "their"}
 
 
 def words(line: str) -> list[str]:
@@ -85,3 +88,27 @@ def test_ingest_debian_source(handbook, tmp_path):
     assert m.documents_validation >= 1 and m.sources[0].path == str(path)
     ids = [i for i, _ in read_documents([m.file(e.path) for e in m.train + m.validation])]
     assert sorted(ids) == sorted(json.loads(line)["id"] for line in path.open(encoding="utf-8"))
+
+
+def test_littre_is_general_domain_french(tmp_path):
+    """The Littré (31 MB .deb) holds the guide's general-domain answers, without markup."""
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        pytest.skip("not a Debian system")
+    (path,) = corpora.fetch_debian_corpus("littre-fr", tmp_path)
+    docs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert 20_000 <= len(docs) <= 40_000  # 29,702 articles of >= 200 chars in 1:1.0-2
+    assert all(d["source"] == "stardict-xmlittre" and len(d["text"]) >= 200 for d in docs)
+    text = "\n".join(d["text"] for d in docs)
+    assert len(text) > 30_000_000  # 36.3 M characters in 1:1.0-2
+    assert not re.search(r"<[a-z/]|&[a-z]+;|, ,", text)  # markup, dangling citation commas
+    assert not re.search(r"^(HISTORIQUE|ÉTYMOLOGIE)$", text, re.MULTILINE)  # dropped sections
+    counts = Counter(w for line in text.split("\n") for w in words(line))
+    # 1:1.0-2: banque 154, chat 382, poil 354, pelage 15, fourrure 48.
+    for word, least in {"banque": 100, "chat": 200, "poil": 200, "pelage": 10,
+                        "fourrure": 30}.items():
+        assert counts[word] >= least, (word, counts[word])
+    (chat,) = (d for d in docs if d["id"] == "stardict-xmlittre:XMLittre/CHAT")
+    assert chat["text"].startswith("1° Animal domestique, de l'ordre des carnassiers")
+    prose = [ws for line in text.split("\n") if len(ws := words(line)) >= 8]
+    french = sum(any(w in FRENCH for w in ws) for ws in prose) / len(prose)
+    assert french > 0.9, french

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import struct
+
 import pytest
 
 from mlm_pipeline.ingest import corpora, page_text
@@ -62,3 +65,61 @@ def test_default_set_is_html_only():
     names = corpora.DEBIAN_CORPUS_SETS["fr"]
     assert set(names) == {"libreoffice-help-fr", "debian-handbook-fr", "debian-reference-fr"}
     assert all(corpora.DEBIAN_CORPORA[n].kind == "html" for n in names)
+
+
+def _write_stardict(base, name, articles):
+    """A StarDict dictionary as StarDict 2.4.2 lays it out: `.idx` records (UTF-8 headword,
+    NUL, big-endian 32-bit offset and size) over a gzipped `.dict`. `articles` is a list
+    of (headwords, markup); every headword of an article points at the same bytes."""
+    data, idx = b"", b""
+    for words, markup in articles:
+        body = markup.encode("utf-8")
+        for w in words:
+            idx += w.encode("utf-8") + b"\0" + struct.pack(">II", len(data), len(body))
+        data += body
+    base.mkdir(parents=True)
+    (base / f"{name}.idx").write_bytes(idx)
+    (base / f"{name}.dict.dz").write_bytes(gzip.compress(data))
+
+
+def test_littre_is_a_general_domain_stardict_corpus():
+    spec = corpora.DEBIAN_CORPORA["littre-fr"]
+    assert spec.kind == "stardict" and spec.packages == ("stardict-xmlittre",)
+    assert "littre-fr" in corpora.DEBIAN_CORPUS_SETS["fr-general"]
+    assert set(corpora.DEBIAN_CORPUS_SETS["fr"]) < set(corpora.DEBIAN_CORPUS_SETS["fr-general"])
+    assert "littre-fr" not in corpora.DEBIAN_CORPUS_SETS["fr"]  # the default stays small
+
+
+def test_littre_articles_keep_definitions_and_quotations(tmp_path):
+    # Markup as XMLittré writes it: pronunciation, numbered senses, quotations in blue with
+    # author (red) and work (green), then HISTORIQUE (Old French) and ÉTYMOLOGIE sections.
+    chat = ("<i><small>(cha) s. m.</small></i>\n\n<b>1°</b> Animal domestique. \n"
+            '<span foreground="#0000CD">Le chat est doux</span>, '
+            '<span foreground="#B22222">BUFFON</span>, <span foreground="#556B2F">Chat.</span>.'
+            " Proverbe &amp; suite.\n\n<b><big>HISTORIQUE</big></b>\n\nXIIe s. Li chaz.\n\n"
+            "<b><big>ÉTYMOLOGIE</big></b>\n\nLat. cattus.")
+    poil = "<i><small>(poil) s. m.</small></i>\n    Ce qui couvre la peau des animaux."
+    base = tmp_path / "tree" / "usr/share/stardict/dic"
+    _write_stardict(base, "XMLittre", [(["CHAT", "CHATS"], chat), (["POIL"], poil),
+                                       (["POIL"], "Second article, homographe.")])
+    spec = corpora.DEBIAN_CORPORA["littre-fr"]
+    docs = corpora._extract(spec, "stardict-xmlittre", tmp_path / "tree" / spec.subdir)
+    assert docs == [
+        {"id": "stardict-xmlittre:XMLittre/CHAT", "source": "stardict-xmlittre", "lang": "fr",
+         "text": "1° Animal domestique.\nLe chat est doux. Proverbe & suite."},
+        {"id": "stardict-xmlittre:XMLittre/POIL", "source": "stardict-xmlittre", "lang": "fr",
+         "text": "Ce qui couvre la peau des animaux."},
+        {"id": "stardict-xmlittre:XMLittre/POIL (2)", "source": "stardict-xmlittre",
+         "lang": "fr", "text": "Second article, homographe."},
+    ]
+
+
+def test_stardict_record_past_the_dictionary_is_named(tmp_path):
+    base = tmp_path / "dic"
+    _write_stardict(base, "D", [(["MOT"], "texte")])
+    (base / "D.idx").write_bytes(b"MOT\0" + struct.pack(">II", 0, 99))
+    with pytest.raises(RuntimeError, match=r"D\.idx.*'MOT'.*past the end"):
+        corpora._stardict_docs(base / "D.idx", None)
+    (base / "D.dict.dz").write_bytes(b"not gzip")
+    with pytest.raises(RuntimeError, match=r"D\.dict\.dz"):
+        corpora._stardict_docs(base / "D.idx", None)
