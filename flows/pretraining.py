@@ -200,6 +200,17 @@ def _newest_checkpoint(cfg: PipelineConfig):
     return lambda run_id: latest_intact_checkpoint(_train_dir(cfg, run_id) / "checkpoints")
 
 
+def _keep_name(tracker: MlflowTracker, run_id: str) -> str:
+    """A continued MLflow run keeps its name, and the flow run continuing it takes that
+    name (one name for both); returns `run_id`."""
+    if flow_run.id:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_name(flow_run.id, tracker.get_run(run_id).info.run_name)
+    return run_id
+
+
 @task(name="start-tracking", **_NOT_CACHED, **_IO)
 def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
     """Open the MLflow run, or continue this job's unfinished one (`tracking.resume`,
@@ -230,13 +241,13 @@ def start_tracking(cfg: PipelineConfig, fresh: bool = False) -> str:
         checkpoint = newest(run_id)
         step = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
         resume.continue_run(tracker, run_id, params, tags, step)
-        return run_id
+        return _keep_name(tracker, run_id)
     if cfg.tracking.resume == "auto" and not fresh:
         found = resume.find_resumable(tracker, cfg, params, newest)
         if found is not None:
             step = int(found.checkpoint.name.split("-")[-1])
             resume.continue_run(tracker, found.run_id, params, tags, step, found.compatible)
-            return found.run_id
+            return _keep_name(tracker, found.run_id)
     # One name for both runs: the flow run's (`_flow_run_name`), unless the config sets one.
     name = cfg.tracking.run_name or (str(flow_run.name) if flow_run.id else None)
     return tracker.start_run(params, tags, run_name=name or pipeline.run_name(cfg))

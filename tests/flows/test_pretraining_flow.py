@@ -208,6 +208,9 @@ def test_resume_a_crashed_run(tmp_path, caplog):
     summary = second.result()
     assert summary["mlflow_run_id"] == run_id
     assert "resuming at step 4" in caplog.text
+    # The continued run keeps its name, which the continuing flow run takes.
+    assert client.get_run(run_id).info.run_name == _flow_run_name(
+        first.state_details.flow_run_id) == _flow_run_name(second.state_details.flow_run_id)
     assert client.get_run(run_id).info.status == "FINISHED"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6]
