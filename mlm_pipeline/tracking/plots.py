@@ -38,11 +38,13 @@ Series = list[tuple[int, float]]
 
 
 class Curve(NamedTuple):
-    """One line of `compare_figure`: its legend label, x (tokens seen) and y (loss, nats)."""
+    """One line of `compare_figure`: its legend label, x (tokens seen, float64 `(n,)`),
+    y (loss in nats, float64 `(n,)`) and the metric drawn (`eval/loss` or `train/loss`)."""
 
     label: str
     tokens: np.ndarray
     values: np.ndarray
+    metric: str = "eval/loss"
 
 
 def _client(tracker_or_client: MlflowTracker | MlflowClient) -> MlflowClient:
@@ -188,9 +190,11 @@ def run_curve(client: MlflowClient, run: Run, label: str | None = None) -> Curve
     """
     run_id = run.info.run_id
     label = label or run.info.run_name or run_id
-    series = metric_series(client, run_id, "eval/loss")
+    metric = "eval/loss"
+    series = metric_series(client, run_id, metric)
     if len(series) < 2:
-        series = metric_series(client, run_id, "train/loss")
+        metric = "train/loss"
+        series = metric_series(client, run_id, metric)
         label = f"{label} (train loss: no eval curve)"
     if not series:
         raise ValueError(f"run {run_id} ({run.info.run_name}) logged neither eval/loss nor "
@@ -199,16 +203,25 @@ def run_curve(client: MlflowClient, run: Run, label: str | None = None) -> Curve
     if not tokens:
         raise ValueError(f"run {run_id} ({run.info.run_name}) logged no train/tokens_seen")
     return Curve(label, tokens_at([s for s, _ in series], tokens),
-                 np.array([v for _, v in series], dtype=np.float64))
+                 np.array([v for _, v in series], dtype=np.float64), metric)
 
 
 def compare_figure(curves: Sequence[Curve], title: str | None = None) -> Figure:
     """One line (with markers) per run: loss against tokens seen, legend with the labels.
 
+    Args:
+        curves: the lines, in legend order.
+        title: figure title; None says which metric the lines are (`Curve.metric`).
+
     Returns:
         An 800 x 500 pixel figure (`FIGSIZE_IN` at `DPI`) on the Agg canvas; its axes hold
         exactly one `Line2D` per curve, labelled with `Curve.label`.
     """
+    metrics = {c.metric for c in curves}
+    if title is None and metrics == {"train/loss"}:
+        title = "train/loss against tokens seen (no run has an eval curve)"
+    elif title is None and len(metrics) > 1:
+        title = "eval/loss (held out) against tokens seen; train/loss where the legend says"
     fig = _new_figure()
     ax = fig.add_subplot()
     for curve in curves:

@@ -10,11 +10,13 @@ interval through the tracker's `MlflowSink`, `eval/*` at evaluation steps with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
 from mlm_pipeline.config_files import load_config
@@ -161,6 +163,7 @@ def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logg
     _, fig = compare_runs(tracker, [ids["run-a"], no_eval])
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels == ["run-a", "run-c (train loss: no eval curve)"]
+    assert "train/loss where the legend says" in fig.axes[0].get_title()
     assert list(fig.axes[0].get_lines()[1].get_ydata()) == list(RUNS["run-a"]["loss"])
 
     missing = "0" * 32
@@ -200,3 +203,50 @@ def test_loss_figure_places_eval_steps_on_the_tokens_axis():
     assert [line.get_label() for line in lr_ax.get_lines()] == ["train/lr"]
     with pytest.raises(ValueError, match="train/tokens_seen"):
         loss_figure(train, [], [], [])
+
+
+@pytest.mark.slow
+def test_runs_and_compare_on_two_pipeline_runs(tmp_path):
+    """Two real `mlm-pipeline run`s of a tiny config differing in `train.lr` (each in a
+    fresh process, with its own Prefect API), then `runs` and `compare` on them."""
+
+    assets = Path(__file__).resolve().parents[1] / "assets"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = {"name": "cmp", "work_dir": str(tmp_path / "work"),
+           "ingest": {"sources": [str(assets / "tiny_fr.txt")], "validation_fraction": 0.1},
+           "tokenizer": {"vocab_size": 128}, "shards": {"seq_len": 32, "rows_per_shard": 16},
+           "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                     "intermediate_size": 64},
+           "train": {"micro_batch_size": 4, "max_steps": 12, "warmup_steps": 2,
+                     "log_every": 2, "checkpoint_every": 100, "precision": "fp32"},
+           "eval": {"batch_size": 8, "every_steps": 4, "periodic_rows": 8, "probes": []},
+           "linear_probe": {"enabled": False},
+           "tracking": {"tracking_uri": uri, "experiment_name": "cmp", "log_model": False}}
+    config = tmp_path / "cmp.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cli = Path(sys.executable).parent / "mlm-pipeline"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               MLFLOW_DISABLE_TELEMETRY="true")
+    ids = []
+    for lr in ("0.001", "0.003"):
+        summary = tmp_path / f"summary-{lr}.json"
+        run = subprocess.run([str(cli), "run", str(config), "--set", f"train.lr={lr}",
+                              "--summary-json", str(summary)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600, check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        ids.append(json.loads(summary.read_text())["mlflow_run_id"])
+
+    out = _cli(tmp_path, "runs", "--experiment", "cmp", "--tracking-uri", uri, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["id"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == set(ids)
+    assert [rows[i]["train.lr"] for i in ids] == ["0.001", "0.003"]
+    assert "model.hidden_size" not in rows[ids[0]]
+    assert all(rows[i]["tokens seen"] == 12 * 4 * 32 for i in ids)
+    png = tmp_path / "compare.png"
+    out = _cli(tmp_path, "compare", *ids, "--out", str(png), "--tracking-uri", uri)
+    assert out.returncode == 0, out.stderr
+    with Image.open(png) as img:
+        img.load()
+        assert img.size == (WIDTH_PX, HEIGHT_PX)
