@@ -41,7 +41,8 @@ def run_params(cfg: PipelineConfig) -> dict[str, Any]:
 def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:
     """A readable run name shared by the Prefect flow run and its MLflow run:
     `<config name>-<model preset>-<max_steps>-<suffix>`, e.g. `tiny-modern-1000-3fa2c1`
-    (characters other than `A-Za-z0-9._-` in the config name become `-`);
+    (no preset part when `model.preset` is unset; characters other than `A-Za-z0-9._-` in
+    the config name become `-`);
     `mlm-pretraining-<suffix>` without a config. `suffix` defaults to 6 random hex digits,
     so that two runs of one config have different names. `tracking.run_name`, when set,
     is used instead by the caller."""
@@ -49,7 +50,8 @@ def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:
     if cfg is None:
         return f"mlm-pretraining-{suffix}"
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.name).strip("-") or "mlm"
-    return f"{name}-{cfg.model.preset}-{cfg.train.max_steps}-{suffix}"
+    preset = f"{cfg.model.preset}-" if cfg.model.preset else ""
+    return f"{name}-{preset}{cfg.train.max_steps}-{suffix}"
 
 
 def _user() -> str:

@@ -87,6 +87,8 @@ def test_run_name_from_config_and_start_run_uses_it(uri):
     assert re.fullmatch(r"my-corpus-v2-bert-300-[0-9a-f]{6}", records.run_name(cfg))
     assert records.run_name(cfg) != records.run_name(cfg)
     assert re.fullmatch(r"mlm-pretraining-[0-9a-f]{6}", records.run_name(None))
+    no_preset = PipelineConfig.model_validate({"name": "c", "train": {"max_steps": 500}})
+    assert records.run_name(no_preset, "ff") == "c-500-ff"
     tracker = MlflowTracker(uri, "names", run_name="tracker-default")
     named = tracker.start_run({}, run_name=records.run_name(cfg, "abc123"))
     default = tracker.start_run({})
