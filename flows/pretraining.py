@@ -365,10 +365,12 @@ def train_task(
     """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
     run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
     only the steps it does not hold yet (one value per step and key)."""
+    from mlm_pipeline.tracking.periodic import periodic_evaluator
     from mlm_pipeline.train import train
 
     tracker = MlflowTracker.from_config(cfg.tracking)
     held = resume.last_logged_step(tracker, run_id)
+    evaluator = periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held or 0)
     mlflow_sink = tracker.sink(run_id)
     sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
                      PrefectProgressSink(cfg.train.max_steps))
@@ -376,7 +378,7 @@ def train_task(
         try:
             with stop_gracefully():
                 return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                             _train_dir(cfg, run_id), sink)
+                             _train_dir(cfg, run_id), sink, evaluator)
         finally:
             sink.close()
 
@@ -386,10 +388,10 @@ def evaluate_task(
     cfg: PipelineConfig, trained: TrainManifest, shards: ShardManifest,
     tokenizer: TokenizerManifest,
 ) -> EvalManifest:
-    """Held-out masked-token metrics and fill-mask probes."""
+    """Held-out masked-token metrics, fill-mask probes and the downstream linear probe."""
     from mlm_pipeline.evaluate import evaluate
 
-    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir)
+    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe)
 
 
 @task(name="record-results", **_NOT_CACHED, **_IO)

@@ -26,7 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlm_pipeline.config import IGNORE_INDEX, NUM_SPECIAL, EvalConfig, MaskingConfig
+from mlm_pipeline.config import (
+    IGNORE_INDEX,
+    NUM_SPECIAL,
+    EvalConfig,
+    LinearProbeConfig,
+    MaskingConfig,
+)
+from mlm_pipeline.evaluate.downstream import linear_probe
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -229,8 +236,10 @@ def evaluate(
     shards: ShardManifest,
     tokenizer: TokenizerManifest,
     work_dir: str | Path,
+    probe: LinearProbeConfig | None = None,
 ) -> EvalManifest:
-    """Evaluate a trained checkpoint on the validation split and run the fill-mask probes.
+    """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
+    (with `probe`) the downstream linear probe.
 
     Masks follow the training run's masking settings (`trained.config["masking"]`) keyed
     by `cfg.seed`; the model runs on the run's device and precision
@@ -242,6 +251,9 @@ def evaluate(
         shards: the shards it was trained on (validation rows are evaluated).
         tokenizer: its tokenizer (for the probes).
         work_dir: outputs go to `<work_dir>/evaluate/<digest>/`.
+        probe: the `linear_probe` section; when given and enabled, its `probe/*` metrics
+            (`downstream.linear_probe`) join the manifest's (none when its data cannot be
+            obtained: a warning says why).
 
     Returns:
         The `EvalManifest` with metrics and probe predictions; cached by digest.
@@ -259,7 +271,8 @@ def evaluate(
         # The periodic settings shape the curve during training, not this evaluation.
         {"eval": cfg.model_dump(mode="json", exclude={"every_steps", "periodic_rows"}),
          "masking": mc.masks_record(),
-         **({"document_attention": True} if document_attention else {})},
+         **({"document_attention": True} if document_attention else {}),
+         **({"linear_probe": probe} if probe is not None and probe.enabled else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
     out = stage_dir(work_dir, "evaluate", digest)
@@ -281,12 +294,15 @@ def evaluate(
     warn_answer_problems(tok, cfg.probes)
     probes = run_probes(model, tok, cfg, shards.seq_len, device)
     metrics.update(probe_metrics(probes, cfg.probes, cfg.top_k))
-    for probe in probes:
-        if "error" in probe:
-            logger.warning("fill-mask probe skipped: %s", probe["error"])
+    if probe is not None and probe.enabled:
+        metrics.update(linear_probe(probe, model, tok, seq_len=shards.seq_len, device=device)
+                       or {})
+    for result in probes:
+        if "error" in result:
+            logger.warning("fill-mask probe skipped: %s", result["error"])
             continue
-        tops = [" / ".join(c["token"] for c in mask[:3]) for mask in probe["predictions"]]
-        logger.info("fill-mask %r -> %s", probe["text"], "; ".join(tops))
+        tops = [" / ".join(c["token"] for c in mask[:3]) for mask in result["predictions"]]
+        logger.info("fill-mask %r -> %s", result["text"], "; ".join(tops))
     logger.info(
         "eval: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline %.4f), "
         "perplexity %.1f over %d masked tokens",
@@ -299,7 +315,8 @@ def evaluate(
         output_dir=str(out),
         config={"eval": cfg.model_dump(mode="json"),
                 "masking": mc.masks_record(),
-                "document_attention": document_attention},
+                "document_attention": document_attention,
+                "linear_probe": probe.model_dump(mode="json") if probe else None},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import re
 import secrets
 import sys
@@ -28,6 +29,9 @@ from mlm_pipeline.manifest import (
     load_if_complete,
 )
 from mlm_pipeline.tracking.lineage import shard_inputs
+from mlm_pipeline.tracking.plots import LOSS_PLOT, log_loss_plot
+
+logger = logging.getLogger(__name__)
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 
 
@@ -166,11 +170,20 @@ def record_results(
     trained: TrainManifest,
     evaluated: EvalManifest,
 ) -> None:
-    """Log eval metrics (at the final step), probes and manifests; the final training
-    checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
-    (the model itself is logged by `tracking.registry.publish`)."""
+    """Log eval metrics (at the final step: the curve's last point), the fill-mask
+    predictions (JSON, and appended to the fill-mask table at the final step), manifests
+    and `plots/loss.png` (`plots.log_loss_plot`; a plot that cannot be drawn is a
+    warning); the final training checkpoint (optimizer and RNG state included) only when
+    `tracking.log_training_state` (the model itself is logged by `tracking.registry.publish`)."""
+    from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
+
     tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
     tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
+    log_final_fill_mask_rows(tracker, run_id, evaluated, cfg.eval.probes, trained.steps)
+    try:
+        log_loss_plot(tracker, run_id)
+    except ValueError as exc:  # e.g. no train/tokens_seen logged (a run of 0 steps)
+        logger.warning("run %s: plots/loss.png not logged: %s", run_id, exc)
     tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
                               "mlm.stop_reason": trained.stop_reason,
                               "train.device": trained.device,
@@ -219,6 +232,7 @@ def summary(
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracker.tracking_uri,
         "mlflow_run_url": tracker.run_url(run_id),
+        "loss_plot": LOSS_PLOT,
         "metrics": {**trained.final_metrics, **evaluated.metrics},
         "steps": trained.steps,
         "tokens_seen": trained.tokens_seen,
@@ -319,6 +333,9 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
         "",
         f"MLflow run: [{run}]({link})" if link else
         f"MLflow run: `{run}` (tracking URI `{summary_dict['mlflow_tracking_uri']}`)",
+        "",
+        f"Loss plot: [{LOSS_PLOT}]({link}/artifacts/{LOSS_PLOT})" if link else
+        f"Loss plot: run artifact `{LOSS_PLOT}`",
         "",
         f"Steps: {summary_dict['steps']:,}; tokens seen: {summary_dict['tokens_seen']:,}; "
         f"mean training speed: {summary_dict.get('train_tokens_per_s_mean', 0):,.0f} tokens/s"

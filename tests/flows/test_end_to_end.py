@@ -63,7 +63,7 @@ def test_mlflow_run_has_params_metrics_artifacts(run):
     assert r.info.status == "FINISHED"
     assert r.data.params["ingest.sources"] == "debian:fr"
     assert r.data.params["train.max_steps"] == "250"
-    assert r.data.metrics["data/documents_read"] == 1200
+    assert r.data.params["data.documents_read"] == "1200"
     tops = {a.path for a in client.list_artifacts(r.info.run_id)}
     # the resumable training state stays local (tracking.log_training_state is off);
     # the model leaves as the run's MLflow model, registered
@@ -98,3 +98,26 @@ def test_accuracy_beats_the_most_frequent_token(run):
     baseline = float((predicted == top).float().mean())
     assert metrics["eval/baseline_accuracy"] == pytest.approx(baseline)
     assert metrics["eval/mlm_accuracy"] > baseline
+
+
+def test_validation_curve_table_plot_and_linear_probe(run, tmp_path):
+    """The shipped config evaluates every 100 steps: points at 100 and 200, the final
+    evaluation at 250; the fill-mask table holds every evaluation; the loss plot and the
+    downstream probe (with its TF-IDF baseline) are on the run."""
+    summary, client, _ = run
+    run_id = summary["mlflow_run_id"]
+    curve = {m.step: m.value for m in client.get_metric_history(run_id, "eval/loss")}
+    assert sorted(curve) == [100, 200, 250]
+    assert curve[250] == pytest.approx(summary["metrics"]["eval/loss"])
+    path = client.download_artifacts(run_id, "eval/fill_mask_table.json", str(tmp_path))
+    table = json.loads(Path(path).read_text())  # pandas orient="split": columns, data
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert sorted({r["step"] for r in rows}) == [100, 200, 250]
+    probes = len({r["sentence"] for r in rows})
+    assert probes >= 2 and len(rows) == 3 * probes * 5
+    paths = {a.path for a in client.list_artifacts(run_id, "plots")}
+    assert "plots/loss.png" in paths
+    metrics = client.get_run(run_id).data.metrics
+    if "probe/accuracy" in metrics:  # skipped (with a warning) when PyPI is unreachable
+        assert 0.5 < metrics["probe/tfidf_accuracy"] < 0.95
+        assert metrics["probe/majority_accuracy"] == pytest.approx(0.57, abs=0.02)

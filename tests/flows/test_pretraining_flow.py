@@ -36,6 +36,7 @@ def _overrides(tmp_path, uri):
         "train.warmup_steps=2",
         "train.log_every=2",
         "eval.max_rows=20",
+        "linear_probe.enabled=false",  # its data comes from PyPI (tests/flows/test_flow_evaluation.py)
         f"tracking.tracking_uri={uri}",
         "tracking.experiment_name=flow-test",
     ]
