@@ -129,7 +129,11 @@ def config_reference() -> str:
         defaults = model().model_dump(mode="json")
         for name, field in model.model_fields.items():
             doc = " ".join((field.description or "").split())
-            lines.append(f"| `{section}.{name}` | `{defaults[name]!r}` | {doc} |")
+            shown = repr(defaults[name])
+            if len(shown) > 100:  # e.g. the default probes: the docstring describes them
+                shown = f"[{len(defaults[name])} items]" if isinstance(defaults[name], list) \
+                    else shown[:97] + "..."
+            lines.append(f"| `{section}.{name}` | `{shown}` | {doc} |")
     return "\n".join(lines) + "\n"
 
 

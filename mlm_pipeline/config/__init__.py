@@ -61,7 +61,9 @@ class TrackingConfig(StrictModel):
     experiment_name: str = "mlm-pipeline"
     """MLflow experiment."""
     run_name: str | None = None
-    """MLflow run name; None lets MLflow pick one."""
+    """Name of the MLflow run and of the Prefect flow run (one name for both); None:
+    `<config name>-<model preset>-<max_steps>-<6 random hex>`, e.g. `tiny-modern-1000-3fa2c1`
+    (`tracking.records.run_name`)."""
     log_model: bool = True
     """At the end of a successful run, log the exported `transformers` model as the run's
     MLflow model and register it (champion/challenger, see `tracking.registry`)."""

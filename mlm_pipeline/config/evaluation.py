@@ -85,8 +85,10 @@ class EvalConfig(StrictModel):
 
 
 class LinearProbeConfig(StrictModel):
-    """Downstream linear probe: logistic regression on frozen mean-pooled encoder states,
-    against a TF-IDF baseline on the same split (`mlm_pipeline.evaluate.downstream`)."""
+    """Downstream linear probe on French review polarity, against a TF-IDF baseline.
+
+    Logistic regression on frozen mean-pooled encoder states, and TF-IDF word 1-2-grams on
+    the same split (`mlm_pipeline.evaluate.downstream`)."""
 
     enabled: bool = True
     """Run the probe after the final evaluation; a dataset that cannot be obtained skips it

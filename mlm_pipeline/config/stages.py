@@ -14,7 +14,9 @@ class IngestConfig(StrictModel):
 
     sources: list[str] = Field(default_factory=lambda: ["debian:fr"], min_length=1)
     """Inputs, in order. `debian:NAME` fetches a built-in French corpus from Debian packages
-    (names: see `mlm_pipeline.ingest.corpora.DEBIAN_CORPORA`, `debian:fr` = the default set); any
+    (names: see `mlm_pipeline.ingest.corpora.DEBIAN_CORPORA`: `debian:fr` = the default set,
+    software documentation; `debian:fr-general` = it plus the Littré dictionary's
+    definitions and quotations, general-domain French); any
     other entry is a path, directory, glob or fsspec URL (`s3://`, `https://`, `file://`)
     of `.txt`, `.jsonl`, `.json`, `.parquet` or `.csv` files, optionally compressed
     (`.gz`, `.zst`, `.bz2`, `.xz`)."""

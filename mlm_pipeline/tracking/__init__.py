@@ -2,7 +2,11 @@
 
 Rooms: `tracker` (`MlflowTracker`: run lifecycle, params, tags, artifacts; tracking URIs),
 `sink` (`MlflowSink`: batched step metrics), `records` (what a pipeline run records:
-params, lineage tags, data accounting, results and the run summary).
+params, lineage tags, data accounting, results and the run summary), `lineage` (the shards
+as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
+fill-mask table), `plots` (`plots/loss.png`, the comparison figure), `compare` (the
+`runs` and `compare` commands' table), `resume` (continuing unfinished runs), `registry`
+(logging, registering and promoting the model), `consumers` (downstream readers).
 """
 
 from mlm_pipeline.tracking.sink import MlflowSink

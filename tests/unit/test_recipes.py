@@ -45,7 +45,9 @@ def test_recipe_shape(name):
     assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps == 4096  # MosaicBERT
     # the token budget the comments state: 70,000 x 4096 x 128 = 36.7 B
     assert cfg.train.max_steps * 4096 * 128 == 36_700_160_000
-    assert cfg.ingest.sources == ["debian:fr"]
+    # general-domain French by default (the guide's probes are in the vocabulary)
+    assert cfg.ingest.sources == ["debian:fr-general"]
+    assert cfg.eval.every_steps == 2000  # a validation curve (MosaicBERT eval_interval)
 
 
 @pytest.mark.parametrize("vocab_size", [32768, 30522])  # ours; BERT's (padded to 30,528)
