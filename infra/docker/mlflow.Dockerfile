@@ -1,10 +1,9 @@
 # syntax=docker/dockerfile:1
 # MLflow tracking server with the PostgreSQL driver (psycopg2) and the S3 client (boto3)
 # that the stack's backend store and artifact store need; the command comes from
-# infra/compose.yaml. Copies nothing from the build context.
+# infra/compose.yaml. Copies only constraints.txt from the build context (the repository
+# root): mlflow, boto3 and psycopg2-binary at the versions pinned there, the mlflow CI tests.
 FROM python:3.11-slim-bookworm
-
-ARG MLFLOW_VERSION=3.17.2
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -13,7 +12,9 @@ ENV PYTHONUNBUFFERED=1 \
     MLFLOW_DISABLE_TELEMETRY=true \
     DO_NOT_TRACK=true
 
-RUN pip install "mlflow==${MLFLOW_VERSION}" "psycopg2-binary>=2.9.9,<3" "boto3>=1.34,<2" \
+COPY constraints.txt /tmp/constraints.txt
+RUN pip install -c /tmp/constraints.txt mlflow psycopg2-binary boto3 \
+ && rm /tmp/constraints.txt \
  && useradd --create-home --uid 10001 --user-group mlflow
 
 USER 10001:10001

@@ -8,11 +8,9 @@
 # Debian 12's archive.
 FROM python:3.11-slim-bookworm
 
-ARG TORCH_VERSION=2.13.0
+# Every version (torch, prefect, mlflow, ...) comes from constraints.txt, the set CI tests;
+# the servers in infra/compose.yaml run the prefect and mlflow versions pinned there.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# The versions the stack's servers run (infra/compose.yaml); clients should not be newer.
-ARG PREFECT_VERSION=3.9.1
-ARG MLFLOW_VERSION=3.17.2
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -25,20 +23,24 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && useradd --create-home --uid 10001 --user-group mlm
 
-# torch first, from the CPU-only index: `pip install .` then finds it satisfied instead of
-# pulling the CUDA build (several GB) from PyPI. This layer stays cached across code edits.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-
 WORKDIR /opt/mlm-pipeline
+COPY constraints.txt ./
+# torch first, at the version constraints.txt pins, from the CPU-only index (its build
+# 2.13.0+cpu ranks above PyPI's CUDA 2.13.0, and satisfies ==2.13.0: PEP 440 ignores the
+# local label; its dependencies, at their pinned versions, come from PyPI): `pip install .`
+# then finds it satisfied instead of pulling the CUDA build (several GB). This layer stays
+# cached across code edits.
+RUN pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
+        -c constraints.txt torch
+
 COPY pyproject.toml README.md prefect.yaml ./
 COPY configs ./configs
 COPY flows ./flows
 COPY mlm_pipeline ./mlm_pipeline
-# torch is named again only to pin it: 2.13.0+cpu satisfies ==2.13.0 (PEP 440 ignores the
-# local label), so pip keeps the CPU build. boto3: direct S3 artifact access when a
-# deployment points MLflow at an object store instead of the tracking server's proxy.
-RUN pip install . "torch==${TORCH_VERSION}" "prefect==${PREFECT_VERSION}" \
-        "mlflow==${MLFLOW_VERSION}" "boto3>=1.34,<2" \
+# The installed CPU torch satisfies the constraint, so pip keeps it. boto3: direct S3
+# artifact access when a deployment points MLflow at an object store instead of the
+# tracking server's proxy.
+RUN pip install -c constraints.txt . boto3 \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
  && chown 10001:10001 /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline

@@ -16,10 +16,9 @@
 # supports.
 FROM python:3.11-slim-bookworm
 
-ARG TORCH_VERSION=2.13.0
+# Every version (torch, prefect, mlflow, ...) comes from constraints.txt, the set CI tests;
+# the servers in infra/compose.yaml run the prefect and mlflow versions pinned there.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-ARG PREFECT_VERSION=3.9.1
-ARG MLFLOW_VERSION=3.17.2
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -32,16 +31,20 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && useradd --create-home --uid 10001 --user-group mlm
 
-# torch first (the big, rarely changing layer); `pip install .` then finds it satisfied.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-
 WORKDIR /opt/mlm-pipeline
+COPY constraints.txt ./
+# torch first (the big, rarely changing layer), at the version constraints.txt pins (a
+# cuXYZ index's 2.13.0+cuXYZ satisfies ==2.13.0 and ranks above PyPI's build; the other
+# dependencies come from PyPI at their pinned versions); `pip install .` then finds it
+# satisfied.
+RUN pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
+        -c constraints.txt torch
+
 COPY pyproject.toml README.md prefect.yaml ./
 COPY configs ./configs
 COPY flows ./flows
 COPY mlm_pipeline ./mlm_pipeline
-RUN pip install ".[gpu]" "torch==${TORCH_VERSION}" "prefect==${PREFECT_VERSION}" \
-        "mlflow==${MLFLOW_VERSION}" "boto3>=1.34,<2" \
+RUN pip install -c constraints.txt ".[gpu]" boto3 \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
  && chown 10001:10001 /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline

@@ -101,7 +101,7 @@ def _docker_compose(tmp_path: Path, env: dict[str, str], env_file: Path | None =
         [shutil.which("docker-compose"), "-f", str(COMPOSE), "--env-file", str(env_file),
          "--profile", "gpu", "config"],
         env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env},
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=60, check=False)
 
 
 needs_docker_compose = pytest.mark.skipif(
@@ -390,21 +390,22 @@ def test_base_images_and_compose_images_are_pinned(compose):
 def test_run_steps_are_valid_shell(dockerfile):
     for ins, args in _instructions(dockerfile):
         if ins == "RUN":
-            out = subprocess.run(["sh", "-n", "-c", args], capture_output=True, text=True)
+            out = subprocess.run(["sh", "-n", "-c", args], capture_output=True, text=True,
+                                 check=False)
             assert out.returncode == 0, f"{dockerfile.name}: RUN {args}\n{out.stderr}"
 
 
 @pytest.mark.parametrize("dockerfile", WORKER_DOCKERFILES, ids=lambda p: p.name)
 def test_worker_images_install_torch_first_then_the_project(dockerfile):
+    # versions: tests/infra/test_constraints.py (every pip install reads constraints.txt)
     steps = _instructions(dockerfile)
     runs = [args for ins, args in steps if ins == "RUN"]
-    torch_step = next(i for i, r in enumerate(runs) if re.search(r"pip install .*torch==", r))
-    project_step = next(i for i, r in enumerate(runs) if re.search(r"pip install \.(\s|$)", r))
+    torch_step = next(i for i, r in enumerate(runs) if re.search(r"pip install .*\storch$", r))
+    project_step = next(i for i, r in enumerate(runs)
+                        if re.search(r"pip install .*\s\"?\.(\[\w+\])?\"?(\s|$)", r))
     assert torch_step < project_step
-    assert "--index-url" in runs[torch_step]
+    assert "--index-url" in runs[torch_step].split()
     args = dict(a.split("=", 1) for ins, a in steps if ins == "ARG" and "=" in a)
-    ci_torch = re.search(r"torch==([\w.]+)", (ROOT / ".ci" / "run").read_text()).group(1)
-    assert args["TORCH_VERSION"] == ci_torch
     if "cpu" in dockerfile.name:
         assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
@@ -421,26 +422,6 @@ def test_worker_images_run_unprivileged_from_the_deployed_directory(dockerfile):
                if d["work_pool"]["name"] == "gpu-k8s")
     pull = gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
     assert workdir == pull
-
-
-def test_prefect_and_mlflow_versions_agree_across_images(compose):
-    from packaging.requirements import Requirement
-
-    services = compose["services"]
-    prefect_server = services["prefect-server"]["image"].rpartition(":")[2].split("-")[0]
-    mlflow_server = services["mlflow"]["image"].rpartition(":")[2]
-    pins = {"PREFECT_VERSION": {prefect_server}, "MLFLOW_VERSION": {mlflow_server}}
-    for dockerfile in DOCKERFILES:
-        for ins, arg in _instructions(dockerfile):
-            name, _, value = arg.partition("=")
-            if ins == "ARG" and name in pins:
-                pins[name].add(value)
-    assert all(len(versions) == 1 for versions in pins.values()), pins
-    # the pinned clients satisfy the project's own requirements
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    for name, package in (("PREFECT_VERSION", "prefect"), ("MLFLOW_VERSION", "mlflow")):
-        spec = re.search(rf'"({package}[^"]*)"', pyproject).group(1)
-        assert Requirement(spec).specifier.contains(next(iter(pins[name]))), spec
 
 
 def test_dockerignore_sends_only_what_the_images_copy():
