@@ -24,16 +24,29 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import ConfigError, dump_config, load_config
+from mlm_pipeline.tracking.runlog import one_line, print_summary, run_logging, versions
 
 #: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
 #: dict `mlm_pipeline.tracking.records.summary` builds).
 RunFlow = Callable[[str, list[str]], dict[str, Any]]
+
+#: The epilog of `mlm-pipeline run --help`.
+RUN_EXAMPLES = """examples:
+  mlm-pipeline run tiny                                   the shipped tiny config
+  mlm-pipeline run tiny --set train.max_steps=50 --set train.lr=3e-4   overrides
+  mlm-pipeline run tiny --set 'ingest.sources=["my/*.txt", "notes.jsonl"]'   your corpus
+  mlm-pipeline run my.yaml --set tracking.run_name=lr-sweep-1   a YAML file, a run name
+  mlm-pipeline run tiny          after Ctrl-C or a crash: continues the unfinished run
+  mlm-pipeline run tiny --fresh  starts a new MLflow run instead
+  mlm-pipeline -v run tiny       tracebacks in the terminal (else in <work_dir>/logs/)
+See `mlm-pipeline config tiny` for every key and `mlm-pipeline config-reference`."""
 
 #: What `run` says when the entry point gave it no flow.
 NO_FLOW = (
@@ -54,51 +67,24 @@ def _cmd_run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
     from mlm_pipeline.ingest.sources import check_local_sources
 
     check_local_sources(cfg.ingest)
-    result = run_flow(args.config, overrides)
+    console, log = run_logging(cfg.work_dir, args.verbose)
+    try:
+        result = run_flow(args.config, overrides)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the flow becomes one line
+        log.handle(logging.LogRecord(__name__, logging.ERROR, __file__, 0, "run failed", None,
+                                     sys.exc_info()))
+        if args.verbose and not console.reported:
+            traceback.print_exc()
+        stage = f"stage {console.failed_task!r} failed: " if console.failed_task else ""
+        where = "" if args.verbose else f" (traceback in {log.baseFilename}; --verbose)"
+        print(f"mlm-pipeline: error: {stage}{one_line(exc)}{where}", file=sys.stderr)
+        return 1
     if args.summary_json:
         from mlm_pipeline.tracking.records import write_summary
 
         write_summary(result, args.summary_json)
-    _print_summary(result, cfg.tracking.experiment_name)
+    print_summary(result, cfg.tracking.experiment_name)
     return 0
-
-
-def _print_summary(result: dict, experiment: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title=f"MLflow run {result['mlflow_run_id']} (experiment {experiment})")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in sorted(result["metrics"]):
-        value = result["metrics"][key]
-        table.add_row(key, f"{value:,.0f}" if float(value).is_integer() else f"{value:,.4f}")
-    console.print(table)
-    lines = [
-        f"MLflow run id: {result['mlflow_run_id']}",
-        f"Tracking URI:  {result['mlflow_tracking_uri']}",
-        f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
-        f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
-        f"Checkpoint:    {result['checkpoint']}",
-        f"Tokenizer:     {result['tokenizer_model']}",
-        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens in "
-         f"{result['wall_time_s']['train']:,.0f} s "
-         f"({result['train_tokens_per_s_mean']:,.0f} tokens/s on average)"),
-    ]
-    if result.get("reused_stages"):
-        lines.append("Reused:        " + ", ".join(result["reused_stages"])
-                     + " (outputs of an earlier run with the same config and inputs)")
-    if result.get("stop_reason", "max_steps") != "max_steps":
-        lines.append(f"WARNING:       training stopped early ({result['stop_reason']}: "
-                     "train.max_time_s was reached) after "
-                     f"{result['steps']:,} steps; the metrics are those of a shorter run")
-    if reg := result.get("registry"):
-        from mlm_pipeline.tracking.records import registry_lines
-
-        lines += registry_lines(reg)
-    for line in lines:  # paths and commands must stay copyable: never wrap them
-        console.print(line, soft_wrap=True, highlight=False)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -222,6 +208,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.gc import apply_gc, gc_report, plan_gc
+
+    items = plan_gc(_tracker(args), args.work_dir, args.keep, args.experiment)
+    if not args.dry_run:
+        apply_gc(items)
+    print("\n".join(gc_report(items, args.dry_run)))
+    return 0
+
+
 class StageMissingError(RuntimeError):
     """A stage output the command needs has not been produced for this config yet."""
 
@@ -229,43 +225,43 @@ class StageMissingError(RuntimeError):
 def find_tokenizer(cfg: PipelineConfig) -> Path:
     """The `spm.model` that `mlm-pipeline run` trained for `cfg`, found by stage digests.
 
-    Follows the flow's own chain: the ingest digest of `cfg.ingest` (source contents +
-    config) names the corpus directory under `cfg.work_dir`; the tokenizer digest of
-    `cfg.tokenizer` and that corpus names the tokenizer directory. Nothing is computed.
-
-    Args:
-        cfg: the resolved `PipelineConfig`.
-
-    Returns:
-        Path of the model file.
+    The corpus is the ingest output of `cfg.ingest`'s digest (source contents + config);
+    with a `debian:` source, whose digest needs the apt archive checked (`apt-cache`), it
+    is the newest complete ingest output in `cfg.work_dir` made with this same `ingest`
+    config, so nothing is fetched. The tokenizer is the output of the tokenizer digest of
+    `cfg.tokenizer` and that corpus. Nothing is computed.
 
     Raises:
         StageMissingError: the ingest or tokenizer output for this config is not complete
             in `cfg.work_dir` (the message says to run `mlm-pipeline run` first).
-        FileNotFoundError: a source of `cfg.ingest.sources` matches no file.
+        FileNotFoundError: a local source of `cfg.ingest.sources` matches no file.
     """
     from mlm_pipeline.ingest.stage import ingest_digest
-    from mlm_pipeline.manifest import (
-        CorpusManifest,
-        TokenizerManifest,
-        load_if_complete,
-        stage_dir,
-    )
+    from mlm_pipeline.manifest import CorpusManifest as Corpus
+    from mlm_pipeline.manifest import TokenizerManifest as Tok
+    from mlm_pipeline.manifest import load_if_complete, read_manifest, stage_dir
     from mlm_pipeline.tokenizer.stage import STAGE, tokenizer_digest
 
-    digest = ingest_digest(cfg.ingest, cfg.work_dir)
-    corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), CorpusManifest, digest)
+    corpus, digest = None, ""
+    if any(s.startswith("debian:") for s in cfg.ingest.sources):
+        want = cfg.ingest.model_dump(mode="json")
+        for path in (Path(cfg.work_dir).expanduser() / "ingest").glob("*/manifest.json"):
+            m = read_manifest(path, Corpus)
+            if m.config == want and (m := load_if_complete(path.parent, Corpus, m.digest)) \
+                    and (corpus is None or m.created_at > corpus.created_at):
+                corpus = m
+    else:
+        digest = ingest_digest(cfg.ingest, cfg.work_dir)
+        corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), Corpus, digest)
     if corpus is not None:
         digest = tokenizer_digest(cfg.tokenizer, corpus)
         out = stage_dir(cfg.work_dir, STAGE, digest)
-        if (tok := load_if_complete(out, TokenizerManifest, digest)) is not None:
+        if (tok := load_if_complete(out, Tok, digest)) is not None:
             return tok.file(tok.model.path)
-    stage = "ingest" if corpus is None else "tokenizer"
     raise StageMissingError(
-        f"no {stage} output for config {cfg.name!r} in work_dir {cfg.work_dir!r} "
-        f"(digest {digest[:16]}); run `mlm-pipeline run` with this config first, "
-        "or pass --tokenizer PATH/TO/spm.model"
-    )
+        f"no {'ingest' if corpus is None else 'tokenizer'} output for config {cfg.name!r} in "
+        f"work_dir {cfg.work_dir!r} (digest {digest[:16] or 'of this ingest config'}); run "
+        "`mlm-pipeline run` with this config first, or pass --tokenizer PATH/TO/spm.model")
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
@@ -299,8 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
     fetch-corpus, fill-mask, export, promote, tokenize, runs, compare)."""
     parser = argparse.ArgumentParser(
-        prog="mlm-pipeline", description="Pretrain BERT-style masked language models."
-    )
+        prog="mlm-pipeline", description="Pretrain BERT-style masked language models.")
+    parser.add_argument("--version", action="version", version=versions())
+    parser.add_argument("-v", "--verbose", action="store_true", help="print tracebacks "
+                        "(and, for run, Prefect's failure reports)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
@@ -310,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dotted override, repeatable (e.g. --set train.max_steps=50)")
 
     p = sub.add_parser("run", help="run the full pipeline as a local Prefect flow (through "
-                       "the mlm-pipeline command, which provides the flow)")
+                       "the mlm-pipeline command, which provides the flow)", epilog=RUN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     config_args(p)
     p.add_argument("--summary-json", metavar="PATH",
                    help="write run id, final metrics and stage manifest paths as JSON")
@@ -405,6 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "experiment only (default: every experiment)")
     table_args(p)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("gc", help="remove the local training state (checkpoints/) of "
+                       "finished runs, keeping the champion's, unfinished runs' and the newest")
+    p.add_argument("--keep", type=int, default=1, metavar="N", help="newest finished runs "
+                   "per experiment whose state is kept (default: 1)")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
+    p.add_argument("--experiment", metavar="NAME", help="only runs of this experiment")
+    p.add_argument("--work-dir", default=PipelineConfig().work_dir, metavar="DIR",
+                   help="the config's work_dir (default: %(default)s)")
+    tracking_uri(p)
+    p.set_defaults(func=_cmd_gc)
+    for command in sub.choices.values():  # also accepted after the command
+        command.add_argument("-v", "--verbose", action="store_true",
+                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -420,21 +433,26 @@ def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> 
 
     Returns:
         The exit status: 0 on success, 2 for a config error (or `run` without a flow), 1 for
-        bad input or a failed run (`ValueError`, `OSError`, `RuntimeError`), with a one-line
-        message on stderr.
+        bad input or a failed run, with one line on stderr (the traceback with `--verbose`;
+        for `run` also in the log file the line names).
     """
     args = build_parser().parse_args(argv)
-    if args.func is not _cmd_run:  # `run` logs through Prefect's handlers instead
+    if args.func is not _cmd_run:  # `run` logs through `RunConsole` and a log file
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _cmd_run(args, run_flow) if args.func is _cmd_run else args.func(args)
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- the command line's last resort
         # Bad input the library reports with the file or field named: one line, not a
-        # traceback (`run` has already logged the failing task's traceback via Prefect).
-        print(f"mlm-pipeline: error: {exc}", file=sys.stderr)
+        # traceback (unless --verbose).
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (--verbose shows the traceback)"
+        print(f"mlm-pipeline: error: {one_line(exc)}"
+              + ("" if isinstance(exc, ValueError | OSError | RuntimeError) else hint),
+              file=sys.stderr)
         return 1
 
 

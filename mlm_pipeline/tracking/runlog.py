@@ -1,0 +1,162 @@
+"""The terminal and the log file of `mlm-pipeline run`: its one-line errors and its summary.
+
+A failure inside a stage of `run` used to print Prefect's reports first: the failing task's
+traceback, the flow's, their "Finished in state Failed" lines (about 100 lines) before the
+error. `run_logging` installs two handlers on the root logger before the flow starts:
+`RunConsole` for the terminal (Prefect-like lines; failure reports and tracebacks left out
+unless `--verbose`) and a file handler that keeps every record with its traceback. Because
+the root logger then has handlers of its own, Prefect's `setup_logging` leaves it alone
+(prefect/logging/configuration.py: a root with "user handlers" drops the `root` section of
+its logging config) and adds no console handler, while its `APILogHandler` on the
+`prefect.flow_runs`/`prefect.task_runs` loggers still sends everything to the Prefect
+server. A deployment (a worker running the flow) never calls this and logs as Prefect does.
+
+Only `logging` is used here: neither prefect nor mlflow is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def versions() -> str:
+    """`mlm-pipeline --version`: this package's installed version and those of torch,
+    prefect and mlflow (`importlib.metadata`; `not installed` when missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mlm-pipeline {of('mlm-pipeline')} (" + ", ".join(
+        f"{name} {of(name)}" for name in ("torch", "prefect", "mlflow")) + ")"
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc` as one line for the error message: its text with whitespace collapsed, after
+    its type name unless it is a `ValueError`, `OSError` or `RuntimeError` (the library's
+    errors for bad input, whose text names the file or field)."""
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, ValueError | OSError | RuntimeError) and text else (
+        f"{type(exc).__name__}: {text}")
+
+
+#: Messages of Prefect's flow and task engines that restate a failure the error line gives.
+_FAILURE_REPORTS = ("Finished in state Failed", "Finished in state Crashed",
+                    "Encountered exception during execution")
+
+
+class RunConsole(logging.StreamHandler):
+    """The terminal's log handler of `mlm-pipeline run` (on the root logger, so Prefect's
+    `setup_logging` leaves the root alone and adds no console handler of its own; its API
+    handler on the `prefect.flow_runs`/`prefect.task_runs` loggers still sends every record,
+    tracebacks included, to the Prefect server).
+
+    Lines look like Prefect's (`12:00:00.123 | INFO    | Task run 'ingest-36b' - ...`).
+    Unless `verbose`, records of Prefect's engines that report a failure (a traceback, a
+    Failed/Crashed state) are left to the log file and the one error line that `run`
+    prints, and other records lose their traceback. Writes to the `sys.stderr` of the moment
+    (a live progress display may have replaced it).
+
+    Attributes:
+        failed_task: the name of the last task whose run ended Failed or Crashed, or None.
+        reported: whether Prefect reported a failure (its traceback is in the log).
+    """
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__(sys.stderr)
+        self.verbose, self.failed_task, self.reported = verbose, None, False
+        self.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | "
+                                            "%(where)s - %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write `record` (see the class docstring)."""
+        message = record.getMessage()
+        failure = record.name.startswith("prefect.") and (
+            record.exc_info is not None or any(m in message for m in _FAILURE_REPORTS))
+        self.reported |= failure
+        if failure and "Finished in state" in message and (name := getattr(
+                record, "task_name", None)):
+            self.failed_task = name
+        if failure and not self.verbose:
+            return
+        record = logging.makeLogRecord(record.__dict__)
+        if not self.verbose:
+            record.exc_info = record.exc_text = record.stack_info = None
+        d = record.__dict__
+        d["where"] = (f"Task run {d['task_run_name']!r}" if "task_run_name" in d else
+                      f"Flow run {d['flow_run_name']!r}" if "flow_run_name" in d else record.name)
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def run_logging(work_dir: str, verbose: bool) -> tuple[RunConsole, logging.FileHandler]:
+    """Install `RunConsole` and a file handler keeping every record with its traceback
+    (`<work_dir>/logs/run-<local time>-<pid>.log`, created on the first record) on the root
+    logger; returns both.
+
+    Raises:
+        OSError: `<work_dir>/logs` cannot be created.
+    """
+    log = Path(work_dir).expanduser().resolve() / "logs" / (
+        f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(log, encoding="utf-8", delay=True)
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = RunConsole(verbose)
+    root = logging.getLogger()
+    root.addHandler(console)
+    root.addHandler(file)
+    return console, file
+
+
+def print_summary(result: dict, experiment: str) -> None:
+    """Print the end of a successful `run` on stdout: a table of the final metrics, then
+    where everything is (run id, tracking URI, run page, checkpoint, tokenizer), the
+    training figures, the reused stages, an early stop and the registry's decision.
+
+    Args:
+        result: the run summary (`mlm_pipeline.tracking.records.summary`).
+        experiment: the MLflow experiment's name.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"MLflow run {result['mlflow_run_id']} (experiment {experiment})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in sorted(result["metrics"]):
+        value = result["metrics"][key]
+        table.add_row(key, f"{value:,.0f}" if float(value).is_integer() else f"{value:,.4f}")
+    console.print(table)
+    lines = [
+        f"MLflow run id: {result['mlflow_run_id']}",
+        f"Tracking URI:  {result['mlflow_tracking_uri']}",
+        f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
+        f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
+        f"Checkpoint:    {result['checkpoint']}",
+        f"Tokenizer:     {result['tokenizer_model']}",
+        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens in "
+         f"{result['wall_time_s']['train']:,.0f} s "
+         f"({result['train_tokens_per_s_mean']:,.0f} tokens/s on average)"),
+    ]
+    if result.get("reused_stages"):
+        lines.append("Reused:        " + ", ".join(result["reused_stages"])
+                     + " (outputs of an earlier run with the same config and inputs)")
+    if result.get("stop_reason", "max_steps") != "max_steps":
+        lines.append(f"WARNING:       training stopped early ({result['stop_reason']}: "
+                     "train.max_time_s was reached) after "
+                     f"{result['steps']:,} steps; the metrics are those of a shorter run")
+    if reg := result.get("registry"):
+        from mlm_pipeline.tracking.records import registry_lines
+
+        lines += registry_lines(reg)
+    for line in lines:  # paths and commands must stay copyable: never wrap them
+        console.print(line, soft_wrap=True, highlight=False)
