@@ -14,6 +14,9 @@ Ctrl-C reaches only this process (the flow can then checkpoint and close its MLf
 while the API is still there), with a parent-death signal, so it never outlives this process
 (not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine.
 
+Progress: in a terminal, one live `rich` line per stage (`flows.progress_display.display`);
+otherwise log lines at a bounded rate (`mlm_pipeline.progress.LogProgress`).
+
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
 is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
 handler is the train task's, `flows.pretraining.stop_gracefully`). A second signal, or one
@@ -137,6 +140,17 @@ def _config_param(config: str) -> dict[str, str]:
     return {"config_file": str(found)}
 
 
+def _max_steps(params: Any) -> int | None:
+    """`train.max_steps` of the run (the `train` progress line's total); None when the
+    config does not load (the flow then fails on it, with the error)."""
+    from mlm_pipeline.config_files import load_config
+
+    try:
+        return load_config(*params.resolved()).train.max_steps
+    except Exception:  # noqa: BLE001 - reported by the flow itself
+        return None
+
+
 def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
     """Run the `mlm-pretraining` flow in this process.
 
@@ -168,10 +182,13 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
         atexit.register(api.stop)
     try:
         from .pretraining import PretrainParams, mlm_pretraining
+        from .progress_display import display
 
         logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
-        return mlm_pretraining(PretrainParams.model_validate(
-            {**_config_param(config), "overrides": list(overrides)}))
+        params = PretrainParams.model_validate(
+            {**_config_param(config), "overrides": list(overrides)})
+        with display(_max_steps(params)):
+            return mlm_pretraining(params)
     except BaseException as exc:
         if type(exc).__name__ == "TrainingInterrupted" or isinstance(exc, KeyboardInterrupt):
             again = shlex.join(["mlm-pipeline", "run", config,

@@ -50,13 +50,16 @@ from mlm_pipeline.manifest import (
     TokenizerManifest,
     TrainManifest,
 )
+from mlm_pipeline.progress import LogProgress, MultiProgress, Progress
 from mlm_pipeline.sinks import AfterStepSink, MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
 try:  # a package: flows.pretraining (checkout) or mlm_pipeline_flows.pretraining (wheel)
+    from .progress_display import current as current_progress
     from .result_store import MANIFEST_RESULTS
 except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
+    from progress_display import current as current_progress
     from result_store import MANIFEST_RESULTS
 
 _NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}
@@ -85,6 +88,49 @@ class PrefectProgressSink:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class PrefectProgressArtifacts:
+    """`mlm_pipeline.progress.Progress` that keeps one progress artifact per stage with a
+    known total (key `<stage>-progress`, e.g. `ingest-progress`, `shards-train-progress`:
+    percent done), updated at most once per `interval_s` seconds, and at 100 % at the end.
+
+    Args:
+        interval_s: least seconds between two updates of one artifact.
+    """
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self._stages: dict[str, list] = {}  # stage -> [artifact id, total, last update]
+
+    def start(self, stage: str, total: float | None, unit: str, description: str = "") -> None:
+        """Create the stage's artifact at 0 % (none when `total` is unknown or 0)."""
+        if not total:
+            return
+        key = "-".join("".join(c if c.isalnum() else " " for c in stage.lower()).split())
+        artifact = create_progress_artifact(
+            progress=0.0, key=f"{key}-progress",
+            description=f"{stage}: % of {total:,.0f} {unit}" + (
+                f" ({description})" if description else ""))
+        self._stages[stage] = [artifact, total, time.monotonic()]
+
+    def update(self, stage: str, completed: float, **fields: float | str) -> None:
+        """Set the percent done, when `interval_s` has passed since the last update."""
+        if (s := self._stages.get(stage)) and time.monotonic() - s[2] >= self.interval_s:
+            s[2] = time.monotonic()
+            update_progress_artifact(s[0], progress=min(100.0, 100.0 * completed / s[1]))
+
+    def finish(self, stage: str, **fields: float | str) -> None:
+        """Set 100 %."""
+        if (s := self._stages.pop(stage, None)) is not None:
+            update_progress_artifact(s[0], progress=100.0)
+
+
+def _progress() -> Progress:
+    """The data tasks' reporter: Prefect progress artifacts, plus the display `mlm-pipeline
+    run` set (`progress_display.current()`) or, when none is (a deployment, a test), log
+    lines at a bounded rate."""
+    return MultiProgress(PrefectProgressArtifacts(), current_progress() or LogProgress())
 
 
 def _transient(task, task_run, state) -> bool:
@@ -258,7 +304,7 @@ def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus."""
     from mlm_pipeline.ingest import ingest
 
-    return ingest(cfg.ingest, cfg.work_dir)
+    return ingest(cfg.ingest, cfg.work_dir, _progress())
 
 
 @task(name="tokenizer", cache_key_fn=_tokenizer_key, **MANIFEST_RESULTS)
@@ -266,7 +312,7 @@ def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerMani
     """Train the SentencePiece tokenizer on the training split."""
     from mlm_pipeline.tokenizer import train_tokenizer
 
-    return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
+    return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir, _progress())
 
 
 @task(name="shards", cache_key_fn=_shards_key, **MANIFEST_RESULTS)
@@ -277,7 +323,7 @@ def shards_task(
     training split with precomputed masking, keyed by `masking.seed`)."""
     from mlm_pipeline.shards import write_shards
 
-    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking)
+    return write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking, _progress())
 
 
 @task(name="record-data", **_NOT_CACHED, **_IO)
@@ -391,7 +437,8 @@ def evaluate_task(
     """Held-out masked-token metrics, fill-mask probes and the downstream linear probe."""
     from mlm_pipeline.evaluate import evaluate
 
-    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe)
+    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe,
+                    _progress())
 
 
 @task(name="record-results", **_NOT_CACHED, **_IO)

@@ -46,6 +46,7 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.masking.maskers import KeyedMasking
+from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import ShardDataset
@@ -66,6 +67,7 @@ def masked_lm_metrics(
     device: torch.device | str = "cpu",
     precision: str = "fp32",
     document_attention: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Token-weighted masked-LM metrics over the first `max_rows` rows of `dataset`.
 
@@ -82,6 +84,8 @@ def masked_lm_metrics(
         device, precision: where and how to run the model (`bf16` autocast or `fp32`).
         document_attention: run the model with `document_ids` from the [SEP] tokens of
             the unmasked rows (tokens attend within their document only).
+        progress: where to report stage `evaluate` (`mlm_pipeline.progress`): batches
+            done of ceil(rows / batch_size).
 
     Returns:
         `eval/loss` (mean cross-entropy, nats per masked token), `eval/mlm_accuracy`,
@@ -101,7 +105,10 @@ def masked_lm_metrics(
         else contextlib.nullcontext()
     )
     loss_sum, correct, top5, baseline_hits, masked = 0.0, 0, 0, 0, 0
-    for start in range(0, rows, batch_size):
+    progress = progress or NullProgress()
+    progress.start("evaluate", float(-(-rows // batch_size)), "batches", f"{rows} rows")
+    for done, start in enumerate(range(0, rows, batch_size)):
+        progress.update("evaluate", float(done), masked_tokens=masked)
         index = torch.arange(start, min(start + batch_size, rows), dtype=torch.long)
         original = dataset.get(index.numpy())
         input_ids, labels = masking(original, index, 0)
@@ -120,6 +127,7 @@ def masked_lm_metrics(
         if baseline_token is not None:
             baseline_hits += (targets == baseline_token).sum().item()
         masked += targets.numel()
+    progress.finish("evaluate", masked_tokens=masked)
     if masked == 0:
         raise ValueError(f"no masked position in {rows} evaluation rows")
     loss = loss_sum / masked
@@ -237,6 +245,7 @@ def evaluate(
     tokenizer: TokenizerManifest,
     work_dir: str | Path,
     probe: LinearProbeConfig | None = None,
+    progress: Progress | None = None,
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
     (with `probe`) the downstream linear probe.
@@ -254,6 +263,7 @@ def evaluate(
         probe: the `linear_probe` section; when given and enabled, its `probe/*` metrics
             (`downstream.linear_probe`) join the manifest's (none when its data cannot be
             obtained: a warning says why).
+        progress: where the masked-LM pass reports (`masked_lm_metrics`).
 
     Returns:
         The `EvalManifest` with metrics and probe predictions; cached by digest.
@@ -290,6 +300,7 @@ def evaluate(
         device=device,
         precision=trained.precision,
         document_attention=document_attention,
+        progress=progress,
     )
     warn_answer_problems(tok, cfg.probes)
     probes = run_probes(model, tok, cfg, shards.seq_len, device)

@@ -40,6 +40,7 @@ from mlm_pipeline.ingest.page_text import (
     html_to_text,
     render_man,
 )
+from mlm_pipeline.progress import Progress, active
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,15 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "mlm-pipeline"
 
 
-def fetch_debian_corpus(name: str, cache_dir: Path) -> list[Path]:
+def fetch_debian_corpus(name: str, cache_dir: Path,
+                        progress: Progress | None = None) -> list[Path]:
     """Download, extract and cache a built-in corpus (or a set such as `fr`).
 
     Args:
         name: a key of `DEBIAN_CORPORA` or of `DEBIAN_CORPUS_SETS`.
         cache_dir: cache root; `.deb` files go to `debs/`, JSONL files to `corpora/`.
+        progress: reporter of stage `fetch` (packages, with `bytes` of the `.deb` files
+            extracted); None: `mlm_pipeline.progress.active()`'s (set by `ingest`).
 
     Returns:
         The JSONL file of each corpus, in the order of the set.
@@ -145,9 +149,27 @@ def fetch_debian_corpus(name: str, cache_dir: Path) -> list[Path]:
         known = sorted(DEBIAN_CORPORA) + sorted(DEBIAN_CORPUS_SETS)
         raise ValueError(f"unknown Debian corpus {name!r}; known names: {', '.join(known)}")
     apt = _Apt(Path(cache_dir).expanduser())
+    packages = [p for n in names for p in DEBIAN_CORPORA[n].packages]
+    meter = _FetchMeter(progress or active(), len(packages), name)
     if apt.available:
-        apt.lookup([p for n in names for p in DEBIAN_CORPORA[n].packages])
-    return [_fetch_one(n, apt) for n in names]
+        apt.lookup(packages)
+    out = [_fetch_one(n, apt, meter) for n in names]
+    meter.progress.finish("fetch", bytes=meter.bytes)
+    return out
+
+
+class _FetchMeter:
+    """Stage `fetch`: packages done (extracted, or of a corpus used as cached), `.deb` bytes."""
+
+    def __init__(self, progress: Progress, total: int, name: str) -> None:
+        self.progress, self.done, self.bytes = progress, 0, 0
+        progress.start("fetch", float(total), "packages", f"debian:{name}")
+
+    def add(self, packages: int, deb: Path | None = None, phase: str = "download") -> None:
+        """`packages` more are done (`deb`: the one just extracted)."""
+        self.done += packages
+        self.bytes += deb.stat().st_size if deb is not None else 0
+        self.progress.update("fetch", float(self.done), bytes=self.bytes, phase=phase)
 
 
 # ------------------------------------------------------------------------------ apt/dpkg
@@ -240,7 +262,15 @@ class _Apt:
         return self.debs / got[0].name
 
 
-def _fetch_one(name: str, apt: _Apt) -> Path:
+def _fetch_one(name: str, apt: _Apt, meter: _FetchMeter) -> Path:
+    before, path = meter.done, _fetch_packages(name, apt, meter)
+    # The packages of a corpus used as cached or up to date count as done too.
+    meter.add(len(DEBIAN_CORPORA[name].packages) - (meter.done - before), phase="cached")
+    return path
+
+
+def _fetch_packages(name: str, apt: _Apt, meter: _FetchMeter) -> Path:
+    """The JSONL file of corpus `name`, rebuilt (a package done once extracted) or cached."""
     spec = DEBIAN_CORPORA[name]
     out = apt.cache_dir / "corpora" / f"{name}.jsonl"
     stamp = out.with_name(f"{name}.stamp.json")
@@ -290,6 +320,7 @@ def _fetch_one(name: str, apt: _Apt) -> Path:
             except subprocess.CalledProcessError as exc:
                 raise RuntimeError(f"could not unpack {deb}: {exc.stderr.strip()}") from None
             docs += _extract(spec, pkg, tree / spec.subdir)
+            meter.add(1, deb, phase="extract")
     if not docs:
         raise RuntimeError(f"{name}: no document found in {_fmt(versions)} under {spec.subdir}")
     n = _write_jsonl(out, docs, spec.min_chars)

@@ -100,6 +100,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
+from mlm_pipeline.progress import NullProgress, Progress, reporting
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,18 @@ _MAX_OFFSET = 2**31 - 1  # bytes one Arrow `string` array can hold (int32 offset
 
 
 
-def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
+def ingest(cfg: IngestConfig, work_dir: str | Path,
+           progress: Progress | None = None) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus into Parquet files.
 
     Args:
         cfg: ingestion config.
         work_dir: root of the stage outputs; this stage writes `<work_dir>/ingest/<digest>`.
+        progress: where to report (`mlm_pipeline.progress`): the fetch of `debian:`
+            corpora (stage `fetch`, packages) and stage `ingest`: bytes read of the
+            sources' total (exact at each file's end, estimated from the text read within
+            a file), with `read`, `kept` and `dropped` documents so far; at the end the
+            count is the sources' bytes and the fields the manifest's counts.
 
     Returns:
         The manifest: sources (path, sha256, bytes, documents read), the Parquet files of
@@ -139,7 +146,9 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     """
     watch = Stopwatch()
     skipped: list[SkippedFile] = []
-    files = resolve_sources(cfg, skipped)
+    progress = progress or NullProgress()
+    with reporting(progress):
+        files = resolve_sources(cfg, skipped)
     hashes = [content_hash(f, work_dir) for f in files]
     digest = _digest(cfg, files, hashes)
     out_dir = stage_dir(work_dir, "ingest", digest)
@@ -147,7 +156,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
     cached, reused = reuse_or_build(
         out_dir, "ingest",
         lambda: load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256),
-        lambda: _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch))
+        lambda: _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch,
+                       progress))
     if not reused:
         return cached
     logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
@@ -161,9 +171,11 @@ def ingest(cfg: IngestConfig, work_dir: str | Path) -> CorpusManifest:
 
 def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes: list[str],
            skipped: list[SkippedFile], digest: str, out_dir: Path,
-           watch: Stopwatch) -> CorpusManifest:
+           watch: Stopwatch, progress: Progress) -> CorpusManifest:
     """Write the stage directory `out_dir` (the caller holds its `stage_lock`); the
     arguments and errors are `ingest`'s."""
+    sizes = [source_size(f, work_dir) for f in files]
+    meter = _BytesMeter(sizes, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # left by an interrupted run
     reader = Accounting(cfg)
@@ -177,6 +189,7 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
     try:
         for doc_id, text, source in reader.documents(files):
             data = text.encode("utf-8")
+            meter.add(reader, len(data), kept)
             key = hashlib.blake2b(data, digest_size=16).digest()
             if seen.add(key):
                 reader.dropped["duplicate"] += 1
@@ -213,9 +226,9 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         stage="ingest", digest=digest, output_dir=str(out_dir),
         config=cfg.model_dump(mode="json"), inputs=_inputs(files, hashes),
         created_at=watch.created_at, wall_time_s=watch.elapsed,
-        sources=[SourceEntry(path=str(f), sha256=h, bytes=source_size(f, work_dir),
+        sources=[SourceEntry(path=str(f), sha256=h, bytes=n,
                              documents=reader.per_file.get(i, 0))
-                 for i, (f, h) in enumerate(zip(files, hashes))],
+                 for i, (f, h, n) in enumerate(zip(files, hashes, sizes))],
         train=train, validation=validation,
         documents_read=reader.read, documents_kept=kept, documents_train=kept - n_val,
         documents_validation=n_val, characters=characters,
@@ -224,6 +237,8 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         skipped_files=skipped,
     )
     write_manifest(m)
+    progress.finish("ingest", read=m.documents_read, kept=kept,
+                    dropped=sum(m.dropped.values()))
     drops = ", ".join(f"{k} {v}" for k, v in m.dropped.items() if v) or "none"
     repairs = ", ".join(f"{k} {v}" for k, v in m.repaired.items() if v) or "none"
     logger.info("ingest: %d files (%d bad, %d other entries skipped), %d read, %d kept (train "
@@ -272,6 +287,34 @@ def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
     for f in files:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_DOCS, columns=["id", "text"]):
             yield from zip(batch.column("id").to_pylist(), batch.column("text").to_pylist())
+
+
+class _BytesMeter:
+    """Reports stage `ingest`: source bytes read, exact at each file's end (the files
+    before the one being read, whose index is the highest in `Accounting.per_file`), and
+    within a file the UTF-8 bytes of the documents read from it, capped at its size; plus
+    the documents read, kept and dropped so far. One update every `EVERY` documents."""
+
+    EVERY = 256
+
+    def __init__(self, sizes: list[int], progress: Progress) -> None:
+        self.before = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes, self.progress = sizes, progress
+        self.file, self.in_file, self.done, self.seen = 0, 0, 0, 0
+        progress.start("ingest", float(sum(sizes)), "bytes", f"{len(sizes)} files")
+
+    def add(self, reader: Accounting, nbytes: int, kept: int) -> None:
+        """Count one document of `nbytes` UTF-8 bytes; `kept` documents were kept before it."""
+        self.in_file += nbytes
+        self.seen += 1
+        if self.seen % self.EVERY:
+            return
+        current = next(reversed(reader.per_file), 0)  # files are read in order
+        if current != self.file:  # the bytes since the last update: counted in the old file
+            self.file, self.in_file = current, 0
+        self.done = max(self.done, self.before[current] + min(self.in_file, self.sizes[current]))
+        self.progress.update("ingest", float(self.done), read=reader.read, kept=kept,
+                             dropped=sum(reader.dropped.values()))
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -88,6 +88,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
+from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.shards.format import write_arrow_from_body
 from mlm_pipeline.tokenizer import Tokenizer
 
@@ -179,6 +180,7 @@ def write_shards(
     tokenizer: TokenizerManifest,
     work_dir: str | os.PathLike[str],
     masking: MaskingConfig | None = None,
+    progress: Progress | None = None,
 ) -> ShardManifest:
     """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
 
@@ -194,6 +196,9 @@ def write_shards(
         masking: with `mode="precomputed"`, also write `dupe_factor` masked copies of the
             training split, keyed by `masking.seed` (module docstring); None or
             `dynamic` writes only token rows.
+        progress: where to report stages `shards train` and `shards validation`
+            (`mlm_pipeline.progress`): documents encoded of the split's, with `rows`
+            written so far (the rows' total is known only at the end: the split's `rows`).
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
@@ -213,7 +218,8 @@ def write_shards(
     cached, reused = reuse_or_build(
         out_dir, STAGE,
         lambda: load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256),
-        lambda: _build(cfg, corpus, tokenizer, masking, digest, out_dir))
+        lambda: _build(cfg, corpus, tokenizer, masking, digest, out_dir,
+                       progress or NullProgress()))
     if not reused:
         return cached
     logger.info("shards: reusing %s", out_dir)
@@ -221,7 +227,8 @@ def write_shards(
 
 
 def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
-           masking: MaskingConfig | None, digest: str, out_dir: Path) -> ShardManifest:
+           masking: MaskingConfig | None, digest: str, out_dir: Path,
+           progress: Progress) -> ShardManifest:
     """Write `out_dir` (the caller holds its `stage_lock`); errors: `write_shards`'s."""
     watch = Stopwatch()
     tok = Tokenizer.load(tokenizer)  # checks the special-token ids and the model's sha256
@@ -236,7 +243,10 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
     for name, files in (("train", corpus.train), ("validation", corpus.validation)):
         paths = [corpus.file(e.path) for e in files]
         with _returning_memory_pool():
-            split = _write_split(name, paths, sp, cfg, dtype, out_dir)
+            progress.start(f"shards {name}", float(sum(e.rows or 0 for e in files)),
+                           "documents", f"seq_len {cfg.seq_len}")
+            split = _write_split(name, paths, sp, cfg, dtype, out_dir, progress)
+            progress.finish(f"shards {name}", rows=split.rows)
         if split.rows == 0:
             if name == "train":
                 raise ValueError(
@@ -292,7 +302,7 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
 
 def _write_split(
     name: str, paths: list[Path], sp: spm.SentencePieceProcessor, cfg: ShardConfig,
-    dtype: str, out_dir: Path,
+    dtype: str, out_dir: Path, progress: Progress,
 ) -> ShardSplit:
     """Encode, pack and write one split; see the module docstring for the packing.
 
@@ -308,24 +318,29 @@ def _write_split(
     workers = cfg.num_threads or _available_cores()
     writer = _ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype)
     carry = np.empty(0, np_dtype)  # stream tokens not yet in a row; always < body
-    documents = tokens_in = 0
-    pending: deque[Future[np.ndarray]] = deque()
+    documents = tokens_in = encoded = rows = 0
+    pending: deque[tuple[int, Future[np.ndarray]]] = deque()  # (documents, their tokens)
     with ThreadPoolExecutor(workers, thread_name_prefix="shards-encode") as pool:
         try:
             batches = text_tasks(paths, cfg.encode_batch_size, cfg.encode_batch_bytes)
             while True:
                 # Keep `workers + 1` batches in flight: every worker busy, one queued.
                 while len(pending) <= workers and (task := next(batches, None)) is not None:
-                    documents += sum(len(column) for column in task)
-                    pending.append(pool.submit(_encode_stream, sp, task, np_dtype))
+                    n = sum(len(column) for column in task)
+                    documents += n
+                    pending.append((n, pool.submit(_encode_stream, sp, task, np_dtype)))
                 if not pending:
                     break
-                chunk = pending.popleft().result()
+                n, future = pending.popleft()
+                chunk = future.result()
                 tokens_in += len(chunk)
                 stream = np.concatenate([carry, chunk]) if len(carry) else chunk
-                carry = stream[writer.pack(stream) :].copy()
+                packed = writer.pack(stream)
+                carry = stream[packed:].copy()
+                encoded, rows = encoded + n, rows + packed // (cfg.seq_len - 1)
+                progress.update(f"shards {name}", float(encoded), rows=rows)
         except BaseException:
-            for future in pending:  # drop queued batches; the pool waits for running ones
+            for _, future in pending:  # drop queued batches; the pool waits for running ones
                 future.cancel()
             writer.abort()
             raise

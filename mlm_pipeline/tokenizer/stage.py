@@ -62,6 +62,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
+from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, Tokenizer, check_special
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
 
 
 def train_tokenizer(
-    cfg: TokenizerConfig, corpus: CorpusManifest, work_dir: str | os.PathLike[str]
+    cfg: TokenizerConfig, corpus: CorpusManifest, work_dir: str | os.PathLike[str],
+    progress: Progress | None = None,
 ) -> TokenizerManifest:
     """Train a SentencePiece model on the corpus's training split (or reuse a cached one).
 
@@ -113,6 +115,9 @@ def train_tokenizer(
         cfg: tokenizer settings (`vocab_size` counts the five special tokens).
         corpus: the ingested corpus; only its `train` Parquet files are read.
         work_dir: pipeline work directory; output goes to `<work_dir>/tokenizer/<digest[:16]>`.
+        progress: where to report stage `tokenizer` (`mlm_pipeline.progress`), in two
+            phases of 1 unit each: sampling (of the training split's documents), then
+            training on the sampled `lines`; SentencePiece's own log stays in its log.
 
     Returns:
         The manifest of `spm.model` and `spm.vocab`, with the actual `vocab_size`, the
@@ -136,7 +141,7 @@ def train_tokenizer(
         out_dir, STAGE,
         lambda: load_if_complete(out_dir, TokenizerManifest, digest,
                                  HashMemo(work_dir).file_sha256),
-        lambda: _build(cfg, corpus, digest, out_dir))
+        lambda: _build(cfg, corpus, digest, out_dir, progress or NullProgress()))
     if not reused:
         return cached
     logger.info("tokenizer: reusing %s", out_dir)
@@ -144,7 +149,7 @@ def train_tokenizer(
 
 
 def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
-           out_dir: Path) -> TokenizerManifest:
+           out_dir: Path, progress: Progress) -> TokenizerManifest:
     """Train into `out_dir` (the caller holds its `stage_lock`); errors: `train_tokenizer`'s."""
     watch = Stopwatch()
     created = not out_dir.exists()
@@ -154,6 +159,8 @@ def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".trainer.{os.getpid()}-",
                                          suffix=".tmp") as tmp_name:
             tmp = Path(tmp_name)
+            progress.start("tokenizer", 2.0, "phases",
+                           f"sampling lines of {corpus.documents_train} documents")
             lines, candidates, sample_digest = write_training_text(
                 corpus, tmp / "train.txt", cfg.max_sentence_length,
                 cfg.input_sentence_size, _SAMPLING_SEED,
@@ -162,6 +169,8 @@ def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
                 raise ValueError(
                     f"tokenizer: the training split of corpus {corpus.output_dir} has no text"
                 )
+            progress.update("tokenizer", 1.0, phase=f"training {cfg.model_type}",
+                            lines=lines, candidates=candidates)
             read = _run_trainer(cfg, tmp, lines, candidates)
             _strip_temp_paths(tmp / MODEL_FILE)
             for name in (MODEL_FILE, VOCAB_FILE):
@@ -191,6 +200,7 @@ def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
         normalization=corpus.config.get("normalization"),
     )
     write_manifest(manifest)
+    progress.finish("tokenizer", phase="done", sentences=read, vocab_size=vocab_size)
     logger.info(
         "tokenizer: %s vocab_size=%d from %d sentences (%d lines written) in %.1f s",
         cfg.model_type, vocab_size, read, lines, watch.elapsed,

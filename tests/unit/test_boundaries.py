@@ -54,7 +54,7 @@ FILES = {p: p.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
 ALL_MODULES = sorted(
     ".".join(parts[:-1] if parts[-1] == "__init__" else parts) for parts in FILES.values()
 )
-GROUND_FLOOR = ("config", "config_files", "locks", "manifest", "sinks")
+GROUND_FLOOR = ("config", "config_files", "locks", "manifest", "progress", "sinks")
 STAGES = ("ingest", "tokenizer", "masking", "shards", "train", "evaluate", "tracking")
 TOP = ("cli",)
 #: Level of each top-level name under `mlm_pipeline` (rule 4); `None` = the package itself.
