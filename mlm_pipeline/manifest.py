@@ -435,11 +435,19 @@ class TrainManifest(Manifest):
     stopped_early: bool
     """True when `max_time_s` ended training before `max_steps`."""
     stop_reason: str = "max_steps"
-    """Why training ended: `max_steps` (all steps trained) or `time_cap` (`max_time_s`)."""
+    """Why training ended: `max_steps` (all steps trained) or `time_cap` (`max_time_s`); a
+    run stopped by a non-finite loss or an interruption raises and writes no manifest."""
     device: str
     """Device trained on (`cpu`, `cuda`)."""
     precision: str
     """`fp32` or `bf16`."""
+    train_time_s: float | None = None
+    """Seconds of training loop over every segment of a resumed run (`Meter.train_time_s`:
+    no start-up, no periodic evaluation); None in manifests written before it was kept."""
+    peak_tflops: float | None = None
+    """MFU denominator at the end of training, TFLOP/s (None: unknown, MFU not reported)."""
+    peak_source: str | None = None
+    """Where `peak_tflops` comes from: `measured`, `declared`, `spec` or `achieved`."""
 
 
 class EvalManifest(Manifest):

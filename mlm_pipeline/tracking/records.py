@@ -8,6 +8,7 @@ user) and into the summary a user reads at the end of a run. No torch, no prefec
 from __future__ import annotations
 
 import getpass
+import importlib.metadata
 import json
 import logging
 import re
@@ -66,13 +67,32 @@ def _user() -> str:
         return "unknown"
 
 
+#: Distributions whose versions a run records (`package_versions`), by their PyPI names.
+VERSIONED_PACKAGES = ("mlm-pipeline", "torch", "prefect", "mlflow", "sentencepiece",
+                      "pyarrow", "transformers")
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of `VERSIONED_PACKAGES`, `{distribution name: version}`, read with
+    `importlib.metadata` (nothing is imported, Prefect included); a package that is not
+    installed (e.g. `transformers`, an optional extra) is left out."""
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
 def run_tags(extra: dict[str, str] | None = None, source_name: str | None = None,
              source_type: str = "LOCAL") -> dict[str, str]:
     """Tags known when a run starts: code version, `mlflow.user`, `mlflow.source.name`
     (`source_name`, default the program's name, e.g. `mlm-pipeline`) and
     `mlflow.source.type` (`LOCAL`, or `JOB` for a deployment's run; MLflow's
     `SourceType`), the git commit (`mlflow.source.git.commit`, when running from a
-    checkout) and whatever the caller adds (e.g. the Prefect flow-run id and URL)."""
+    checkout), `version.<distribution>` for each of `package_versions` (e.g.
+    `version.torch`) and whatever the caller adds (e.g. the Prefect flow-run id and URL)."""
     from mlm_pipeline import __version__
 
     tags = {"mlm_pipeline.version": __version__, "mlflow.user": _user(),
@@ -81,6 +101,7 @@ def run_tags(extra: dict[str, str] | None = None, source_name: str | None = None
     commit = git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
+    tags.update({f"version.{name}": v for name, v in package_versions().items()})
     tags.update(extra or {})
     return tags
 
@@ -171,9 +192,9 @@ def record_results(
     evaluated: EvalManifest,
 ) -> None:
     """Log eval metrics (at the final step: the curve's last point), the fill-mask
-    predictions (JSON, and appended to the fill-mask table at the final step), manifests
-    and `plots/loss.png` (`plots.log_loss_plot`; a plot that cannot be drawn is a
-    warning); the final training checkpoint (optimizer and RNG state included) only when
+    predictions (JSON, and appended to the fill-mask table at the final step), the stop
+    reason, device, precision and MFU peak source (tags), manifests and `plots/loss.png`
+    (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training checkpoint (optimizer and RNG state included) only when
     `tracking.log_training_state` (the model itself is logged by `tracking.registry.publish`)."""
     from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
 
@@ -187,7 +208,8 @@ def record_results(
     tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
                               "mlm.stop_reason": trained.stop_reason,
                               "train.device": trained.device,
-                              "train.precision": trained.precision})
+                              "train.precision": trained.precision,
+                              "mfu.peak_source": trained.peak_source or "unknown"})
     for m in (trained, evaluated):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
     tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")
@@ -220,14 +242,22 @@ def summary(
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log
         interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`,
-        `train_tokens_per_s_mean` (tokens seen / training stage wall time: start-up and
-        checkpoints included), whether training stopped early, checkpoint, manifests,
-        per-stage wall times (s), `reused_stages` and `files_rejected` (path and reason of
-        every input file ingestion rejected as bad) and `registry` (model name, version,
-        decision and reason, both losses, eval data digest; None when not registered).
+        `train_time_s` (seconds of training loop over every segment of a resumed run:
+        `TrainManifest.train_time_s`, else the training stage's wall time),
+        `train_tokens_per_s_mean` (tokens seen / `train_time_s`),
+        `train_tokens_per_s_last` (the last log interval's, None without one), whether
+        training stopped early and `stop_reason` (`max_steps` or `time_cap`: a run stopped
+        by a non-finite loss or an interruption fails and has no summary), `device` and
+        `precision` trained with, `mfu_peak_tflops` and `mfu_peak_source`, checkpoint,
+        manifests, per-stage wall times (s), `reused_stages`, `versions`
+        (`package_versions`), `files_rejected` (path and reason of every input file
+        ingestion rejected as bad) and `registry` (model name, version, decision and
+        reason, both losses, eval data digest; None when not registered).
     """
     stages = (corpus, tokenizer, shards, trained, evaluated)
     reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
+    train_time = trained.train_time_s if trained.train_time_s is not None else trained.wall_time_s
+    last = trained.final_metrics.get("train/tokens_per_s")
     return {
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracker.tracking_uri,
@@ -236,9 +266,16 @@ def summary(
         "metrics": {**trained.final_metrics, **evaluated.metrics},
         "steps": trained.steps,
         "tokens_seen": trained.tokens_seen,
-        "train_tokens_per_s_mean": round(trained.tokens_seen / max(trained.wall_time_s, 1e-9), 1),
+        "train_time_s": round(train_time, 2),
+        "train_tokens_per_s_mean": round(trained.tokens_seen / max(train_time, 1e-9), 1),
+        "train_tokens_per_s_last": None if last is None else round(last, 1),
         "stopped_early": trained.stopped_early,
         "stop_reason": trained.stop_reason,
+        "device": trained.device,
+        "precision": trained.precision,
+        "mfu_peak_tflops": trained.peak_tflops,
+        "mfu_peak_source": trained.peak_source,
+        "versions": package_versions(),
         "checkpoint": str(trained.file(trained.checkpoint_dir)),
         "tokenizer_model": str(tokenizer.file(tokenizer.model.path)),
         "manifests": {
@@ -323,9 +360,39 @@ def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:
     return rows
 
 
+#: What each `stop_reason` means, for a reader of the summary.
+STOP_REASONS = {"max_steps": "all train.max_steps trained",
+                "time_cap": "stopped early: train.max_time_s was reached",
+                "nonfinite": "stopped: the loss or gradient norm became non-finite",
+                "interrupted": "stopped: interrupted (SIGINT/SIGTERM)"}
+
+
+def training_lines(summary_dict: dict[str, Any]) -> list[str]:
+    """How training went, as lines of plain text (CLI and Markdown): steps, tokens, training
+    time and the mean and last-interval tokens/s, the stop reason, device and precision, the
+    MFU peak and its source, and the package versions. Keys missing from an older summary
+    are left out."""
+    d = summary_dict
+    lines = [f"Training: {d['steps']:,} steps, {d['tokens_seen']:,} tokens"
+             + (f" in {d['train_time_s']:,.1f} s of training loop" if "train_time_s" in d else "")
+             + f"; mean {d.get('train_tokens_per_s_mean', 0):,.0f} tokens/s over the run"
+             + (f", {d['train_tokens_per_s_last']:,.0f} tokens/s in the last log interval"
+                if d.get("train_tokens_per_s_last") is not None else "")]
+    reason = d.get("stop_reason", "max_steps")
+    lines.append(f"Stop reason: {reason} ({STOP_REASONS.get(reason, reason)})")
+    if "device" in d:
+        lines.append(f"Device: {d['device']}, precision {d['precision']}"
+                     + (f"; MFU peak {d['mfu_peak_tflops']:.4g} TFLOP/s "
+                        f"({d['mfu_peak_source']})" if d.get("mfu_peak_tflops") else ""))
+    if versions := d.get("versions"):
+        lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    return lines
+
+
 def summary_markdown(summary_dict: dict[str, Any]) -> str:
-    """A Markdown report of a finished run: MLflow run (with link when served), the final
-    metrics and where the checkpoint and manifests are."""
+    """A Markdown report of a finished run: MLflow run (with link when served), how
+    training went (`training_lines`), the final metrics, per-stage wall times and reuse,
+    and where the checkpoint and manifests are."""
     run = summary_dict["mlflow_run_id"]
     link = summary_dict.get("mlflow_run_url")
     lines = [
@@ -337,9 +404,7 @@ def summary_markdown(summary_dict: dict[str, Any]) -> str:
         f"Loss plot: [{LOSS_PLOT}]({link}/artifacts/{LOSS_PLOT})" if link else
         f"Loss plot: run artifact `{LOSS_PLOT}`",
         "",
-        f"Steps: {summary_dict['steps']:,}; tokens seen: {summary_dict['tokens_seen']:,}; "
-        f"mean training speed: {summary_dict.get('train_tokens_per_s_mean', 0):,.0f} tokens/s"
-        + (" (stopped early by `train.max_time_s`)" if summary_dict["stopped_early"] else ""),
+        *(f"- {line}" for line in training_lines(summary_dict)),
         "",
         "| metric | value |",
         "|---|---:|",

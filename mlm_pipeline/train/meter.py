@@ -8,7 +8,10 @@ running interval sums (on the training device, no host sync); at the end of a lo
 - `train/lr`, `train/grad_norm` (of the interval's last step, before clipping),
 - `train/tokens_per_s`: tokens (rows * seq_len, padding included) per second of loop time,
 - `train/mfu_pct`: model FLOP utilization (Chowdhery et al. 2022, appendix B) in percent,
-  against `perf.peak_flops` (left out when the peak is unknown),
+  against `perf.peak_flops` (left out when the peak is unknown), never above 100: an
+  interval that achieves more FLOP/s than the peak raises the peak to its rate (a warning;
+  `peak_source` becomes `achieved`),
+- `train/peak_tflops`: that peak in TFLOP/s (10**12 FLOP/s), logged with the MFU,
 - `train/masked_tokens`: tokens predicted (selected by masking) in the interval,
 - `train/skipped_steps`, `train/empty_steps`: steps not applied so far (non-finite, or
   without a selected token; see `loop`),
@@ -22,10 +25,17 @@ step.
 The interval sums and its elapsed time are the meter's state: a checkpoint taken between
 two reports holds them, so a run resumed from a step that is not a multiple of
 `train.log_every` logs the same `train/loss` as the uninterrupted run.
+
+Training time (`train_time_s`): the sum of the reported intervals' seconds, kept in the
+state too, so it spans every segment of a resumed run. It is the training loop's time:
+steps and the checkpoints saved between them, not start-up (building the model, loading a
+checkpoint, measuring the peak) nor periodic evaluation (`exclude`). Tokens seen divided by
+it is the run's mean throughput; each interval's `train/tokens_per_s` is its own.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -33,6 +43,9 @@ from typing import Any
 import torch
 
 from mlm_pipeline.train.perf import peak_memory_mb
+from mlm_pipeline.train.perf import peak_source as _peak_source
+
+logger = logging.getLogger(__name__)
 
 
 class Meter:
@@ -44,14 +57,18 @@ class Meter:
         flops_per_token: model training FLOPs per token (`BertMLM.flops_per_token`).
         peak_flops: peak FLOP/s of the device at the training precision
             (`perf.peak_flops`); None leaves `train/mfu_pct` out.
+        peak_source: where `peak_flops` comes from (`measured`, `declared`, `spec`);
+            None: `perf.peak_source(device)`, or `unknown` without a peak.
     """
 
     def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float | None) -> None:
+                 peak_flops: float | None, peak_source: str | None = None) -> None:
         self.device = device
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        #: `measured`, `declared`, `spec`, `achieved` (raised by `report`) or `unknown`.
+        self.peak_source = peak_source or (_peak_source(device) if peak_flops else "unknown")
         #: float32 0-dim: sum over the interval of per-token losses (nats).
         self.loss_sum = torch.zeros((), device=device)
         #: int64 0-dim: masked (predicted) tokens in the interval.
@@ -62,6 +79,8 @@ class Meter:
         self._first_bad = torch.full((), -1, device=device, dtype=torch.long)
         self._carried_s = 0.0  # interval seconds before a resume
         self._start = time.perf_counter()
+        #: seconds of the reported intervals, all segments (None: a checkpoint predates it).
+        self._reported_s: float | None = 0.0
 
     def start(self) -> None:
         """Start (or, after `load_state_dict`, continue) the interval clock: call it just
@@ -123,6 +142,8 @@ class Meter:
         loss = (self.loss_sum / self.masked_sum.clamp(min=1)).item()
         if not math.isfinite(loss):
             raise RuntimeError(f"training loss became {loss} at step {step}")
+        if self._reported_s is not None:
+            self._reported_s += elapsed
         tokens_per_s = self.steps * self.tokens_per_step / elapsed
         metrics = {
             "train/loss": loss,
@@ -136,7 +157,16 @@ class Meter:
             "train/tokens_seen": float(tokens_seen),
         }
         if self.peak_flops:
-            metrics["train/mfu_pct"] = 100.0 * self.flops_per_token * tokens_per_s / self.peak_flops
+            achieved = self.flops_per_token * tokens_per_s
+            if achieved > self.peak_flops:
+                logger.warning(
+                    "step %d: %.4g TFLOP/s achieved, above the %s peak of %.4g TFLOP/s: the "
+                    "peak is raised to the achieved rate (MFU 100 %%); declare the device's "
+                    "peak with MLM_PIPELINE_PEAK_TFLOPS", step, achieved / 1e12,
+                    self.peak_source, self.peak_flops / 1e12)
+                self.peak_flops, self.peak_source = achieved, "achieved"
+            metrics["train/mfu_pct"] = 100.0 * achieved / self.peak_flops
+            metrics["train/peak_tflops"] = self.peak_flops / 1e12
         metrics["train/memory_mb"] = peak_memory_mb(self.device)
         if self.device.type == "cuda":
             metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -145,19 +175,32 @@ class Meter:
         self.steps, self._start = 0, time.perf_counter()
         return metrics
 
+    def train_time_s(self) -> float | None:
+        """Seconds of training loop so far, every segment of the run (module docstring):
+        the reported intervals plus the open one when it holds a step; None when the run
+        resumed from a checkpoint written before the meter kept this time."""
+        if self._reported_s is None:
+            return None
+        if self.steps == 0:
+            return self._reported_s
+        return self._reported_s + time.perf_counter() - self._start
+
     def state_dict(self) -> dict[str, Any]:
-        """The open interval: `{"loss_sum": float (nats), "masked_sum": int, "steps": int,
-        "elapsed_s": float (seconds)}`, plain JSON values (one host sync)."""
+        """The open interval and the training time: `{"loss_sum": float (nats),
+        "masked_sum": int, "steps": int, "elapsed_s": float (seconds), "reported_s": float
+        (seconds of the reported intervals) or None}`, plain JSON values (one host sync)."""
         return {
             "loss_sum": self.loss_sum.item(),  # float32 -> Python float is exact
             "masked_sum": int(self.masked_sum.item()),
             "steps": self.steps,
             "elapsed_s": time.perf_counter() - self._start,
+            "reported_s": self._reported_s,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the interval saved by `state_dict` (the sums are restored bit for bit;
-        the clock resumes at `elapsed_s` when `start` is called).
+        the clock resumes at `elapsed_s` when `start` is called) and the training time (a
+        checkpoint without `reported_s` leaves it unknown, with a warning).
 
         Raises:
             KeyError: a key of `state_dict` is missing.
@@ -166,3 +209,8 @@ class Meter:
         self.masked_sum.fill_(int(state["masked_sum"]))
         self.steps = int(state["steps"])
         self._carried_s = float(state["elapsed_s"])
+        reported = state.get("reported_s")
+        if "reported_s" not in state:
+            logger.warning("the checkpoint predates the meter's training time: this run's "
+                           "mean tokens/s will not be reported")
+        self._reported_s = None if reported is None else float(reported)

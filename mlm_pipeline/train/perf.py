@@ -1,9 +1,14 @@
 """Device selection, precision, compilation, peak FLOP/s (MFU) and peak memory.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the device (Chowdhery et al. 2022, PaLM,
-appendix B). The peak comes from a table of vendor figures for known GPUs (dense, no
-sparsity) and, on CPUs, from a short matmul measurement at the training dtype: CPU peaks
-depend on the core count, the vector units and the clock, so no constant would be right.
+appendix B). The peak (`peak_flops`) and its source (`peak_source`) are, in this order:
+`declared` in the environment variable `MLM_PIPELINE_PEAK_TFLOPS` (TFLOP/s, any device),
+`spec`: a table of vendor figures for known GPUs (dense, no sparsity), or `measured` on
+CPUs: the best of several short matmul timings at the training dtype (CPU peaks depend on
+the core count, the vector units and the clock, so no constant would be right; the best of
+several repetitions is the one least disturbed by other processes). A measurement taken on
+a busy machine can still be too low: the `Meter` then raises the peak to the rate it
+achieved (source `achieved`), so MFU never exceeds 100 %.
 
 Precision `auto` means bf16 autocast on CUDA devices with bf16 support and on CPUs with
 native bf16 instructions (x86 AVX-512 BF16 or AMX-BF16, read from `/proc/cpuinfo` on
@@ -176,11 +181,20 @@ def gpu_peak_flops(name: str) -> float | None:
     return None
 
 
+#: Environment variable declaring the MFU peak in TFLOP/s (10**12 FLOP/s); wins over the
+#: GPU table and the CPU measurement.
+PEAK_TFLOPS_ENV = "MLM_PIPELINE_PEAK_TFLOPS"
+
+
 @functools.lru_cache(maxsize=8)
 def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024,
-                             seconds: float = 0.3) -> float:
+                             seconds: float = 0.3, repeats: int = 6) -> float:
     """Measured CPU matmul throughput in FLOP/s (n x n @ n x n, 2 n^3 FLOPs each), with the
-    current torch thread count; about `seconds` of work, cached per process.
+    current torch thread count: the best of `repeats` timings of about `seconds / repeats`
+    each (at least one matmul each), cached per process.
+
+    The maximum, not the mean: other processes only ever slow a timing down, so the fastest
+    repetition is the closest to the machine's peak.
 
     The matrices come from a private generator: the measurement never moves the global
     torch RNG, so dropout masks do not depend on whether (or when) it ran in this process.
@@ -189,25 +203,68 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024,
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
     torch.mm(a, b)  # warm-up
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        reps += 1
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+    best = 0.0
+    for _ in range(max(repeats, 1)):
+        reps, start = 0, time.perf_counter()
+        while reps == 0 or time.perf_counter() - start < seconds / max(repeats, 1):
+            torch.mm(a, b)
+            reps += 1
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
+    return best
+
+
+def declared_peak_flops() -> float | None:
+    """The peak FLOP/s declared in `MLM_PIPELINE_PEAK_TFLOPS` (TFLOP/s), or None when unset.
+
+    Raises:
+        ValueError: the variable is not a positive finite number (its value is named).
+    """
+    value = os.environ.get(PEAK_TFLOPS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        tflops = float(value)
+    except ValueError:
+        tflops = float("nan")
+    if not (tflops > 0 and tflops != float("inf")):
+        raise ValueError(f"{PEAK_TFLOPS_ENV}={value!r}: expected a positive number of "
+                         "TFLOP/s (e.g. 1.5)")
+    return tflops * 1e12
+
+
+def peak_source(device: torch.device) -> str:
+    """Where `peak_flops(device, ...)` takes its value: `declared` (`MLM_PIPELINE_PEAK_TFLOPS`
+    is set), `spec` (the GPU table) on CUDA, `measured` elsewhere."""
+    if os.environ.get(PEAK_TFLOPS_ENV, "").strip():
+        return "declared"
+    return "spec" if device.type == "cuda" else "measured"
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """Peak FLOP/s used as the MFU denominator for `device` at `precision`.
+    """Peak FLOP/s used as the MFU denominator for `device` at `precision` (its source:
+    `peak_source`).
 
     Returns:
-        The table value for a known GPU, the measured matmul rate on a CPU, None for an
-        unknown GPU (MFU is then not reported rather than reported wrongly).
+        The declared peak when `MLM_PIPELINE_PEAK_TFLOPS` is set; else the table value for
+        a known GPU, the measured matmul rate on a CPU (`measure_cpu_matmul_flops`), None for
+        an unknown GPU (MFU is then not reported rather than reported wrongly).
+
+    Raises:
+        ValueError: `MLM_PIPELINE_PEAK_TFLOPS` is set but not a positive number.
     """
+    declared = declared_peak_flops()
+    if declared is not None:
+        logger.info("MFU peak: %.4g TFLOP/s declared in %s", declared / 1e12, PEAK_TFLOPS_ENV)
+        return declared
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name)
         if peak is None:
-            logger.warning("no peak FLOP/s known for GPU %r: MFU will not be reported", name)
+            logger.warning("no peak FLOP/s known for GPU %r: MFU will not be reported (declare "
+                           "it with %s=<TFLOP/s>)", name, PEAK_TFLOPS_ENV)
         return peak
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return measure_cpu_matmul_flops(dtype)
+    peak = measure_cpu_matmul_flops(dtype)
+    logger.info("MFU peak: %.4g TFLOP/s measured (best of several %s matmuls); declare it with "
+                "%s=<TFLOP/s>", peak / 1e12, precision, PEAK_TFLOPS_ENV)
+    return peak

@@ -249,7 +249,8 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
                           shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
                           watch: Stopwatch, final: Path, parts: Parts,
                           last_metrics: dict[str, float], stop_reason: str) -> TrainManifest:
-    """Write and return the manifest of a finished run (`final`: its last checkpoint)."""
+    """Write and return the manifest of a finished run (`final`: its last checkpoint), with
+    the meter's training time over every segment and its MFU peak and the peak's source."""
     manifest = TrainManifest(
         stage="train",
         digest=train_digest(cfg, model, masking, shards, tokenizer, out.name),
@@ -268,6 +269,9 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         stop_reason=stop_reason,
         device=parts.device.type,
         precision=parts.precision,
+        train_time_s=parts.meter.train_time_s(),
+        peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
+        peak_source=parts.meter.peak_source,
     )
     write_manifest(manifest)
     return manifest
