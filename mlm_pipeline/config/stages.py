@@ -226,6 +226,36 @@ class ModelConfig(StrictModel):
 DEFAULT_WARMUP_STEPS = 100
 
 
+class DistributedConfig(StrictModel):
+    """Data-parallel training under `torchrun` (`torch.distributed.run`); one process when
+    `nproc_per_node * nnodes == 1`."""
+
+    nproc_per_node: int = Field(default=1, ge=1)
+    """Training processes (ranks) per node: one per GPU on CUDA."""
+    nnodes: int = Field(default=1, ge=1)
+    """Nodes taking part; each runs the same launch (`torchrun --nnodes`)."""
+    rdzv_endpoint: str | None = None
+    """`host:port` of the rendezvous (`torchrun --rdzv-endpoint`); required when `nnodes > 1`,
+    None on one node (a free local port is used)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """`ddp`: `DistributedDataParallel`, every rank holds the whole model; `fsdp2`:
+    parameters, gradients and optimizer state sharded with `fully_shard`."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """`torch.distributed` backend: `auto` = `nccl` on CUDA, `gloo` on CPU."""
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks: `nproc_per_node * nnodes`."""
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _check_rendezvous(self) -> DistributedConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"train.distributed: nnodes {self.nnodes} needs rdzv_endpoint "
+                             "(host:port reachable from every node)")
+        return self
+
+
 class TrainConfig(StrictModel):
     """Optimization loop."""
 
@@ -302,6 +332,10 @@ class TrainConfig(StrictModel):
     machine loses at most this much work to a kill); None: by `checkpoint_every` only."""
     keep_last_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (oldest removed first)."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Processes and nodes of data-parallel training; each rank reads `micro_batch_size`
+    rows per micro-batch, so the global batch is `micro_batch_size * grad_accum_steps *
+    nproc_per_node * nnodes` rows."""
 
     @property
     def warmup(self) -> int:

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -218,6 +218,10 @@ class Checkpointer:
         meta: JSON values written into every `state.json` beside the parts (config, sizes,
             digests); read back by `read_state`, never restored.
         keep_last: complete checkpoints kept on disk (oldest removed first).
+        is_writer: False on the ranks of a distributed run other than 0: `save` gathers
+            every part's state (a collective under FSDP2) but writes nothing.
+        barrier: called at the end of `save` so no rank runs ahead of the write (None:
+            one process).
 
     Raises:
         ValueError: `parts` does not have exactly the keys of `LAYOUT`, or a `meta` key is
@@ -225,13 +229,15 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, parts: Mapping[str, Stateful], meta: Mapping[str, Any],
-                 keep_last: int = 2) -> None:
+                 keep_last: int = 2, is_writer: bool = True,
+                 barrier: Callable[[], None] | None = None) -> None:
         if set(parts) != set(LAYOUT):
             raise ValueError(f"checkpoint parts {sorted(parts)} must be {sorted(LAYOUT)}")
         clash = {"format", *LAYOUT} & set(meta)
         if clash:
             raise ValueError(f"checkpoint meta keys {sorted(clash)} are reserved")
         self.root, self.parts, self.meta, self.keep_last = root, dict(parts), dict(meta), keep_last
+        self.is_writer, self.barrier = is_writer, barrier or (lambda: None)
 
     def latest(self) -> Path | None:
         """The newest intact checkpoint under `root` (`latest_intact_checkpoint`), or None."""
@@ -254,8 +260,16 @@ class Checkpointer:
                 files[file] = state
             else:
                 files.setdefault(file, {})[key] = state
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / checkpoint_name(step)
+        if self.is_writer:
+            self._write(files, final)
+        self.barrier()
+        return final
+
+    def _write(self, files: dict[str, Any], final: Path) -> None:
+        """Write the gathered `files` as the checkpoint `final` (atomically) and prune."""
+        step = int(final.name[len(_PREFIX):])
+        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{final.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -281,7 +295,6 @@ class Checkpointer:
         for old in list_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
-        return final
 
     def load(self, checkpoint: Path, map_location: str | torch.device = "cpu") -> None:
         """Restore every part from `checkpoint`, the JSON parts (which check that they fit

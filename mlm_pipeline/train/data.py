@@ -4,7 +4,10 @@
 gathers rows by global index. `RowCursor` walks a shuffled order that depends only on
 (seed, epoch), so the position `(epoch, offset)` is the whole state: a resumed run sees
 exactly the batches an uninterrupted run would have seen, and ranks of a distributed run
-take disjoint strided slices of the same order. `PrecomputedShardDataset` maps the masked
+take disjoint strided slices of the same order: rank r reads positions r, r + W, ... (W
+ranks), so one micro-batch of b rows on each of the W ranks covers the same positions as
+one micro-batch of b * W rows in one process, and every rank has the same number of
+batches per epoch (`(num_rows // W) // b`, equal to one process's `num_rows // (b * W)`). `PrecomputedShardDataset` maps the masked
 copies of the training split (`masking.mode: precomputed`) and returns copy
 `epoch % dupe_factor` of the requested rows, already masked.
 
@@ -177,7 +180,12 @@ class RowCursor:
         seed: shuffling seed.
         rank: this process's rank in data-parallel training.
         world_size: number of ranks; rank r takes positions r, r + world_size, ... of each
-            epoch's order, so ranks never see the same row in an epoch.
+            epoch's order, so ranks never see the same row in an epoch. Every rank has
+            `(num_rows // world_size) // batch_size` batches an epoch, so ranks change epoch
+            together.
+
+    The state (`epoch`, `offset`) is the same on every rank, so a checkpoint written by
+    rank 0 resumes every rank; it resumes only with the world size it was written with.
 
     Raises:
         ValueError: when one rank's share of an epoch is smaller than one batch.
@@ -188,7 +196,9 @@ class RowCursor:
     ) -> None:
         self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.per_rank = len(range(rank, num_rows, world_size))
+        # The same count on every rank (rank 0 may hold one row more): the ranks must
+        # agree on where an epoch ends.
+        self.per_rank = num_rows // world_size
         self.batches_per_epoch = self.per_rank // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(
@@ -226,17 +236,27 @@ class RowCursor:
             "seed": self.seed,
             "num_rows": self.num_rows,
             "batch_size": self.batch_size,
-            "rank": self.rank,
             "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by `state_dict`.
 
+        Any rank loads the state rank 0 saved (the position is the same on every rank).
+
         Raises:
-            ValueError: when the saved order was for other data, seed, batch size or ranks.
+            ValueError: when the saved order was for other data, seed or batch size, or for
+                another number of ranks (both world sizes named).
         """
-        for key in ("seed", "num_rows", "batch_size", "rank", "world_size"):
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world_size:
+            raise ValueError(
+                f"cannot resume: the checkpoint was written by a run of world size "
+                f"{saved_world} (train.distributed nproc_per_node x nnodes) and this run has "
+                f"world size {self.world_size}; resume with {saved_world} ranks (each rank "
+                "reads its own strided slice of the row order, so the position does not "
+                "carry over to another number of ranks)")
+        for key in ("seed", "num_rows", "batch_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume data position: saved {key}={state[key]} but this run "

@@ -14,6 +14,12 @@ weights) and document attention (document ids from the [SEP] tokens of the unmas
 Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
 so a step over k micro-batches computes the same gradient as one batch k times larger.
 
+Several ranks (`Parts.world`, see `distributed`): masked-token counts and loss sums are
+summed over ranks, gradients synchronized on the last micro-batch only, and decisions on a
+clock or a signal (`max_time_s`, `checkpoint_interval_s`, `request_stop`) agreed by all
+ranks each step. Every rank calls the checkpointer (FSDP2 gathers the full state); rank 0
+alone writes, evaluates (the unwrapped model, no collectives) and feeds the sink.
+
 Steps that are not applied: a step whose micro-batches hold no selected (masked) token
 steps neither the optimizer nor the schedule and is counted (`train/empty_steps`); a step
 whose loss or gradient norm is not finite fails the run (`train.nonfinite: stop`, naming the
@@ -41,7 +47,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +58,7 @@ from mlm_pipeline.masking.maskers import Masker
 from mlm_pipeline.sinks import MetricsSink
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState, Stateful
 from mlm_pipeline.train.data import RowCursor, ShardDataset
+from mlm_pipeline.train.distributed import World, local_grad_norm
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import document_ids_from_sep
 
@@ -182,6 +189,8 @@ class Parts:
         masked_per_row: passed to the model's forward (a static head size) when it is
             compiled and the masking bounds the labels per row (`exact_k`); None otherwise,
             and always when eager, whose results it would change in the last bits.
+        world: this process's rank among the data-parallel ranks (`World.single()`: one
+            process).
     """
 
     model: torch.nn.Module
@@ -201,13 +210,16 @@ class Parts:
     compile_errors: tuple[type[BaseException], ...] = ()
     masked_per_row: int | None = None
     evaluator: Evaluator | None = None
+    world: World = field(default_factory=World.single)
+    #: Stateful overrides of `stateful()` entries (FSDP2: full-state gatherers).
+    state_parts: dict[str, Stateful] = field(default_factory=dict)
 
     def stateful(self) -> dict[str, Stateful]:
         """The parts a checkpoint holds, under the `Checkpointer`'s fixed keys."""
         return {"model": self.model, "optimizer": self.optimizer,
                 "lr_scheduler": self.lr_scheduler, "rng": self.rng,
                 "train_state": self.train_state, "cursor": self.cursor,
-                "masker": self.masker, "meter": self.meter}
+                "masker": self.masker, "meter": self.meter, **self.state_parts}
 
 
 def accumulate_gradients(
@@ -215,6 +227,7 @@ def accumulate_gradients(
     micro_batches: list[tuple[torch.Tensor, ...]],
     autocast: contextlib.AbstractContextManager | None = None,
     masked_per_row: int | None = None,
+    world: World | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward every micro-batch, each weighted by its share of the step's
     masked tokens, so the accumulated gradient is that of one batch holding them all.
@@ -227,22 +240,29 @@ def accumulate_gradients(
             as the model's `document_ids`).
         autocast: context entered around each forward pass (None: none).
         masked_per_row: the model's static head size (`BertMLM.forward`), or None.
+        world: the data-parallel ranks (None: one process); `model` is then the wrapper
+            of `World.wrap`, and the weights use the step's masked tokens over all ranks.
 
     Returns:
-        (sum of per-token losses, number of masked tokens) over all micro-batches, as
-        0-dim tensors on the model's device (no host sync).
+        (sum of per-token losses, number of masked tokens) over all micro-batches of all
+        ranks, as 0-dim tensors on the model's device (no host sync with one process).
     """
     autocast = contextlib.nullcontext() if autocast is None else autocast
-    total = sum((batch[1] != IGNORE_INDEX).sum() for batch in micro_batches)
+    world = world or World.single()
+    total = world.all_reduce_sum(sum((batch[1] != IGNORE_INDEX).sum() for batch in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for input_ids, labels, *rest in micro_batches:
-        with autocast:
-            output = model(input_ids, labels=labels, document_ids=rest[0] if rest else None,
-                           masked_per_row=masked_per_row)
-        # mean_i * n_i / n_total summed over micro-batches = the mean over all n_total tokens.
-        (output.loss * (output.num_masked / total.clamp(min=1))).backward()
+    last = len(micro_batches) - 1
+    for i, (input_ids, labels, *rest) in enumerate(micro_batches):
+        with world.gradient_sync(i == last):
+            with autocast:
+                output = model(input_ids, labels=labels,
+                               document_ids=rest[0] if rest else None,
+                               masked_per_row=masked_per_row)
+            # mean_i * n_i / n_total summed over micro-batches (and ranks) = the mean over
+            # all n_total tokens; x world_size undoes the ranks' gradient averaging.
+            (output.loss * (output.num_masked * world.world_size / total.clamp(min=1))).backward()
         loss_sum += output.loss.detach().float() * output.num_masked
-    return loss_sum, total
+    return world.all_reduce_sum(loss_sum), total
 
 
 def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
@@ -290,10 +310,11 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
         ValueError: more than `max_skipped_steps` steps in a row selected no token.
     """
     state, step = parts.train_state, parts.train_state.step + 1
+    parts.world.fail_hook(step)
     micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
     try:
         loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast,
-                                                parts.masked_per_row)
+                                                parts.masked_per_row, parts.world)
     except parts.compile_errors as exc:
         raise RuntimeError(
             f"train.compile={cfg.compile}: torch.compile failed to build the model on "
@@ -302,7 +323,7 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
     if _nan_hook(step):
         loss_sum = loss_sum * float("nan")
     clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
+    grad_norm = local_grad_norm(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip))
     if int(masked) == 0:  # host read: a step without targets must not move the weights
         state.empty_steps += 1
         state.skipped_in_a_row += 1
@@ -402,6 +423,11 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
         grad_norm, epoch, applied = train_step(parts, cfg)
         now = time.perf_counter()
         out_of_time = cfg.max_time_s is not None and now - run_start > cfg.max_time_s
+        interval = cfg.checkpoint_interval_s
+        late = interval is not None and now - last_save >= interval
+        # Every rank must take the same branch (one tiny all_reduce; no-op with one rank).
+        out_of_time, late, stop = parts.world.any([out_of_time, late, _STOP.is_set()],
+                                                  parts.device)
         if every_step:
             _check_finite(parts, checkpointer)
         if applied and (state.step % cfg.log_every == 0 or state.step == cfg.max_steps
@@ -413,14 +439,12 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
                 skipped_steps=state.skipped_steps, empty_steps=state.empty_steps)
             sink.log(last_metrics, state.step)
         if (applied and parts.evaluator is not None and state.step < cfg.max_steps
-                and state.step % parts.evaluator.every_steps == 0):
+                and state.step % parts.evaluator.every_steps == 0 and parts.world.is_main):
             _evaluate(parts, sink)
-        if _STOP.is_set():
+        if stop:
             _STOP.clear()
             raise TrainingInterrupted(state.step, _save(parts, checkpointer, sink))
         due = applied and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
-        interval = cfg.checkpoint_interval_s
-        late = interval is not None and now - last_save >= interval
         if (due or late) and state.step < cfg.max_steps and not out_of_time:
             _save(parts, checkpointer, sink)
             last_save = time.perf_counter()

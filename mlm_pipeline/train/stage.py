@@ -9,6 +9,12 @@ Metrics go to `out_dir/metrics.jsonl` and to the sink it is given (the loop neve
 MLflow itself); see `meter` for the keys. Options applied here: `train.precision` (bf16
 autocast), `train.compile`, `train.document_attention`, `masking.whole_word` (word starts
 from the tokenizer) and `masking.mode` (the shards' precomputed copies).
+
+Under `torchrun` (`WORLD_SIZE` > 1; `launch` starts it) `train()` joins the process group
+(`distributed.init_world`), wraps the model (DDP, or FSDP2 with
+`train.distributed.strategy: fsdp2`) and gives each rank its strided part of the row order;
+only rank 0 writes `metrics.jsonl`, checkpoints and the manifest and feeds `sink` (the other
+ranks get no sink). Resuming needs the world size the checkpoint was written with.
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState
 from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
+from mlm_pipeline.train.distributed import (
+    FsdpModelState,
+    FsdpOptimizerState,
+    World,
+    init_world,
+)
 from mlm_pipeline.train.hf import hf_class_name
 from mlm_pipeline.train.loop import Evaluator, Parts, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
@@ -78,8 +90,11 @@ def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
 
 
 def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig,
-                shards: ShardManifest, tokenizer: TokenizerManifest) -> Parts:
-    """Seed torch with `cfg.seed` and build every part of the loop on the resolved device.
+                shards: ShardManifest, tokenizer: TokenizerManifest,
+                world: World | None = None) -> Parts:
+    """Seed torch with `cfg.seed` and build every part of the loop on the resolved device
+    (on CUDA, GPU `LOCAL_RANK` of `world`); with several ranks the model is wrapped
+    (`World.wrap`) before the optimizer is built and every rank reads its strided rows.
 
     The order is fixed: the model's initialization and then the CPU peak-FLOP/s
     measurement (`perf.peak_flops`, which draws random matrices) consume the global RNG,
@@ -91,7 +106,8 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         RuntimeError: CUDA or bf16 requested but unavailable; `compile=on` without a C++
             compiler on CPU.
     """
-    device = resolve_device(cfg.device)
+    world = world or World.single()
+    device = world.device(resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     if cfg.num_threads and device.type == "cpu":
         torch.set_num_threads(cfg.num_threads)
@@ -101,17 +117,24 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
     # Forward passes go through `forward_model`; checkpoints save `model`, whose
     # state_dict keys carry no `_orig_mod.` prefix.
     compiled = resolve_compile(cfg.compile, device)
+    wrapped = world.wrap(model, device)  # fsdp2 shards `model` in place: before AdamW
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
                                   betas=cfg.betas, eps=cfg.eps, **adamw_impl(device))
+    fsdp = world.distributed and world.strategy == "fsdp2"
     return Parts(
         model=model,
-        forward_model=compile_model(model, device) if compiled else model,
+        forward_model=compile_model(wrapped, device) if compiled else wrapped,
+        world=world,
+        state_parts=({"model": FsdpModelState(model),
+                      "optimizer": FsdpOptimizerState(model, optimizer)} if fsdp else {}),
         optimizer=optimizer,
         lr_scheduler=build_lr_scheduler(optimizer, cfg),
         dataset=dataset,
-        cursor=RowCursor(len(dataset), cfg.micro_batch_size, cfg.seed),
+        cursor=RowCursor(len(dataset), cfg.micro_batch_size, cfg.seed, world.rank,
+                         world.world_size),
         masker=build_train_masker(masking, shards, tokenizer),
-        meter=Meter(device, cfg.micro_batch_size * cfg.grad_accum_steps * shards.seq_len,
+        meter=Meter(device, cfg.micro_batch_size * cfg.grad_accum_steps * world.world_size
+                    * shards.seq_len,
                     model.flops_per_token(shards.seq_len, masking.mlm_probability),
                     peak_flops(device, precision)),
         train_state=TrainState(),
@@ -212,35 +235,60 @@ def train(
     """
     watch = Stopwatch()
     out = Path(out_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.verify_shards:
-        verify_shards(shards)
-    parts = build_parts(cfg, model, masking, shards, tokenizer)
-    parts.evaluator = evaluator
+    world = init_world(cfg.distributed, resolve_device(cfg.device))
+    try:
+        return _train(cfg, model, masking, shards, tokenizer, out, sink, evaluator, world,
+                      watch)
+    finally:
+        world.close()
+
+
+def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+           shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
+           sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
+           watch: Stopwatch) -> TrainManifest:
+    """`train` once the process group (if any) is up: rank 0 alone writes files."""
+    if evaluator is not None and world.distributed and world.strategy == "fsdp2":
+        raise ValueError("periodic evaluation during training runs on rank 0 alone, which "
+                         "FSDP2's sharded parameters do not allow: use "
+                         "train.distributed.strategy ddp or turn periodic evaluation off")
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.verify_shards:
+            verify_shards(shards)
+    world.barrier()
+    parts = build_parts(cfg, model, masking, shards, tokenizer, world)
+    parts.evaluator = evaluator if world.is_main else None
     checkpointer = Checkpointer(out / "checkpoints", parts.stateful(),
                                 checkpoint_meta(cfg, model, masking, shards, tokenizer),
-                                keep_last=cfg.keep_last_checkpoints)
-    resume_from = checkpointer.latest()
+                                keep_last=cfg.keep_last_checkpoints,
+                                is_writer=world.is_main, barrier=world.barrier)
+    # Rank 0 picks the checkpoint; every rank loads it (the work directory must be shared).
+    resume_from = world.broadcast(checkpointer.latest() if world.is_main else None)
     if resume_from is not None:
         checkpointer.load(resume_from, map_location=parts.device)
         logger.info("resuming at step %d (%d tokens seen)", parts.train_state.step,
                     parts.train_state.tokens_seen)
-        _truncate_metrics_log(out / "metrics.jsonl", parts.train_state.step)
-    jsonl = JsonlSink(out / "metrics.jsonl", append=True)
+        if world.is_main:
+            _truncate_metrics_log(out / "metrics.jsonl", parts.train_state.step)
+    jsonl = JsonlSink(out / "metrics.jsonl", append=True) if world.is_main else None
     logger.info(
-        "training %s parameters on %s (%s%s%s): %d steps of %d tokens, %d training rows",
+        "training %s parameters on %s (%s%s%s%s): %d steps of %d tokens, %d training rows",
         f"{parts.model.num_parameters():,}", parts.device, parts.precision,
         ", compiled" if parts.forward_model is not parts.model else "",
-        ", document attention" if cfg.document_attention else "", cfg.max_steps,
+        ", document attention" if cfg.document_attention else "",
+        f", rank {world.rank} of {world.world_size} ({world.strategy})"
+        if world.distributed else "", cfg.max_steps,
         parts.meter.tokens_per_step, len(parts.dataset),
     )
     try:
-        sinks = MultiSink(jsonl, sink) if sink is not None else jsonl
+        sinks = MultiSink(*(s for s in (jsonl, sink) if s is not None and world.is_main))
         last_metrics, stop_reason = run_steps(parts, cfg, checkpointer, sinks)
         sinks.flush()
         final = checkpointer.save(parts.train_state.step)
     finally:
-        jsonl.close()
+        if jsonl is not None:
+            jsonl.close()
     return _write_train_manifest(cfg, model, masking, shards, tokenizer, out, watch, final,
                                  parts, last_metrics, stop_reason)
 

@@ -1,0 +1,212 @@
+"""Training under `torchrun`: the launcher the flow calls and the entry point it starts.
+
+`run_torchrun` writes the run's inputs (the `train`, `model` and `masking` sections, the
+shard and tokenizer manifests) to `<out_dir>/launch/`, starts
+
+    python -m torch.distributed.run --nproc-per-node N --nnodes M
+        (--standalone | --rdzv-backend c10d --rdzv-endpoint HOST:PORT)
+        --log-dir <out_dir>/launch/torchrun-<time> -m mlm_pipeline.train.launch
+        --inputs <out_dir>/launch/inputs.json --out-dir <out_dir>
+
+(`torch.distributed.run` is what the `torchrun` command runs), hands every line of its
+output to a callback as it comes, and reads back the `TrainManifest` rank 0 wrote. On a
+failure it raises `DistributedTrainingError` with the root cause: the earliest error that a
+rank recorded through the `torch.distributed.elastic` error file (`@record` on `main`,
+written to the per-rank `error.json` under `--log-dir`), naming the rank and the exception.
+
+`main` is the entry point each rank runs: it reads the inputs, calls `stage.train` (which
+joins the process group from the variables torchrun sets) and lets rank 0 write the
+manifest. Metrics reach the launcher as log lines (`StdoutSink` on rank 0);
+`metrics.jsonl` holds them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
+from mlm_pipeline.manifest import (
+    ShardManifest,
+    TokenizerManifest,
+    TrainManifest,
+    atomic_write_text,
+    read_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The module `torchrun` runs on every rank.
+ENTRY = "mlm_pipeline.train.launch"
+
+
+class DistributedTrainingError(RuntimeError):
+    """A `torchrun` launch failed.
+
+    Attributes:
+        rank: the global rank whose error came first (None when no rank recorded one,
+            e.g. a rank killed by a signal).
+        returncode: torchrun's exit status.
+    """
+
+    def __init__(self, message: str, rank: int | None, returncode: int) -> None:
+        super().__init__(message)
+        self.rank, self.returncode = rank, returncode
+
+
+def write_launch_inputs(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+                        shards: ShardManifest, tokenizer: TokenizerManifest,
+                        out_dir: Path) -> Path:
+    """Write what every rank needs to `<out_dir>/launch/inputs.json` (configs and manifests
+    as JSON) and return its path."""
+    path = out_dir / "launch" / "inputs.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({
+        "train": cfg.model_dump(mode="json"), "model": model.model_dump(mode="json"),
+        "masking": masking.model_dump(mode="json"),
+        "shards": shards.model_dump(mode="json"),
+        "tokenizer": tokenizer.model_dump(mode="json")}, indent=2))
+    return path
+
+
+def torchrun_command(cfg: TrainConfig, inputs: Path, out_dir: Path, log_dir: Path) -> list[str]:
+    """The `torch.distributed.run` command line of a launch (`train.distributed`): one
+    node uses `--standalone` (a free local port), several the c10d rendezvous at
+    `rdzv_endpoint`."""
+    dist = cfg.distributed
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(dist.nproc_per_node), "--nnodes", str(dist.nnodes),
+           "--log-dir", str(log_dir)]
+    if dist.rdzv_endpoint:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", dist.rdzv_endpoint]
+    else:
+        cmd += ["--standalone"]
+    return [*cmd, "-m", ENTRY, "--inputs", str(inputs), "--out-dir", str(out_dir)]
+
+
+def root_cause(log_dir: Path) -> tuple[int | None, str] | None:
+    """The earliest error a rank recorded under torchrun's `log_dir`: (global rank,
+    message with the rank's traceback), or None when no rank wrote an error file."""
+    found = []
+    for path in log_dir.glob("**/error.json"):
+        try:
+            message = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError):
+            continue
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        text = message.get("message", "") if isinstance(message, dict) else str(message)
+        rank = extra.get("rank")
+        found.append((int(extra.get("time_ns", 0)) or int(extra.get("timestamp", 0)) * 10**9,
+                      rank, text, extra.get("py_callstack", "")))
+    if not found:
+        return None
+    _, rank, text, stack = min(found, key=lambda f: f[0])
+    return rank, f"{text}\n{stack}".rstrip()
+
+
+def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
+                 shards: ShardManifest, tokenizer: TokenizerManifest, out_dir: str | Path,
+                 on_line: Callable[[str], None] = logger.info) -> TrainManifest:
+    """Train with `train.distributed.nproc_per_node x nnodes` ranks under torchrun.
+
+    Args:
+        cfg, model, masking, shards, tokenizer: as for `stage.train`.
+        out_dir: the run's directory (as for `stage.train`); it must be on storage every
+            node shares.
+        on_line: receives each line torchrun and the ranks print, as it comes.
+
+    Returns:
+        The `TrainManifest` rank 0 wrote to `out_dir/manifest.json`.
+
+    Raises:
+        DistributedTrainingError: torchrun failed; the message names the first failing
+            rank and its exception (or, when no rank recorded an error, the exit status
+            and the last lines of output).
+    """
+    out = Path(out_dir).expanduser().resolve()
+    inputs = write_launch_inputs(cfg, model, masking, shards, tokenizer, out)
+    log_dir = out / "launch" / f"torchrun-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    cmd = torchrun_command(cfg, inputs, out, log_dir)
+    on_line("launching: " + " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=20)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1, env=env) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            on_line(tail[-1])
+        returncode = proc.wait()
+    if returncode != 0:
+        cause = root_cause(log_dir)
+        if cause is None:
+            raise DistributedTrainingError(
+                f"torchrun exited with status {returncode} and no rank recorded an error "
+                "(killed by a signal?); last output:\n" + "\n".join(tail), None, returncode)
+        rank, message = cause
+        raise DistributedTrainingError(f"distributed training failed on rank {rank}: "
+                                       f"{message}", rank, returncode)
+    return read_manifest(out / "manifest.json", TrainManifest)
+
+
+def _error_handler():
+    """torch's elastic `ErrorHandler`, also recording the global rank and a nanosecond
+    time, so the launcher can name the first failing rank when several fail in the same
+    second (torch records whole seconds)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class RankErrorHandler(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            now = time.time_ns()
+            super().record_exception(e)
+            path = self._get_error_file_path()
+            if path and os.path.isfile(path):
+                data = json.loads(Path(path).read_text())
+                data["message"]["extraInfo"].update(
+                    rank=int(os.environ.get("RANK", "0")), time_ns=now)
+                Path(path).write_text(json.dumps(data))
+
+    return RankErrorHandler()
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m {ENTRY}",
+                                     description="one rank of a torchrun training launch")
+    parser.add_argument("--inputs", required=True, help="inputs.json of write_launch_inputs")
+    parser.add_argument("--out-dir", required=True, help="the run's directory")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from mlm_pipeline.sinks import StdoutSink
+    from mlm_pipeline.train.stage import train
+
+    data = json.loads(Path(args.inputs).read_text())
+    train(TrainConfig.model_validate(data["train"]), ModelConfig.model_validate(data["model"]),
+          MaskingConfig.model_validate(data["masking"]),
+          ShardManifest.model_validate(data["shards"]),
+          TokenizerManifest.model_validate(data["tokenizer"]), args.out_dir,
+          sink=StdoutSink() if rank == 0 else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank (`python -m mlm_pipeline.train.launch --inputs ... --out-dir
+    ...`); an exception is recorded in torchrun's error file with this rank, then raised.
+
+    Raises:
+        Exception: whatever `stage.train` raises on this rank.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_main, error_handler=_error_handler())(argv)
+
+
+if __name__ == "__main__":
+    main()
