@@ -14,7 +14,15 @@ working directory of whichever process creates the experiment), so runs started 
 different directories scatter their artifacts. `MlflowTracker` creates experiments on a
 SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (characters
 other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
-experiments keep their location; an MLflow server decides for itself.
+experiments keep their location; on an http(s) server, new experiments get the server's
+default (with served artifacts, `mlflow-artifacts:/...`: artifacts go through the server).
+
+Moving from local to a server: an experiment created on the local SQLite store (then
+migrated, or recreated on a server sharing that database) keeps its absolute local artifact
+location, and MLflow's client then writes its runs' artifacts straight to the worker's
+disk instead of through the server. `experiment_id` warns once per process and experiment
+when the tracking URI is http(s) and the artifact location is a local path (`/...` or
+`file:`), saying what to do (MLflow cannot change an experiment's artifact location).
 
 Experiment kind: MLflow 3's UI opens an experiment on the view its tag `mlflow.experimentKind`
 names (`genai_development`: traces; `custom_model_development`: runs and training curves;
@@ -65,6 +73,8 @@ MAX_TAG_VALUE_LENGTH = 8000
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 #: Experiment tag and value that open an experiment on the MLflow UI's training-runs view.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+#: (tracking URI, experiment id) already warned about a local artifact location.
+_WARNED_LOCAL_LOCATIONS: set[tuple[str, str]] = set()
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
@@ -152,9 +162,11 @@ class MlflowTracker:
         return self._client
 
     def experiment_id(self) -> str:
-        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB) if missing;
-        the experiment is tagged `mlflow.experimentKind = custom_model_development` (the
-        UI's runs view) when it lacks that tag.
+        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB; on a server,
+        the server's default location) if missing; the experiment is tagged
+        `mlflow.experimentKind = custom_model_development` (the UI's runs view) when it
+        lacks that tag. On an http(s) URI, an existing experiment with a local artifact
+        location is logged as a warning once (see the module docstring).
 
         Raises:
             ValueError: the experiment exists but is deleted (restore it or pick a new name).
@@ -183,7 +195,30 @@ class MlflowTracker:
         if EXPERIMENT_KIND_TAG not in exp.tags:
             self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG,
                                            EXPERIMENT_KIND)
+        self._check_artifact_location(exp.experiment_id, exp.artifact_location)
         return exp.experiment_id
+
+    def _check_artifact_location(self, experiment_id: str, location: str) -> None:
+        """Warn (once per process, tracking URI and experiment) when an http(s) tracking
+        server holds an experiment whose artifact location is a local path: its runs'
+        artifacts would go to this machine's disk, not through the server."""
+        if urlparse(self.tracking_uri).scheme not in ("http", "https"):
+            return
+        if not location.startswith(("/", "file:")):
+            return
+        key = (self.tracking_uri, experiment_id)
+        if key in _WARNED_LOCAL_LOCATIONS:
+            return
+        _WARNED_LOCAL_LOCATIONS.add(key)
+        logger.warning(
+            "MLflow experiment %r (id %s) on %s keeps the local artifact location %s (it was"
+            " created on a local store): its runs write their artifacts to this machine's"
+            " disk, not through the server. Set tracking.experiment_name to a new name (the"
+            " server creates it with its own artifact location), or rename the old"
+            " experiment so the name is created anew: `MLFLOW_TRACKING_URI=%s mlflow"
+            " experiments rename --experiment-id %s --new-name %s-local`.",
+            self.experiment_name, experiment_id, self.tracking_uri, location,
+            self.tracking_uri, experiment_id, self.experiment_name)
 
     def start_run(self, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
                   run_name: str | None = None) -> str:

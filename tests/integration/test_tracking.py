@@ -22,8 +22,8 @@ from mlm_pipeline.tracking.tracker import (
 )
 
 mlflow = pytest.importorskip("mlflow")
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH  # noqa: E402
+from mlflow import MlflowClient
+from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT = "tracking-tests"
@@ -287,6 +287,76 @@ def test_import_is_cheap_and_telemetry_is_off_by_default(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["true", "True"]
+
+
+@pytest.fixture
+def moved_to_server(tmp_path):
+    """An experiment created on a local SQLite store, then an MLflow server (served
+    artifacts under `served/`) started on that same database: (http URI, served dir)."""
+    from tests.deploy.conftest import _stop, _wait_healthy, free_port
+
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    local = MlflowTracker(db, experiment_name="made-locally")
+    local.end_run(local.start_run({}, {}))
+    port, log = free_port(), tmp_path / "server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", db,
+         "--artifacts-destination", str(tmp_path / "served"), "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc, log)
+        yield f"http://127.0.0.1:{port}", tmp_path / "served"
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize(("uri", "location", "warns"), [
+    ("http://127.0.0.1:5000", "/srv/mlartifacts/exp", True),
+    ("https://mlflow.example", "file:///srv/mlartifacts/exp", True),
+    ("http://127.0.0.1:5000", "mlflow-artifacts:/1", False),
+    ("http://127.0.0.1:5000", "s3://bucket/mlflow/1", False),
+    ("sqlite:////srv/mlflow.db", "/srv/mlartifacts/exp", False),  # local store: as it should
+])
+def test_local_artifact_location_rule(uri, location, warns, caplog):
+    tracker = MlflowTracker(uri, experiment_name=f"rule-{warns}")
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.tracker"):
+        tracker._check_artifact_location(location, location)  # a distinct id per case
+        tracker._check_artifact_location(location, location)
+    found = [r for r in caplog.records if "local artifact location" in r.message]
+    assert len(found) == (1 if warns else 0)
+
+
+# Starting the MLflow server takes ~10-25 s on 2 busy cores.
+@pytest.mark.slow
+def test_local_artifact_location_on_a_server_warns_once_new_experiments_go_through_it(
+        moved_to_server, caplog, tmp_path):
+    uri, served = moved_to_server
+    client = MlflowClient(tracking_uri=uri)
+    old = MlflowTracker(uri, experiment_name="made-locally")
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.tracker"):
+        old_id = old.experiment_id()
+        old.experiment_id()  # once per experiment, not per call
+    assert client.get_experiment(old_id).artifact_location == str(
+        tmp_path / "mlartifacts" / "made-locally")
+    warnings = [r.getMessage() for r in caplog.records if "local artifact location" in r.message]
+    assert len(warnings) == 1
+    assert "'made-locally'" in warnings[0] and str(tmp_path / "mlartifacts") in warnings[0]
+    assert f"mlflow experiments rename --experiment-id {old_id}" in warnings[0]
+
+    caplog.clear()
+    new = MlflowTracker(uri, experiment_name="made-on-the-server")
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.tracking.tracker"):
+        run_id = new.start_run({}, {})
+    assert not [r for r in caplog.records if "local artifact location" in r.message]
+    exp = client.get_experiment(new.experiment_id())
+    assert exp.artifact_location.startswith("mlflow-artifacts:")
+    # an artifact of the new experiment's run lands in the server's artifact store
+    new.log_dict(run_id, {"a": 1}, "probe/a.json")
+    new.end_run(run_id)
+    assert [p.name for p in served.rglob("a.json")] == ["a.json"]
