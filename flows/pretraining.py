@@ -410,14 +410,40 @@ def train_task(
 ) -> TrainManifest:
     """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
     run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
-    only the steps it does not hold yet (one value per step and key)."""
+    only the steps it does not hold yet (one value per step and key). With
+    `train.distributed` asking for several processes, torchrun runs the training
+    (`train.launch.run_torchrun`): its output streams into this task's log, its failure
+    names the failing rank, and the metrics reach MLflow from `metrics.jsonl` at the end."""
     from mlm_pipeline.tracking.periodic import periodic_evaluator
     from mlm_pipeline.train import train
 
     tracker = MlflowTracker.from_config(cfg.tracking)
     held = resume.last_logged_step(tracker, run_id)
-    evaluator = periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held or 0)
     mlflow_sink = tracker.sink(run_id)
+    if cfg.train.distributed.world_size > 1:
+        from prefect import get_run_logger
+        from prefect.exceptions import MissingContextError
+
+        from mlm_pipeline.train.launch import replay_metrics, run_torchrun
+
+        try:
+            log = get_run_logger()
+        except MissingContextError:  # called as `train_task.fn()` outside a run
+            log = logging.getLogger(__name__)
+        if cfg.eval.every_steps is not None:
+            log.warning("eval.every_steps: periodic evaluation does not run inside a "
+                        "torchrun launch; the evaluate stage runs after training")
+        sink = MultiSink(AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
+                         PrefectProgressSink(cfg.train.max_steps))
+        with tracker.system_metrics(run_id):
+            try:
+                trained = run_torchrun(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                                       _train_dir(cfg, run_id), on_line=log.info)
+                replay_metrics(trained.file(trained.metrics_log), sink)
+                return trained
+            finally:
+                sink.close()
+    evaluator = periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held or 0)
     sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
                      PrefectProgressSink(cfg.train.max_steps))
     with tracker.system_metrics(run_id):

@@ -41,6 +41,7 @@ from mlm_pipeline.manifest import (
     atomic_write_text,
     read_manifest,
 )
+from mlm_pipeline.sinks import MetricsSink
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,31 @@ def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
         raise DistributedTrainingError(f"distributed training failed on rank {rank}: "
                                        f"{message}", rank, returncode)
     return read_manifest(out / "manifest.json", TrainManifest)
+
+
+def replay_metrics(path: Path, sink: MetricsSink) -> int:
+    """Deliver every record of a `metrics.jsonl` to `sink` (a launch's ranks cannot reach
+    the caller's sink; values written as `null`, non-finite, are left out).
+
+    Returns:
+        The number of records delivered.
+
+    Raises:
+        ValueError: a line is not valid JSON (the file and line are named).
+    """
+    count = 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from exc
+        step = int(record.pop("step"))
+        sink.log({k: v for k, v in record.items() if v is not None}, step)
+        count += 1
+    sink.flush()
+    return count
 
 
 def _error_handler():

@@ -321,5 +321,6 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
         peak_source=parts.meter.peak_source,
     )
-    write_manifest(manifest)
+    if parts.world.is_main:
+        write_manifest(manifest)
     return manifest
