@@ -194,8 +194,9 @@ def record_results(
     """Log eval metrics (at the final step: the curve's last point), the fill-mask
     predictions (JSON, and appended to the fill-mask table at the final step), the stop
     reason, device, precision and MFU peak source (tags), manifests and `plots/loss.png`
-    (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training checkpoint (optimizer and RNG state included) only when
-    `tracking.log_training_state` (the model itself is logged by `tracking.registry.publish`)."""
+    (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
+    checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
+    (the model itself is logged by `tracking.registry.publish`)."""
     from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
 
     tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
