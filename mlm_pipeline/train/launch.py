@@ -141,9 +141,14 @@ def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     tail: deque[str] = deque(maxlen=20)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1, env=env) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
-            on_line(tail[-1])
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                on_line(tail[-1])
+        except BaseException:  # cancelled or interrupted: torchrun forwards it to the ranks
+            proc.terminate()
+            proc.wait(timeout=60)
+            raise
         returncode = proc.wait()
     if returncode != 0:
         cause = root_cause(log_dir)

@@ -136,7 +136,7 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         meter=Meter(device, cfg.micro_batch_size * cfg.grad_accum_steps * world.world_size
                     * shards.seq_len,
                     model.flops_per_token(shards.seq_len, masking.mlm_probability),
-                    peak_flops(device, precision)),
+                    _all_ranks_peak(peak_flops(device, precision), world)),
         train_state=TrainState(),
         rng=RngState(),
         device=device,
@@ -153,6 +153,12 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         masked_per_row=(exact_k(shards.seq_len, masking.mlm_probability)
                         if compiled and masking.selection == "exact_k" else None),
     )
+
+
+def _all_ranks_peak(peak: float | None, world: World) -> float | None:
+    """The MFU denominator of a run: one device's peak FLOP/s times the ranks (tokens/s
+    are counted over all ranks)."""
+    return peak * world.world_size if peak else peak
 
 
 def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,

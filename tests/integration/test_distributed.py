@@ -18,10 +18,18 @@ from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.config.stages import DistributedConfig
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
+from mlm_pipeline.train.data import RowCursor
 from mlm_pipeline.train.distributed import FAIL_RANK_ENV
-from mlm_pipeline.train.launch import DistributedTrainingError, run_torchrun
+from mlm_pipeline.train.launch import (
+    DistributedTrainingError,
+    _error_handler,
+    root_cause,
+    run_torchrun,
+    torchrun_command,
+)
 
-pytestmark = pytest.mark.slow  # every test starts torchrun (two interpreters importing torch)
+#: every torchrun test starts two interpreters importing torch (about 20 s each launch)
+slow = pytest.mark.slow
 
 
 def _cfg(nproc: int, micro: int, **kw) -> TrainConfig:
@@ -42,7 +50,7 @@ def _weights(manifest) -> dict[str, torch.Tensor]:
     return load_model_state(manifest.file(manifest.checkpoint_dir))
 
 
-def _launch(tmp_path, name, cfg, model_cfg, shards, tok, monkeypatch=None, lines=None):
+def _launch(tmp_path, name, cfg, model_cfg, shards, tok, lines=None):
     return run_torchrun(cfg, model_cfg, MaskingConfig(), shards, tok, tmp_path / name,
                         on_line=(lines.append if lines is not None else lambda _: None))
 
@@ -52,6 +60,7 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+@slow
 def test_two_ranks_match_one_process(tmp_path, tiny_model_config, tiny_shard_manifest,
                                      tiny_tokenizer_manifest):
     lines: list[str] = []
@@ -80,6 +89,7 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_config, tiny_shard_man
     assert not any("[rank 1]" in line and "train/loss" in line for line in lines)
 
 
+@slow
 def test_failing_rank_names_rank_and_exception(tmp_path, monkeypatch, tiny_model_config,
                                                tiny_shard_manifest, tiny_tokenizer_manifest):
     monkeypatch.setenv(FAIL_RANK_ENV, "1:2")
@@ -89,6 +99,7 @@ def test_failing_rank_names_rank_and_exception(tmp_path, monkeypatch, tiny_model
     assert e.value.rank == 1 and e.value.returncode != 0
 
 
+@slow
 def test_resume_after_failure_matches_uninterrupted(tmp_path, monkeypatch, tiny_model_config,
                                                     tiny_shard_manifest,
                                                     tiny_tokenizer_manifest):
@@ -111,6 +122,7 @@ def test_resume_after_failure_matches_uninterrupted(tmp_path, monkeypatch, tiny_
               tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "single")
 
 
+@slow
 def test_fsdp2_runs_on_cpu_gloo(tmp_path, tiny_model_config, tiny_shard_manifest,
                                 tiny_tokenizer_manifest):
     fsdp = _launch(tmp_path, "fsdp", _cfg(2, 2, max_steps=2,
@@ -125,3 +137,58 @@ def test_fsdp2_runs_on_cpu_gloo(tmp_path, tiny_model_config, tiny_shard_manifest
     w2, w1 = _weights(fsdp), _weights(one)
     for key in w1:  # the checkpoint holds the full (unsharded) weights
         torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_ranks_read_the_rows_of_one_process_batches():
+    # 23 rows: rank 0's strided slice holds 12, rank 1's 11; both must end epochs together
+    ranks = [RowCursor(23, batch_size=2, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    one = RowCursor(23, batch_size=4, seed=3)
+    assert ranks[0].batches_per_epoch == ranks[1].batches_per_epoch == 23 // 4
+    for _ in range(3 * 23 // 4 + 1):  # across three epoch boundaries
+        (rows0, epoch0), (rows1, epoch1) = (c.next_batch() for c in ranks)
+        rows, epoch = one.next_batch()
+        assert epoch0 == epoch1 == epoch
+        assert sorted([*rows0, *rows1]) == sorted(rows)
+
+
+def test_cursor_state_is_rank_agnostic_but_tied_to_the_world_size():
+    saved = RowCursor(40, batch_size=5, seed=1, rank=0, world_size=2)
+    saved.next_batch()
+    other_rank = RowCursor(40, batch_size=5, seed=1, rank=1, world_size=2)
+    other_rank.load_state_dict(saved.state_dict())  # rank 0's checkpoint resumes rank 1
+    assert other_rank.offset == 1
+    with pytest.raises(ValueError, match="world size 2.*world size 4"):
+        RowCursor(40, batch_size=5, seed=1, rank=0, world_size=4).load_state_dict(
+            saved.state_dict())
+
+
+def test_root_cause_is_the_first_rank_to_fail(tmp_path, monkeypatch):
+    # torch's elastic error files, written by the entry point's handler, rank 1 first
+    for rank in (1, 0):
+        path = tmp_path / "run" / "attempt_0" / str(rank) / "error.json"
+        path.parent.mkdir(parents=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        monkeypatch.setenv("RANK", str(rank))
+        try:
+            raise RuntimeError(f"failure {rank}")
+        except RuntimeError as exc:
+            _error_handler().record_exception(exc)
+    rank, message = root_cause(tmp_path)
+    assert rank == 1
+    assert message.startswith("RuntimeError: failure 1")
+    assert root_cause(tmp_path / "empty") is None
+
+
+def test_torchrun_command_and_rendezvous_rule(tmp_path):
+    one_node = _cfg(4, 2)
+    cmd = torchrun_command(one_node, tmp_path / "in.json", tmp_path, tmp_path / "logs")
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in cmd and cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[-6:-4] == ["-m", "mlm_pipeline.train.launch"]
+    with pytest.raises(ValueError, match="nnodes 2 needs rdzv_endpoint"):
+        DistributedConfig(nproc_per_node=8, nnodes=2)
+    two = _cfg(1, 2, distributed=DistributedConfig(nproc_per_node=8, nnodes=2,
+                                                   rdzv_endpoint="head:29400"))
+    assert two.distributed.world_size == 16
+    cmd = torchrun_command(two, tmp_path / "in.json", tmp_path, tmp_path / "logs")
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "head:29400" and "--standalone" not in cmd
