@@ -171,10 +171,14 @@ def init_world(cfg: DistributedConfig, device: torch.device) -> World:
         The `World` of this process (`World.single()` when `WORLD_SIZE` is unset or 1).
 
     Raises:
-        ValueError: `WORLD_SIZE` differs from `nproc_per_node * nnodes`, or `nccl` is
-            asked for on CPU.
+        ValueError: `WORLD_SIZE` differs from `nproc_per_node * nnodes` (or is unset while
+            they ask for several processes), or `nccl` is asked for on CPU.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != cfg.world_size and "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"train.distributed asks for {cfg.world_size} processes but this one "
+                         "was not started by torchrun (no WORLD_SIZE): launch it with "
+                         "mlm_pipeline.train.launch.run_torchrun (the flow does)")
     if world_size == 1:
         return World.single()
     if world_size != cfg.world_size:

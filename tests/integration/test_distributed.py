@@ -179,6 +179,15 @@ def test_root_cause_is_the_first_rank_to_fail(tmp_path, monkeypatch):
     assert root_cause(tmp_path / "empty") is None
 
 
+def test_train_refuses_several_ranks_outside_torchrun(tmp_path, monkeypatch, tiny_model_config,
+                                                      tiny_shard_manifest,
+                                                      tiny_tokenizer_manifest):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="asks for 2 processes.*not started by torchrun"):
+        train(_cfg(2, 2), tiny_model_config, MaskingConfig(), tiny_shard_manifest,
+              tiny_tokenizer_manifest, tmp_path / "run")
+
+
 def test_torchrun_command_and_rendezvous_rule(tmp_path):
     one_node = _cfg(4, 2)
     cmd = torchrun_command(one_node, tmp_path / "in.json", tmp_path, tmp_path / "logs")
