@@ -434,3 +434,23 @@ def test_dockerignore_sends_only_what_the_images_copy():
               for src in args.split()[:-1]}
     assert copied == admitted
     assert not admitted & {".mlm-pipeline", ".venv", ".git", "mlflow.db", "mlartifacts"}
+
+
+# ------------------------------------------------------------------------ deployment recipe
+def test_weekly_schedule_ships_paused_and_the_readme_says_how_to_run_and_stop_it():
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import CronSchedule
+
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())
+                   ["deployments"]}
+    (spec,) = deployments["scheduled-retrain"]["schedules"]
+    schedule = DeploymentScheduleCreate(
+        schedule=CronSchedule(cron=spec["cron"], timezone=spec["timezone"]),
+        active=spec["active"], parameters=spec["parameters"])
+    assert schedule.active is False  # `prefect deploy` must not start weekly runs unasked
+    readme = (ROOT / "README.md").read_text()
+    recipe = readme.split("## Deploy, schedule and scale out", 1)[1].split("\n### ", 1)[0]
+    for needed in ("prefect deployment schedule resume 'mlm-pretraining/scheduled-retrain'",
+                   "PREFECT_UI_API_URL=", "pkill -KILL -f 'prefect worker start",
+                   "active: true"):
+        assert needed in recipe, needed
