@@ -581,6 +581,10 @@ def mlm_pretraining(params: PretrainParams = PretrainParams()) -> dict[str, Any]
         raise
     end_tracking(cfg, run_id, "FINISHED")
     tracker = MlflowTracker.from_config(cfg.tracking)
+    if cfg.tracking.keep_last_runs is not None:
+        from mlm_pipeline.tracking.gc import keep_last_runs
+
+        keep_last_runs(tracker, cfg)
     summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
                                started_at, registered)
     markdown = pipeline.summary_markdown(summary)

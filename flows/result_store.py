@@ -46,27 +46,39 @@ SERIALIZER_TYPE = "mlm-manifest-json"
 
 
 class ManifestSerializer(Serializer):
-    """A stage manifest as its pydantic JSON; reads only the classes of `MANIFEST_CLASSES`."""
+    """A stage manifest as its pydantic JSON; reads only the classes of `MANIFEST_CLASSES`.
+
+    A failed task's exception (which Prefect persists with the task's serializer, under a
+    random key, never its cache key) is kept as `{"stage": null, "error": {type, message}}`
+    and read back as a `RuntimeError` with that text: no class is imported by name.
+    """
 
     type: str = Field(default=SERIALIZER_TYPE, frozen=True)
 
     def dumps(self, obj: Any) -> bytes:
-        """The manifest's JSON (UTF-8).
+        """The manifest's JSON (UTF-8), or an exception's type name and message.
 
         Raises:
-            TypeError: `obj` is not a manifest of a cached stage.
+            TypeError: `obj` is neither a manifest of a cached stage nor an exception.
         """
+        if isinstance(obj, BaseException):
+            return json.dumps({"stage": None, "error": {"type": type(obj).__name__,
+                                                        "message": str(obj)}}).encode()
         if not isinstance(obj, Manifest) or MANIFEST_CLASSES.get(obj.stage) is not type(obj):
             raise TypeError(f"{type(obj).__name__} is not a manifest of a cached data stage")
         return obj.model_dump_json().encode()
 
-    def loads(self, blob: bytes) -> Manifest:
+    def loads(self, blob: bytes) -> Manifest | RuntimeError:
         """The manifest of `blob`, validated as the class its `stage` names.
 
         Raises:
             ValueError: not JSON, no known `stage`, or not a valid manifest of it.
         """
-        stage = json.loads(blob).get("stage")
+        data = json.loads(blob)
+        if data.get("stage") is None and isinstance(data.get("error"), dict):
+            error = data["error"]
+            return RuntimeError(f"{error.get('type')}: {error.get('message')}")
+        stage = data.get("stage")
         if stage not in MANIFEST_CLASSES:
             raise ValueError(f"not a manifest of a cached data stage (stage {stage!r})")
         return MANIFEST_CLASSES[stage].model_validate_json(blob)

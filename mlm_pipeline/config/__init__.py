@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from mlm_pipeline.config.base import (
     CLS_ID,
@@ -37,6 +37,7 @@ from mlm_pipeline.config.evaluation import (
 from mlm_pipeline.config.stages import (
     DEFAULT_WARMUP_STEPS,
     MODEL_PRESETS,
+    DistributedConfig,
     IngestConfig,
     MaskingConfig,
     ModelConfig,
@@ -46,10 +47,31 @@ from mlm_pipeline.config.stages import (
 )
 
 __all__ = [
-    "CLS_ID", "DEFAULT_WARMUP_STEPS", "DOMAIN_PROBES", "GUIDE_PROBES", "MODEL_PRESETS", "IGNORE_INDEX", "MASK_ID", "NUM_SPECIAL", "PAD_ID", "SEP_ID",
-    "SPECIAL_TOKENS", "UNK_ID", "EvalConfig", "FillMaskProbe", "IngestConfig",
-    "LinearProbeConfig", "MaskingConfig", "ModelConfig", "PipelineConfig", "ShardConfig",
-    "StrictModel", "TokenizerConfig", "TrackingConfig", "TrainConfig",
+    "CLS_ID",
+    "DEFAULT_WARMUP_STEPS",
+    "DOMAIN_PROBES",
+    "GUIDE_PROBES",
+    "IGNORE_INDEX",
+    "MASK_ID",
+    "MODEL_PRESETS",
+    "NUM_SPECIAL",
+    "PAD_ID",
+    "SEP_ID",
+    "SPECIAL_TOKENS",
+    "UNK_ID",
+    "DistributedConfig",
+    "EvalConfig",
+    "FillMaskProbe",
+    "IngestConfig",
+    "LinearProbeConfig",
+    "MaskingConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "ShardConfig",
+    "StrictModel",
+    "TokenizerConfig",
+    "TrackingConfig",
+    "TrainConfig",
 ]
 
 
@@ -79,6 +101,10 @@ class TrackingConfig(StrictModel):
     """`auto`: a rerun of the same config continues the newest unfinished run of the
     experiment that has a checkpoint (same MLflow run, same step numbering); `never`
     (`mlm-pipeline run --fresh`) always starts a new run. A FINISHED run is never resumed."""
+    keep_last_runs: int | None = Field(default=None, ge=1)
+    """After a run finishes, keep the local training state (`checkpoints/`) of only this many
+    newest FINISHED runs of the experiment, never the registered champion's nor an
+    unfinished run's (`mlm-pipeline gc --keep N` on demand); None keeps every run's."""
 
 
 class PipelineConfig(StrictModel):

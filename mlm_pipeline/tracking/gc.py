@@ -19,14 +19,18 @@ own `mlflow gc` is a different thing: it deletes runs already marked deleted fro
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.tracking.registry import CHAMPION, RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,3 +177,20 @@ def gc_report(items: list[GcItem], dry_run: bool) -> list[str]:
     lines.append(f"{'would free' if dry_run else 'freed'} {_mib(total)} ({total:,} bytes) in "
                  f"{sum(item.action == 'remove' for item in items)} run directories")
     return lines
+
+
+def keep_last_runs(tracker: MlflowTracker, cfg: PipelineConfig) -> int:
+    """After a run finished: `plan_gc` + `apply_gc` with `tracking.keep_last_runs` on the
+    run's experiment (nothing when it is None); each removal is logged.
+
+    Returns:
+        Bytes freed.
+    """
+    keep = cfg.tracking.keep_last_runs
+    if keep is None:
+        return 0
+    items = plan_gc(tracker, cfg.work_dir, keep=keep, experiment=cfg.tracking.experiment_name)
+    freed = apply_gc(items)
+    for line in gc_report([i for i in items if i.action == "remove"], dry_run=False):
+        logger.info("tracking.keep_last_runs=%d: %s", keep, line)
+    return freed

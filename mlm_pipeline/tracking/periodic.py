@@ -12,8 +12,10 @@ run already holds are not appended twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mlm_pipeline.config import FillMaskProbe, PipelineConfig
@@ -40,9 +42,29 @@ def log_fill_mask_rows(tracker: MlflowTracker, run_id: str,
     """
     rows = list(rows)
     if rows:
-        tracker.client.log_table(run_id, data={c: [r[c] for r in rows] for c in TABLE_COLUMNS},
-                                 artifact_file=FILL_MASK_TABLE)
+        # log_table downloads the table to append to it: no progress bar for that in the
+        # middle of the training log.
+        with _no_artifact_progress_bar():
+            tracker.client.log_table(run_id,
+                                     data={c: [r[c] for r in rows] for c in TABLE_COLUMNS},
+                                     artifact_file=FILL_MASK_TABLE)
     return len(rows)
+
+
+@contextlib.contextmanager
+def _no_artifact_progress_bar() -> Iterator[None]:
+    """Turn MLflow's artifact download/upload progress bar off for the block (it reads
+    `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR` at each call)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def log_final_fill_mask_rows(tracker: MlflowTracker, run_id: str, evaluated: EvalManifest,

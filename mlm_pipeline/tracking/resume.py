@@ -218,14 +218,17 @@ def failure_tags(exc: BaseException) -> tuple[str, dict[str, str]]:
 
     Returns:
         (`KILLED` for an interruption (`KeyboardInterrupt`, `TrainingInterrupted`), else
-        `FAILED`; tags `mlm.error` ("Class: message"), `mlm.error_step` and
+        `FAILED`; tags `mlm.error` ("Class: message"), `mlm.stop_reason` (`interrupted`,
+        `nonfinite` or `error`), `mlm.error_step` and
         `mlm.last_checkpoint` when the exception knows them, and `mlflow.note.content`,
         the run's description in the UI, saying what happened and how to continue).
     """
     name = type(exc).__name__
     interrupted = isinstance(exc, KeyboardInterrupt) or name == "TrainingInterrupted"
     message = str(exc).strip() or name
-    tags = {"mlm.error": f"{name}: {message}"[:2000]}
+    tags = {"mlm.error": f"{name}: {message}"[:2000],
+            "mlm.stop_reason": ("interrupted" if interrupted else
+                                "nonfinite" if name == "NonFiniteLossError" else "error")}
     step = getattr(exc, "step", None)
     checkpoint = getattr(exc, "checkpoint", None) or getattr(exc, "last_checkpoint", None)
     if step is not None:

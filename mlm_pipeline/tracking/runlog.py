@@ -143,16 +143,15 @@ def print_summary(result: dict, experiment: str) -> None:
         f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
         f"Checkpoint:    {result['checkpoint']}",
         f"Tokenizer:     {result['tokenizer_model']}",
-        (f"Training:      {result['steps']:,} steps, {result['tokens_seen']:,} tokens in "
-         f"{result['wall_time_s']['train']:,.0f} s "
-         f"({result['train_tokens_per_s_mean']:,.0f} tokens/s on average)"),
     ]
+    from mlm_pipeline.tracking.records import training_lines
+
+    lines += training_lines(result)
     if result.get("reused_stages"):
         lines.append("Reused:        " + ", ".join(result["reused_stages"])
                      + " (outputs of an earlier run with the same config and inputs)")
     if result.get("stop_reason", "max_steps") != "max_steps":
-        lines.append(f"WARNING:       training stopped early ({result['stop_reason']}: "
-                     "train.max_time_s was reached) after "
+        lines.append(f"WARNING: training stopped early ({result['stop_reason']}) after "
                      f"{result['steps']:,} steps; the metrics are those of a shorter run")
     if reg := result.get("registry"):
         from mlm_pipeline.tracking.records import registry_lines

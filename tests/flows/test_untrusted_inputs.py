@@ -127,3 +127,24 @@ def test_an_event_payload_that_is_not_a_list_of_strings_is_not_a_parameter():
     assert {"type": "array", "items": {"type": "string"}, "maxItems": 1000} in schema["anyOf"]
     # a trigger whose event has no corpus renders [""]: the config's own sources
     assert PretrainParams.model_validate({"event_sources": [""]}).event_sources is None
+
+
+def test_a_failed_data_stage_keeps_its_error_without_any_class_by_name(tmp_path, caplog):
+    """A failing cached stage: Prefect persists the exception with the stage's serializer
+    (no "Failed to write result" warning), as its type and message only; read back, it is a
+    plain RuntimeError with that text, and the failure reaches the caller unchanged."""
+    from flows.result_store import ManifestSerializer
+    from flows.pretraining import PretrainParams, mlm_pretraining
+
+    missing = tmp_path / "nowhere.txt"
+    with caplog.at_level("WARNING"):
+        state = mlm_pretraining(PretrainParams(
+            config="tiny", overrides=[*_overrides(tmp_path), f"ingest.sources=[{missing}]"]),
+            return_state=True)
+    assert state.is_failed()
+    assert "Failed to write result" not in caplog.text
+    with pytest.raises(Exception, match="nowhere.txt"):
+        state.result()
+    blob = ManifestSerializer().dumps(FileNotFoundError(f"{missing}: no such file"))
+    back = ManifestSerializer().loads(blob)
+    assert type(back) is RuntimeError and str(back) == f"FileNotFoundError: {missing}: no such file"

@@ -100,3 +100,21 @@ def test_logged_training_state_is_opt_in():
     from mlm_pipeline.config import TrackingConfig
 
     assert TrackingConfig().log_training_state is False
+
+
+def test_keep_last_runs_after_a_run_applies_to_its_experiment_only(runs):
+    """`tracking.keep_last_runs=2` (what the flow calls when a run finished): experiment a
+    keeps its two newest finished runs (f3, f4), the champion f1 and the unfinished ones;
+    experiment b is not touched."""
+    from mlm_pipeline.config import PipelineConfig
+    from mlm_pipeline.tracking.gc import keep_last_runs
+
+    tracker, work, ids = runs
+    before = {name: _du(work / "train" / rid / "checkpoints") for name, rid in ids.items()}
+    cfg = PipelineConfig(work_dir=str(work), tracking={"experiment_name": "gc-a",
+                                                        "keep_last_runs": 2})
+    assert keep_last_runs(tracker, cfg) == before["f2"]
+    gone = {name for name, rid in ids.items()
+            if not (work / "train" / rid / "checkpoints").exists()}
+    assert gone == {"f2"}
+    assert keep_last_runs(tracker, PipelineConfig(work_dir=str(work))) == 0  # None: keep all
