@@ -100,15 +100,16 @@ class LocalPrefectApi:
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
              str(self.port), "--log-level", "error", "--lifespan", "on"],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            # The child only calls prctl before exec: no lock a thread could hold is taken.
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 break
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                    f"{self.url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(

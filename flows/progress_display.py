@@ -4,7 +4,8 @@ The library reports through `mlm_pipeline.progress.Progress`; the flow's data ta
 reporter `current()` returns (with the Prefect progress artifacts beside it,
 `flows.pretraining.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for its run
 (`display`): in a terminal, `RichProgress`, one live `rich` line per stage (description,
-bar, count in its units, ETA) with the log lines printed above the bars; otherwise nothing
+bar, count in its units, ETA) with the log lines printed above the bars (the training step
+lines left out: the `train` line shows them); otherwise nothing
 is set and the tasks use `LogProgress` (log lines at a bounded rate), as under a deployment.
 
 Training reports through its metrics sink, not through this callback: `SinkRecordHandler`
@@ -23,12 +24,16 @@ import sys
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichBars
+from rich.table import Column
 
 from mlm_pipeline.progress import Progress, describe
 
 _CURRENT: Progress | None = None
+#: Columns of `RichProgress` before its status: stage 17, bar 12, percent 4, ETA 7, and
+#: the four spaces between them.
+_FIXED_COLUMNS = 17 + 12 + 4 + 7 + 4
 #: Sink keys shown on the `train` line, and their names there.
 _TRAIN_FIELDS = {"train/loss": "loss", "train/tokens_per_s": "tokens/s"}
 
@@ -50,7 +55,9 @@ def using(progress: Progress | None) -> Iterator[None]:
 
 
 class RichProgress:
-    """A `Progress` drawn as `rich` bars, one line per stage; thread-safe (rich's lock).
+    """A `Progress` drawn as `rich` bars, one line per stage: stage, bar, percent, ETA
+    (the time taken once done), then the count in its units and the fields, cut to the
+    terminal's width (80 columns leave them 36 characters). Thread-safe (rich's lock).
 
     Args:
         console: where to draw; None: a new `Console()` on stdout.
@@ -58,17 +65,25 @@ class RichProgress:
 
     def __init__(self, console: Console | None = None) -> None:
         self.bars = RichBars(
-            TextColumn("[bold]{task.description:<18}"), BarColumn(bar_width=30),
-            TextColumn("{task.fields[status]}"), TextColumn("eta"), TimeRemainingColumn(),
-            TextColumn("elapsed"), TimeElapsedColumn(),
+            TextColumn("[bold]{task.description}", table_column=Column(width=17, no_wrap=True)),
+            BarColumn(bar_width=12), TaskProgressColumn(),
+            TimeRemainingColumn(elapsed_when_finished=True),
+            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
             console=console, redirect_stdout=True, redirect_stderr=True)
         self._tasks: dict[str, tuple[int, str, dict]] = {}
+
+    def _status(self, completed: float, total: float | None, unit: str, fields: dict) -> str:
+        """The count and fields, cut to what the terminal leaves beside the other columns
+        (a line too wide for it would make rich squeeze the bar and the ETA away)."""
+        text = describe(completed, total, unit, fields, percent=False)
+        room = max(16, self.bars.console.width - _FIXED_COLUMNS)
+        return text if len(text) <= room else text[: room - 1] + "…"
 
     def start(self, stage: str, total: float | None, unit: str, description: str = "") -> None:
         """Add the stage's line (restarted if the stage was shown before)."""
         if stage in self._tasks:
             self.bars.remove_task(self._tasks[stage][0])
-        task = self.bars.add_task(stage, total=total, status=describe(0, total, unit, {}))
+        task = self.bars.add_task(stage, total=total, status=self._status(0, total, unit, {}))
         self._tasks[stage] = (task, unit, {})
 
     def update(self, stage: str, completed: float, **fields: float | str) -> None:
@@ -79,7 +94,7 @@ class RichProgress:
         shown.update(fields)
         total = self.bars.tasks[self._index(task)].total
         self.bars.update(task, completed=completed,
-                         status=describe(completed, total, unit, shown))
+                         status=self._status(completed, total, unit, shown))
 
     def finish(self, stage: str, **fields: float | str) -> None:
         """Fill the bar (to the total when known) and keep the line, stopped."""
@@ -90,7 +105,7 @@ class RichProgress:
         t = self.bars.tasks[self._index(task)]
         done = t.total if t.total is not None else t.completed
         self.bars.update(task, completed=done, total=done,
-                         status=describe(done, t.total, unit, shown))
+                         status=self._status(done, t.total, unit, shown))
         self.bars.stop_task(task)
 
     def _index(self, task: int) -> int:
@@ -136,13 +151,15 @@ class _HideSinkLines(logging.Filter):
         return record.msg != "step %d | %s"
 
 
-def _console_handlers() -> list[logging.Handler]:
-    """The handlers that draw log records on the terminal through a `rich` console
+def _terminal_handlers() -> list[logging.Handler]:
+    """The handlers that write log records to the terminal: stream handlers other than
+    files (`mlm-pipeline run`'s `RunConsole`) and those drawing through a `rich` console
     (Prefect's `PrefectConsoleHandler`)."""
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]
-    return [h for lg in loggers for h in lg.handlers if isinstance(getattr(h, "console", None),
-                                                                     Console)]
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(getattr(h, "console", None), Console) or (
+                isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler))]
 
 
 @contextlib.contextmanager
@@ -163,13 +180,16 @@ def display(max_steps: int | None, terminal: bool | None = None) -> Iterator[Pro
     handler = SinkRecordHandler(rich_progress, max_steps)
     sinks_logger = logging.getLogger("mlm_pipeline.sinks")
     hide = _HideSinkLines()
-    consoles = _console_handlers()
+    terminal_handlers = _terminal_handlers()
+    consoles = [h for h in terminal_handlers if isinstance(getattr(h, "console", None), Console)]
     with rich_progress.bars:
-        # The handlers' consoles hold the stderr of their creation: give them rich's proxy,
-        # which prints above the live bars.
+        # Prefect's consoles hold the stderr of their creation: give them rich's proxy, which
+        # prints above the live bars (a plain stream handler writing to the `sys.stderr` of
+        # the moment gets it anyway).
         files = [h.console.file for h in consoles]
         for h in consoles:
             h.console.file = sys.stderr
+        for h in terminal_handlers:
             h.addFilter(hide)
         sinks_logger.addHandler(handler)
         try:
@@ -179,4 +199,5 @@ def display(max_steps: int | None, terminal: bool | None = None) -> Iterator[Pro
             sinks_logger.removeHandler(handler)
             for h, f in zip(consoles, files):
                 h.console.file = f
+            for h in terminal_handlers:
                 h.removeFilter(hide)

@@ -61,8 +61,9 @@ class NullProgress:
 
 
 def describe(completed: float, total: float | None, unit: str,
-             fields: dict[str, float | str]) -> str:
-    """Human form of one progress state, e.g. `1,234/5,000 documents (24.7 %) | kept 1,200`.
+             fields: dict[str, float | str], percent: bool = True) -> str:
+    """Human form of one progress state, e.g. `1,234/5,000 documents (24.7 %) | kept 1,200`
+    (the percentage only with `percent` and a known total).
 
     Counts use `sinks.format_value`; bytes are shown in MiB.
     """
@@ -73,7 +74,7 @@ def describe(completed: float, total: float | None, unit: str,
 
     text = f"{num(completed)}/{num(total)} {shown}" if total is not None else (
         f"{num(completed)} {shown}")
-    if total:
+    if total and percent:
         text += f" ({100.0 * completed / total:.1f} %)"
     extra = " | ".join(f"{k} {format_value(float(v)) if isinstance(v, int | float) else v}"
                        for k, v in fields.items())

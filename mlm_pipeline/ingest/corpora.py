@@ -129,7 +129,7 @@ def fetch_debian_corpus(name: str, cache_dir: Path,
     Args:
         name: a key of `DEBIAN_CORPORA` or of `DEBIAN_CORPUS_SETS`.
         cache_dir: cache root; `.deb` files go to `debs/`, JSONL files to `corpora/`.
-        progress: reporter of stage `fetch` (packages, with `bytes` of the `.deb` files
+        progress: reporter of stage `fetch` (packages, with `deb_bytes` of the `.deb` files
             extracted); None: `mlm_pipeline.progress.active()`'s (set by `ingest`).
 
     Returns:
@@ -154,7 +154,7 @@ def fetch_debian_corpus(name: str, cache_dir: Path,
     if apt.available:
         apt.lookup(packages)
     out = [_fetch_one(n, apt, meter) for n in names]
-    meter.progress.finish("fetch", bytes=meter.bytes)
+    meter.progress.finish("fetch")
     return out
 
 
@@ -167,9 +167,9 @@ class _FetchMeter:
 
     def add(self, packages: int, deb: Path | None = None, phase: str = "download") -> None:
         """`packages` more are done (`deb`: the one just extracted)."""
-        self.done += packages
-        self.bytes += deb.stat().st_size if deb is not None else 0
-        self.progress.update("fetch", float(self.done), bytes=self.bytes, phase=phase)
+        self.done, self.bytes = self.done + packages, self.bytes + (deb.stat().st_size if deb else 0)
+        fields = {"deb_bytes": self.bytes} if self.bytes else {}
+        self.progress.update("fetch", float(self.done), phase=phase, **fields)
 
 
 # ------------------------------------------------------------------------------ apt/dpkg

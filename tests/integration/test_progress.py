@@ -210,7 +210,7 @@ def test_rich_display_shows_each_stage_in_its_units():
     bars.finish("shards train")
     bars.bars.console.print(bars.bars.get_renderable())
     text = out.getvalue()
-    assert "3.0/3.0 MiB (100.0 %) | kept 30 | dropped 4" in text
+    assert "3.0/3.0 MiB | kept 30 | dropped 4" in text
     assert "40 rows" in text
 
 
