@@ -37,6 +37,7 @@ from mlm_pipeline.config.evaluation import (
 from mlm_pipeline.config.stages import (
     DEFAULT_WARMUP_STEPS,
     MODEL_PRESETS,
+    DataPrepConfig,
     DistributedConfig,
     IngestConfig,
     MaskingConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "SEP_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",
+    "DataPrepConfig",
     "DistributedConfig",
     "EvalConfig",
     "FillMaskProbe",
@@ -123,6 +125,8 @@ class PipelineConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     linear_probe: LinearProbeConfig = LinearProbeConfig()
     tracking: TrackingConfig = TrackingConfig()
+    data: DataPrepConfig = DataPrepConfig()
+    """Where data preparation runs (one process, or a Dask cluster)."""
 
     @model_validator(mode="after")
     def _check_cross(self) -> PipelineConfig:

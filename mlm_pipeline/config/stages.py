@@ -354,3 +354,22 @@ class TrainConfig(StrictModel):
             raise ValueError(f"train: warmup_steps {self.warmup} exceeds max_steps "
                              f"{self.max_steps}; lower it or set train.warmup_ratio instead")
         return self
+
+
+class DataPrepConfig(StrictModel):
+    """Where data preparation (ingestion and shard encoding) runs; no part of any digest:
+    every executor writes the same bytes (`mlm_pipeline.ingest.partitions`,
+    `mlm_pipeline.shards.parallel`)."""
+
+    executor: Literal["local", "dask"] = "local"
+    """`local`: one process (shard encoding on threads); `dask`: ingestion and shard
+    encoding fan out over input partitions as Prefect tasks on a Dask cluster
+    (`flows/dask_prep.py`; needs the `dask` extra)."""
+    dask_address: str | None = None
+    """Scheduler of an existing Dask cluster (`tcp://host:8786`; its workers must read the
+    sources and the work directory at the same paths); None starts a local cluster."""
+    partitions: int | None = Field(default=None, ge=1)
+    """Partitions to aim at per stage (input files and byte ranges; row ranges of a
+    split); None: 4 per Dask worker."""
+    workers: int = Field(default=2, ge=1)
+    """Workers (processes) of the local cluster started when `dask_address` is None."""

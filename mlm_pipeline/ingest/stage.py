@@ -70,7 +70,7 @@ import hashlib
 import logging
 import os
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -113,8 +113,8 @@ _MAX_OFFSET = 2**31 - 1  # bytes one Arrow `string` array can hold (int32 offset
 
 
 
-def ingest(cfg: IngestConfig, work_dir: str | Path,
-           progress: Progress | None = None) -> CorpusManifest:
+def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = None,
+           accounting: Callable[[IngestConfig], Accounting] = Accounting) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus into Parquet files.
 
     Args:
@@ -125,6 +125,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path,
             sources' total (exact at each file's end, estimated from the text read within
             a file), with `read`, `kept` and `dropped` documents so far; at the end the
             count is the sources' bytes and the fields the manifest's counts.
+        accounting: what reads and cleans the records (`Accounting`, in this process;
+            `partitions.partitioned(mapper, n)` reads partitions in parallel: same output).
 
     Returns:
         The manifest: sources (path, sha256, bytes, documents read), the Parquet files of
@@ -157,7 +159,7 @@ def ingest(cfg: IngestConfig, work_dir: str | Path,
         out_dir, "ingest",
         lambda: load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256),
         lambda: _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch,
-                       progress))
+                       progress, accounting))
     if not reused:
         return cached
     logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
@@ -171,14 +173,15 @@ def ingest(cfg: IngestConfig, work_dir: str | Path,
 
 def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes: list[str],
            skipped: list[SkippedFile], digest: str, out_dir: Path,
-           watch: Stopwatch, progress: Progress) -> CorpusManifest:
+           watch: Stopwatch, progress: Progress,
+           accounting: Callable[[IngestConfig], Accounting] = Accounting) -> CorpusManifest:
     """Write the stage directory `out_dir` (the caller holds its `stage_lock`); the
     arguments and errors are `ingest`'s."""
     sizes = [source_size(f, work_dir) for f in files]
     meter = _BytesMeter(sizes, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # left by an interrupted run
-    reader = Accounting(cfg)
+    reader = accounting(cfg)
     writers = {"train": _SplitWriter(out_dir, "train"),
                "validation": _SplitWriter(out_dir, "validation")}
     seen = DigestSet()

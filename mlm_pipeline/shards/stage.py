@@ -61,9 +61,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -73,7 +71,6 @@ import pyarrow as pa
 import sentencepiece as spm
 
 from mlm_pipeline.config import CLS_ID, SEP_ID, MaskingConfig, ShardConfig
-from mlm_pipeline.ingest.documents import text_tasks
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build, temp_path
 from mlm_pipeline.manifest import (
@@ -90,6 +87,7 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.shards.format import write_arrow_from_body
+from mlm_pipeline.shards.parallel import available_cores, encoded_on_threads
 from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +100,8 @@ UINT16_VOCAB = 1 << 16
 _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32())}
 #: ShardConfig fields that do not change the shards (see `shards_digest`).
 _SCHEDULING_FIELDS = {"num_threads", "encode_batch_size", "encode_batch_bytes"}
+#: `encode(paths, dtype)`: `(documents, doc[SEP] stream)` of the files, in order (`_build`).
+Encoder = Callable[[list[Path], type], Iterator[tuple[int, np.ndarray]]]
 
 
 def _precomputed(masking: MaskingConfig | None) -> bool:
@@ -168,12 +168,6 @@ def _returning_memory_pool() -> Iterator[None]:
         pa.set_memory_pool(previous)
 
 
-def _available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):  # cores this process may run on (containers, taskset)
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def write_shards(
     cfg: ShardConfig,
     corpus: CorpusManifest,
@@ -181,6 +175,7 @@ def write_shards(
     work_dir: str | os.PathLike[str],
     masking: MaskingConfig | None = None,
     progress: Progress | None = None,
+    encode: Encoder | None = None,
 ) -> ShardManifest:
     """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
 
@@ -199,6 +194,8 @@ def write_shards(
         progress: where to report stages `shards train` and `shards validation`
             (`mlm_pipeline.progress`): documents encoded of the split's, with `rows`
             written so far (the rows' total is known only at the end: the split's `rows`).
+        encode: `(documents, doc[SEP] stream)` of a split's Parquet files, in order; None
+            encodes on threads here (`shards.parallel`: on partitions elsewhere, same bytes).
 
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
@@ -219,7 +216,7 @@ def write_shards(
         out_dir, STAGE,
         lambda: load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256),
         lambda: _build(cfg, corpus, tokenizer, masking, digest, out_dir,
-                       progress or NullProgress()))
+                       progress or NullProgress(), encode))
     if not reused:
         return cached
     logger.info("shards: reusing %s", out_dir)
@@ -228,7 +225,7 @@ def write_shards(
 
 def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
            masking: MaskingConfig | None, digest: str, out_dir: Path,
-           progress: Progress) -> ShardManifest:
+           progress: Progress, encode: Encoder | None = None) -> ShardManifest:
     """Write `out_dir` (the caller holds its `stage_lock`); errors: `write_shards`'s."""
     watch = Stopwatch()
     tok = Tokenizer.load(tokenizer)  # checks the special-token ids and the model's sha256
@@ -245,7 +242,7 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
         with _returning_memory_pool():
             progress.start(f"shards {name}", float(sum(e.rows or 0 for e in files)),
                            "documents", f"seq_len {cfg.seq_len}")
-            split = _write_split(name, paths, sp, cfg, dtype, out_dir, progress)
+            split = _write_split(name, paths, sp, cfg, dtype, out_dir, progress, encode)
             progress.finish(f"shards {name}", rows=split.rows)
         if split.rows == 0:
             if name == "train":
@@ -302,7 +299,7 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
 
 def _write_split(
     name: str, paths: list[Path], sp: spm.SentencePieceProcessor, cfg: ShardConfig,
-    dtype: str, out_dir: Path, progress: Progress,
+    dtype: str, out_dir: Path, progress: Progress, encode: Encoder | None = None,
 ) -> ShardSplit:
     """Encode, pack and write one split; see the module docstring for the packing.
 
@@ -315,35 +312,25 @@ def _write_split(
     """
     watch = Stopwatch()
     np_dtype = _DTYPES[dtype][0]
-    workers = cfg.num_threads or _available_cores()
+    workers = cfg.num_threads or available_cores()
     writer = _ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype)
     carry = np.empty(0, np_dtype)  # stream tokens not yet in a row; always < body
-    documents = tokens_in = encoded = rows = 0
-    pending: deque[tuple[int, Future[np.ndarray]]] = deque()  # (documents, their tokens)
-    with ThreadPoolExecutor(workers, thread_name_prefix="shards-encode") as pool:
-        try:
-            batches = text_tasks(paths, cfg.encode_batch_size, cfg.encode_batch_bytes)
-            while True:
-                # Keep `workers + 1` batches in flight: every worker busy, one queued.
-                while len(pending) <= workers and (task := next(batches, None)) is not None:
-                    n = sum(len(column) for column in task)
-                    documents += n
-                    pending.append((n, pool.submit(_encode_stream, sp, task, np_dtype)))
-                if not pending:
-                    break
-                n, future = pending.popleft()
-                chunk = future.result()
-                tokens_in += len(chunk)
-                stream = np.concatenate([carry, chunk]) if len(carry) else chunk
-                packed = writer.pack(stream)
-                carry = stream[packed:].copy()
-                encoded, rows = encoded + n, rows + packed // (cfg.seq_len - 1)
-                progress.update(f"shards {name}", float(encoded), rows=rows)
-        except BaseException:
-            for _, future in pending:  # drop queued batches; the pool waits for running ones
-                future.cancel()
-            writer.abort()
-            raise
+    documents = tokens_in = rows = 0
+    chunks = (encode(paths, np_dtype) if encode is not None
+              else encoded_on_threads(paths, sp, cfg, np_dtype, workers))
+    try:
+        for n, chunk in chunks:
+            documents, tokens_in = documents + n, tokens_in + len(chunk)
+            stream = np.concatenate([carry, chunk]) if len(carry) else chunk
+            packed = writer.pack(stream)
+            carry = stream[packed:].copy()
+            rows += packed // (cfg.seq_len - 1)
+            progress.update(f"shards {name}", float(documents), rows=rows)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        getattr(chunks, "close", lambda: None)()  # stops the encoders (a generator)
     shards = writer.close()
     rows_total = sum(e.rows or 0 for e in shards)
     # [SEP] is the model's eos id, which `encode` never emits for text (no `add_eos`):
@@ -364,22 +351,6 @@ def _write_split(
         remainder_content_tokens=len(carry) - separators,
         remainder_separators=separators,
     )
-
-
-def _encode_stream(
-    sp: spm.SentencePieceProcessor, columns: list[pa.Array], dtype: type
-) -> np.ndarray:
-    """`doc1 [SEP] doc2 [SEP] ...` of one batch of texts, as a flat `dtype` array.
-
-    Texts go to SentencePiece as UTF-8 bytes (Arrow's own buffers, no str decoding; the ids
-    are those of the str) and come back as int32 arrays (`out_type="numpy"`), never as
-    Python int lists.
-    """
-    texts = [t for column in columns for t in column.cast(pa.large_binary()).to_pylist()]
-    pieces = sp.encode(texts, out_type="numpy", num_threads=1)
-    sep = np.array([SEP_ID], np.int32)
-    # One pass: [pieces0, SEP, pieces1, SEP, ...] cast to the storage dtype while copying.
-    return np.concatenate([a for p in pieces for a in (p, sep)], dtype=dtype, casting="unsafe")
 
 
 class _ShardWriter:
