@@ -29,7 +29,8 @@ Speed and memory. Documents are read from Parquet in batches of at most
 alone) and encoded on `num_threads` worker threads, one batch per task with a
 single-threaded SentencePiece call (it releases the GIL), ids returned as numpy arrays;
 packing and writing run in the calling thread, in batch order, so the shards are
-byte-identical for any thread count. Each shard's sha256 is computed while it is written.
+byte-identical for any thread count (or on partitions elsewhere, `write_shards(encode=...)`,
+`mlm_pipeline.shards.parallel`). Each shard's sha256 is computed while it is written.
 Rows are appended to the shard's temporary body file as they are packed, and the shard is
 written around it when full (`_ShardWriter`), so memory is a few batches in flight, never a
 whole shard or split; Arrow allocates from a pool that returns freed memory meanwhile

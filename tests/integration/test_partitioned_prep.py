@@ -106,3 +106,24 @@ def test_partitioned_shards_are_byte_identical(tmp_path, tiny_shard_config,
     assert _stable(many) == _stable(one)
     assert len(one.train.shards) > 1
     assert _tree_sha256(Path(many.output_dir)) == _tree_sha256(Path(one.output_dir))
+
+
+@pytest.mark.parametrize("on_bad_file", ["skip", "fail"])
+def test_partitioned_ingest_bad_files_as_single_process(tmp_path, tiny_paragraphs, on_bad_file):
+    src = _write_inputs(tmp_path, tiny_paragraphs)
+    (src / "b2.json").write_text('{"text": "not an array"}', encoding="utf-8")
+    (src / "b3.json").write_text('[{"text": "un"}] [2]', encoding="utf-8")
+    cfg = IngestConfig(sources=[str(src)], on_bad_file=on_bad_file)
+    if on_bad_file == "fail":
+        with pytest.raises(ValueError) as one:
+            ingest(cfg, tmp_path / "one")
+        with pytest.raises(ValueError) as many:
+            ingest(cfg, tmp_path / "many", accounting=partitioned(map, 9))
+        assert str(many.value) == str(one.value)
+        assert "b2.json" in str(one.value) and "b3.json" in str(one.value)
+        return
+    one = ingest(cfg, tmp_path / "one")
+    many = ingest(cfg, tmp_path / "many", accounting=partitioned(map, 9))
+    assert [b.path for b in one.bad_files] == [str(src / "b2.json"), str(src / "b3.json")]
+    assert _stable(many) == _stable(one)
+    assert _tree_sha256(Path(many.output_dir)) == _tree_sha256(Path(one.output_dir))
