@@ -169,7 +169,7 @@ def record_data(
             (a `ValueError` naming the manifest; nothing outside is logged or read).
     """
     tracker.set_tags(run_id, data_tags(corpus, tokenizer, shards))
-    tracker.client.log_inputs(run_id, datasets=shard_inputs(shards))
+    tracker.log_inputs(run_id, shard_inputs(shards))
     accounting = data_accounting(corpus, tokenizer, shards)
     tracker.log_params(run_id, {f"data.{k}": v for k, v in accounting.items()})
     tracker.log_dict(run_id, accounting, "data/accounting.json")

@@ -297,6 +297,11 @@ class MlflowTracker:
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
 
+    def log_inputs(self, run_id: str, datasets: list[Any]) -> None:
+        """Log dataset inputs of the run (`mlflow.entities.DatasetInput`s, e.g.
+        `lineage.shard_inputs`): the UI's dataset view, searchable by digest."""
+        self.client.log_inputs(run_id, datasets=datasets)
+
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Set tags in batches of 100 (values stringified, cut to 8000 characters)."""
         from mlflow.entities import RunTag

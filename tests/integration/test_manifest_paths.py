@@ -111,6 +111,12 @@ class _RecordingTracker:
     def log_metrics(self, run_id, metrics, step) -> None:
         pass
 
+    def log_params(self, run_id, params) -> None:
+        pass
+
+    def log_inputs(self, run_id, datasets) -> None:
+        pass
+
     def log_dict(self, run_id, obj, name) -> None:
         pass
 
