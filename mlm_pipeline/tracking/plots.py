@@ -231,5 +231,5 @@ def compare_figure(curves: Sequence[Curve], title: str | None = None) -> Figure:
     ax.set_title(title or "eval/loss (held out) against tokens seen")
     ax.grid(alpha=0.3)
     if curves:
-        ax.legend(loc="upper right")
+        ax.legend(loc="best")  # clear of the lines (upper right hid their ends)
     return fig
