@@ -35,7 +35,12 @@ from prefect.serializers import Serializer
 from prefect.settings import get_current_settings
 from pydantic import Field
 
-from mlm_pipeline.manifest import CorpusManifest, Manifest, ShardManifest, TokenizerManifest
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    Manifest,
+    ShardManifest,
+    TokenizerManifest,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,8 @@ def rss_mib(pid: int) -> float:
     pids = [pid]
     try:
         pids += [int(p) for p in subprocess.run(["pgrep", "-g", str(os.getpgid(pid))],
-                                                capture_output=True, text=True).stdout.split()]
+                                                capture_output=True, text=True,
+                                                check=False).stdout.split()]
     except ProcessLookupError:
         return 0.0
     for p in set(pids):

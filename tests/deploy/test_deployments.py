@@ -253,3 +253,45 @@ def test_retraining_and_gpu_deployments_queue_one_run_at_a_time(deployed):
             assert dep.global_concurrency_limit is not None, name
             assert dep.global_concurrency_limit.limit == 1
             assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
+
+
+def test_two_pool_deployment_runs_its_halves_as_deployments(deployed):
+    """Issue 16, item 4: with `stages`, mlm-pretraining runs prepare-data and train-evaluate
+    as deployments of their own (here both on the process pool), waits for each, and the
+    MLflow run it opened is finished by the train-evaluate child on the prepared shards."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    params = json.dumps({"config_file": deployed["config"], "overrides": ["train.max_steps=2"]})
+    stages = json.dumps({"prepare_data": "prepare-data/prepare-cpu",
+                         "train_evaluate": "train-evaluate/train-cpu"})
+    out = _prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
+                   "--param", f"params={params}", "--param", f"stages={stages}",
+                   "--watch", "--watch-timeout", "500")
+    parent_id = _flow_run_id(out.stdout)
+    with _client(deployed) as client:
+        parent = client.read_flow_run(parent_id)
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+        by_deployment = {client.read_deployment(c.deployment_id).name: c for c in children
+                         if c.deployment_id is not None}
+    assert parent.state.is_completed(), parent.state
+    assert {k: c.state.name for k, c in by_deployment.items()} == {
+        "prepare-cpu": "Completed", "train-cpu": "Completed"}
+    prepare, train = by_deployment["prepare-cpu"], by_deployment["train-cpu"]
+    assert "shards" in _task_states(deployed, str(prepare.id))
+    assert not {"ingest", "tokenizer", "shards"} & set(_task_states(deployed, str(train.id)))
+    mlflow = MlflowClient(tracking_uri=deployed["env"]["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.get_experiment_by_name("deploy-test")
+    (run,) = mlflow.search_runs([experiment.experiment_id],
+                                filter_string=f"tags.`prefect.flow_run_id` = '{parent_id}'")
+    assert run.info.status == "FINISHED"
+    # The child got the run's id and the prepared manifests (JSON): the same shards.
+    assert train.parameters["mlflow_run_id"] == run.info.run_id
+    assert train.parameters["data"]["shards"]["digest"] == run.data.tags["digest.shards"]
+    assert run.data.params["train.max_steps"] == "2"
+    # One name: the parent flow run's, the MLflow run's and the train-evaluate child's.
+    assert run.info.run_name == parent.name == train.name
+    assert "eval/mlm_accuracy" in run.data.metrics

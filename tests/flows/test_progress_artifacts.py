@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from flows.pretraining import PretrainParams, mlm_pretraining
-from tests.flows.test_pretraining_flow import _overrides
+from tests.flows.test_pretraining_flow import _overrides, run_tree
 
 
 @pytest.mark.slow  # a whole flow run: about a minute on two cores
@@ -24,7 +24,7 @@ def test_data_stages_publish_progress_artifacts(tmp_path, caplog):
     assert state.is_completed()
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+            flow_run_id=ArtifactFilterFlowRunId(any_=run_tree(state.state_details.flow_run_id))))
     progress = {a.key: float(a.data) for a in artifacts if a.type == "progress"}
     for key in ("ingest-progress", "tokenizer-progress", "shards-train-progress",
                 "shards-validation-progress", "evaluate-progress", "training-progress"):

@@ -1,0 +1,203 @@
+"""Parameters of the pipeline's flows, as the Prefect UI shows them and the server checks.
+
+- `PretrainParams`: which config, with which overrides (every flow takes it).
+- `PreparedData`: what `train-evaluate` needs to find the data `prepare-data` made: the
+  paths of the three stage manifests in the shared work directory, each with its digest.
+- `StageDeployments`: the deployments (`flow-name/deployment-name`) the `mlm-pretraining`
+  flow starts with `run_deployment`; unset, it runs both halves as subflows in its process.
+
+Imported by the flow modules next to it (relatively, or as a top-level module when Prefect
+loads a flow file as a script; see `flows/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field, field_validator
+
+from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config_files import load_config, shipped_configs
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    Manifest,
+    ShardManifest,
+    TokenizerManifest,
+    read_manifest,
+)
+from mlm_pipeline.tracking import records as pipeline
+
+#: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
+ShippedConfig = Literal[tuple(sorted(shipped_configs()))]  # type: ignore[valid-type]
+
+M = TypeVar("M", bound=Manifest)
+
+
+class PretrainParams(BaseModel):
+    """Parameters of a pretraining run. The Prefect UI shows them as a form with these
+    descriptions, and the server rejects an out-of-range value before a worker starts."""
+
+    config: ShippedConfig = Field(
+        "tiny", description="Shipped config to start from (configs/NAME.yaml).")
+    config_file: str | None = Field(
+        None, description="Path of a YAML config on the worker; replaces `config` when set.")
+    max_steps: int | None = Field(
+        None, ge=1, le=100_000_000, description="Optimizer steps (train.max_steps).")
+    lr: float | None = Field(
+        None, gt=0.0, le=1.0, description="Peak learning rate (train.lr).")
+    preset: Literal["bert", "modern"] | None = Field(
+        None, description="Model architecture (model.preset).")
+    vocab_size: int | None = Field(
+        None, ge=128, le=1_000_000, description="Tokenizer vocabulary (tokenizer.vocab_size).")
+    seq_len: int | None = Field(
+        None, ge=16, le=8192, description="Tokens per training row (shards.seq_len).")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Dotted overrides applied last, e.g. `train.warmup_ratio=0.1`.")
+    event_sources: list[str] | None = Field(
+        None, max_length=1000, description="Corpus sources named by an event (the "
+        "corpus.updated trigger): they replace ingest.sources, and each must match the "
+        "config's ingest.allowed_sources, or the run stops before reading anything.")
+
+    @field_validator("config_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        """An event template renders a missing `config_file` as an empty string."""
+        return None if value == "" else value
+
+    @field_validator("event_sources", mode="before")
+    @classmethod
+    def _no_empty_sources(cls, value: Any) -> Any:
+        """An event without a corpus renders `["{{ event.payload.corpus }}"]` as `[""]`."""
+        if isinstance(value, list) and all(v == "" for v in value):
+            return None
+        return value
+
+    def resolved(self) -> tuple[str, list[str]]:
+        """(config name or path, overrides): the typed fields become overrides, applied
+        before the free-form ones."""
+        typed = {"train.max_steps": self.max_steps, "train.lr": self.lr,
+                 "model.preset": self.preset, "tokenizer.vocab_size": self.vocab_size,
+                 "shards.seq_len": self.seq_len}
+        extra = [f"{k}={v}" for k, v in typed.items() if v is not None]
+        return self.config_file or self.config, extra + list(self.overrides)
+
+    def load(self) -> PipelineConfig:
+        """The config these parameters name, with `event_sources` applied (checked against
+        `ingest.allowed_sources` first).
+
+        Raises:
+            The errors of `load_config` and `with_event_sources` (a bad override, a source
+            the config does not allow).
+        """
+        cfg = load_config(*self.resolved())
+        if self.event_sources is not None:
+            from mlm_pipeline.ingest.allowed import with_event_sources
+
+            cfg = with_event_sources(cfg, self.event_sources)
+        return cfg
+
+
+class ManifestRef(BaseModel):
+    """One stage manifest in the shared work directory: its `manifest.json` and digest."""
+
+    path: str = Field(description="Absolute path of the stage's manifest.json.")
+    digest: str = Field(description="The manifest's digest (64 hex characters).")
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ManifestRef:
+        """The reference of a loaded manifest."""
+        return cls(path=str(manifest.path), digest=manifest.digest)
+
+    def read(self, cls: type[M]) -> M:
+        """Load the manifest as `cls` and check it is the one referenced, with its files.
+
+        Raises:
+            FileNotFoundError: the manifest, or a file it lists, is missing or changed
+                (a work directory other than the one `prepare-data` wrote, or cleaned).
+            ValueError: the file is not a valid `cls`, or its digest is not `digest`.
+        """
+        manifest = read_manifest(self.path, cls)
+        if manifest.digest != self.digest:
+            raise ValueError(f"{self.path}: digest {manifest.digest[:16]}, the prepared data "
+                             f"names {self.digest[:16]}: the stage was rebuilt since")
+        if not pipeline.outputs_exist(manifest):
+            raise FileNotFoundError(f"{self.path}: files it lists are missing or changed; "
+                                    "run prepare-data again")
+        return manifest
+
+
+class PreparedData(BaseModel):
+    """What `prepare-data` made and `train-evaluate` reads: the three manifests, by path
+    and digest, in the work directory both flows share (a path every worker sees).
+
+    Content-addressed: a stage's directory is `<work_dir>/<stage>/<digest[:16]>`, so a
+    reference stays valid until that stage is deleted; `load` checks digests and files.
+    """
+
+    corpus: ManifestRef
+    tokenizer: ManifestRef
+    shards: ManifestRef
+
+    @classmethod
+    def of(cls, corpus: CorpusManifest, tokenizer: TokenizerManifest,
+           shards: ShardManifest) -> PreparedData:
+        """The references of three loaded manifests."""
+        return cls(corpus=ManifestRef.of(corpus), tokenizer=ManifestRef.of(tokenizer),
+                   shards=ManifestRef.of(shards))
+
+    def load(self, cfg: PipelineConfig
+             ) -> tuple[CorpusManifest, TokenizerManifest, ShardManifest]:
+        """The three manifests, checked (`ManifestRef.read`) and matched to `cfg`: the
+        tokenizer and shards must be what `cfg.tokenizer`, `cfg.shards` and `cfg.masking`
+        make from this corpus (their digests, computed without reading any data). Settings
+        outside the data sections (`train.*`, `model.*`, `eval.*`) are free: a sweep.
+
+        Raises:
+            ValueError: a digest differs (the data was prepared with other tokenizer,
+                shards or masking settings), or the errors of `ManifestRef.read`.
+        """
+        from mlm_pipeline.shards import shards_digest
+        from mlm_pipeline.tokenizer import tokenizer_digest
+
+        corpus = self.corpus.read(CorpusManifest)
+        tokenizer = self.tokenizer.read(TokenizerManifest)
+        shards = self.shards.read(ShardManifest)
+        if tokenizer.digest != tokenizer_digest(cfg.tokenizer, corpus):
+            raise ValueError(f"{self.tokenizer.path}: not the tokenizer this config's "
+                             "`tokenizer` section makes from this corpus; prepare the data "
+                             "with the same config")
+        if shards.digest != shards_digest(cfg.shards, corpus, tokenizer, cfg.masking):
+            raise ValueError(f"{self.shards.path}: not the shards this config's `shards` and "
+                             "`masking` sections make; prepare the data with the same config")
+        return corpus, tokenizer, shards
+
+
+class StageDeployments(BaseModel):
+    """The deployments the `mlm-pretraining` flow runs its two halves as (each on its
+    own work pool), named `flow-name/deployment-name`."""
+
+    prepare_data: str = Field(
+        "prepare-data/prepare-cpu", description="Deployment of the prepare-data flow (CPU).")
+    train_evaluate: str = Field(
+        "train-evaluate/train-gpu", description="Deployment of the train-evaluate flow (GPU).")
+
+
+def flow_run_name() -> str:
+    """A flow run's name, shared with its MLflow run: `tracking.run_name` when the config
+    sets it, else `records.run_name` (config name, model preset, steps and a short random
+    suffix), e.g. `tiny-modern-1000-3fa2c1`; `mlm-pretraining-<suffix>` when the
+    parameters do not load (the flow run then fails on them, with the error)."""
+    try:
+        params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
+        cfg = load_config(*params.resolved())
+    except Exception:  # noqa: BLE001 - the flow itself reports bad parameters
+        return pipeline.run_name(None)
+    return cfg.tracking.run_name or pipeline.run_name(cfg)
+
+
+def work_dir_of(cfg: PipelineConfig) -> Path:
+    """The work directory, absolute."""
+    return Path(cfg.work_dir).expanduser().resolve()

@@ -1,0 +1,247 @@
+"""The `train-evaluate` flow: train -> evaluate -> record -> register (the GPU work pool).
+
+It takes a config (`PretrainParams`) and the data `prepare-data` made (`PreparedData`: the
+manifests by path and digest in the shared work directory), so one preparation serves any
+number of training runs (a sweep over `train.*`, `model.*`, `eval.*`): no data stage runs
+here. The data sections of the config must be those the data was prepared with (checked by
+digest, `PreparedData.load`).
+
+The MLflow run: the `mlflow_run_id` parameter names the one `mlm-pretraining` opened;
+without it (started alone) this flow opens its own, or continues this job's unfinished one
+(`tracking.resume`). Here the data is recorded on it (lineage belongs to the training run),
+and it is closed at the end: FINISHED, or FAILED/KILLED with the reason
+(`resume.failure_tags`); a cancelled or crashed flow run's hook closes it.
+
+Imported by `pretraining.py`, next to it (relatively, or as a top-level module when Prefect
+loads a flow file as a script; see `flows/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+
+from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.manifest import (
+    EvalManifest,
+    ShardManifest,
+    TokenizerManifest,
+    TrainManifest,
+)
+from mlm_pipeline.sinks import AfterStepSink, MultiSink, StdoutSink
+from mlm_pipeline.tracking import MlflowTracker, resume
+from mlm_pipeline.tracking import records as pipeline
+
+try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
+    from . import tracking_tasks as tracking
+    from .pretrain_params import PreparedData, PretrainParams, flow_run_name
+    from .task_support import IO_RETRIES, NOT_CACHED, PrefectProgressSink, data_progress
+except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
+    import tracking_tasks as tracking
+    from pretrain_params import PreparedData, PretrainParams, flow_run_name
+    from task_support import IO_RETRIES, NOT_CACHED, PrefectProgressSink, data_progress
+
+#: The flow's entry point (`prefect.yaml`), recorded as `mlflow.source.name` of the runs it
+#: opens itself.
+ENTRYPOINT = "flows/train_evaluate.py:train_evaluate_flow"
+
+
+@contextlib.contextmanager
+def stop_gracefully() -> Iterator[None]:
+    """While training runs in the main thread, SIGINT and SIGTERM ask the loop to checkpoint
+    the step it reached and stop (`TrainingInterrupted`) instead of aborting it mid-step;
+    a second signal goes to the handler that was there before (Prefect's, or Python's
+    KeyboardInterrupt). Elsewhere (a worker thread) nothing is installed."""
+    from mlm_pipeline.train import loop
+
+    previous: dict[int, Any] = {}
+
+    def handler(signum, frame) -> None:
+        if signum in previous and not loop.stop_requested():
+            logging.getLogger(__name__).warning(
+                "%s: checkpointing the step reached, then stopping (send it again to stop "
+                "at once)", signal.Signals(signum).name)
+            loop.request_stop()
+            return
+        old = previous.get(signum)
+        if callable(old):
+            old(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        loop.clear_stop()
+
+
+def _curable(task, task_run, state) -> bool:
+    """Retry training only for what a second try can cure (I/O, a lost connection, a
+    runtime error such as out-of-memory): never a non-finite loss, an interruption, a
+    damaged checkpoint, a config error or bad input."""
+    try:
+        state.result()
+    except (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError):
+        return False
+    except Exception as exc:  # noqa: BLE001 - classified by name: flows import no torch code
+        if type(exc).__name__ in ("NonFiniteLossError", "TrainingInterrupted"):
+            return False
+        return isinstance(exc, (OSError, ConnectionError, TimeoutError, RuntimeError))
+    return False
+
+
+@task(name="train", retries=1, retry_condition_fn=_curable, **NOT_CACHED)
+def train_task(
+    cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest, run_id: str
+) -> TrainManifest:
+    """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
+    run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
+    only the steps it does not hold yet (one value per step and key). With
+    `train.distributed` asking for several processes, torchrun runs the training
+    (`train.launch.run_torchrun`): its output streams into this task's log, its failure
+    names the failing rank, and the metrics reach MLflow from `metrics.jsonl` at the end."""
+    from mlm_pipeline.tracking.periodic import periodic_evaluator
+    from mlm_pipeline.train import train
+
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    held = resume.last_logged_step(tracker, run_id)
+    mlflow_sink = tracker.sink(run_id)
+    if cfg.train.distributed.world_size > 1:
+        from prefect import get_run_logger
+        from prefect.exceptions import MissingContextError
+
+        from mlm_pipeline.train.launch import replay_metrics, run_torchrun
+
+        try:
+            log = get_run_logger()
+        except MissingContextError:  # called as `train_task.fn()` outside a run
+            log = logging.getLogger(__name__)
+        if cfg.eval.every_steps is not None:
+            log.warning("eval.every_steps: periodic evaluation does not run inside a "
+                        "torchrun launch; the evaluate stage runs after training")
+        sink = MultiSink(AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
+                         PrefectProgressSink(cfg.train.max_steps))
+        with tracker.system_metrics(run_id):
+            try:
+                trained = run_torchrun(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                                       tracking.train_dir(cfg, run_id), on_line=log.info)
+                replay_metrics(trained.file(trained.metrics_log), sink)
+                return trained
+            finally:
+                sink.close()
+    evaluator = periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held or 0)
+    sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
+                     PrefectProgressSink(cfg.train.max_steps))
+    with tracker.system_metrics(run_id):
+        try:
+            with stop_gracefully():
+                return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                             tracking.train_dir(cfg, run_id), sink, evaluator)
+        finally:
+            sink.close()
+
+
+@task(name="evaluate", **NOT_CACHED)
+def evaluate_task(
+    cfg: PipelineConfig, trained: TrainManifest, shards: ShardManifest,
+    tokenizer: TokenizerManifest,
+) -> EvalManifest:
+    """Held-out masked-token metrics, fill-mask probes and the downstream linear probe."""
+    from mlm_pipeline.evaluate import evaluate
+
+    return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe,
+                    data_progress())
+
+
+@task(name="record-results", **NOT_CACHED, **IO_RETRIES)
+def record_results_task(
+    cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest
+) -> None:
+    """Log eval metrics, probes and the final checkpoint to the MLflow run."""
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    pipeline.record_results(tracker, run_id, cfg, trained, evaluated)
+
+
+@task(name="publish-model", **NOT_CACHED, **IO_RETRIES)
+def publish_model_task(
+    cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest,
+    tokenizer: TokenizerManifest,
+) -> dict[str, Any] | None:
+    """Log the exported model as the run's MLflow model and register it: `challenger`
+    always, `champion` when better on the same data (None when `tracking.log_model` is off)."""
+    if not cfg.tracking.log_model:
+        return None
+    from mlm_pipeline.tracking import registry
+
+    name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
+    return registry.publish(MlflowTracker.from_config(cfg.tracking), run_id, name, trained,
+                            evaluated, tokenizer.output_dir,
+                            next((p.text for p in cfg.eval.probes), "[MASK]."))
+
+
+@flow(name="train-evaluate", flow_run_name=flow_run_name, **tracking.CLOSING_HOOKS)
+def train_evaluate_flow(
+    params: PretrainParams, data: PreparedData, mlflow_run_id: str | None = None,
+    started_at: float | None = None, entrypoint: str = ENTRYPOINT,
+) -> dict[str, Any]:
+    """Train and evaluate on prepared data, register the model, close the MLflow run;
+    returns the run summary.
+
+    Args:
+        params: the config (its data sections must be those `data` was prepared with).
+        data: the manifests `prepare-data` returned.
+        mlflow_run_id: the MLflow run to go on with (opened by `mlm-pretraining`); None
+            opens one (or continues this job's unfinished one).
+        started_at: Unix time (s) the pipeline run started: stages made before it are
+            listed as reused in the summary (default: this flow run's start).
+        entrypoint: `mlflow.source.name` of a run opened here (on a data change).
+
+    Raises:
+        ValueError, FileNotFoundError: `data` is missing, changed, or does not match the
+            config (`PreparedData.load`); then the errors of the stages.
+    """
+    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
+    started_at = time.time() if started_at is None else started_at
+    cfg = params.load()
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    run_id = (tracking.keep_name(tracker, mlflow_run_id) if mlflow_run_id
+              else tracking.start_tracking(cfg, entrypoint))
+    try:
+        corpus, tokenizer, shards = data.load(cfg)
+        run_id = tracking.record_data_task(cfg, run_id, corpus, tokenizer, shards, entrypoint)
+        from mlm_pipeline.evaluate import check_evaluable  # torch: not at import time
+
+        check_evaluable(shards)
+        trained = train_task(cfg, shards, tokenizer, run_id)
+        evaluated = evaluate_task(cfg, trained, shards, tokenizer)
+        record_results_task(cfg, run_id, trained, evaluated)
+        registered = publish_model_task(cfg, run_id, trained, evaluated, tokenizer)
+    except BaseException as exc:
+        tracking.end_tracking(cfg, run_id, *resume.failure_tags(exc))
+        raise
+    tracking.end_tracking(cfg, run_id, "FINISHED")
+    if cfg.tracking.keep_last_runs is not None:
+        from mlm_pipeline.tracking.gc import keep_last_runs
+
+        keep_last_runs(tracker, cfg)
+    summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
+                               started_at, registered)
+    markdown = pipeline.summary_markdown(summary)
+    tracker.set_tags(run_id, {"mlflow.note.content": markdown})  # the run's description
+    create_markdown_artifact(key="run-summary", markdown=markdown,
+                             description="final metrics and the MLflow run")
+    return summary
