@@ -19,7 +19,7 @@ otherwise log lines at a bounded rate (`mlm_pipeline.progress.LogProgress`).
 
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
 is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
-handler is the train task's, `flows.pretraining.stop_gracefully`). A second signal, or one
+handler is the train task's, `flows.train_evaluate.stop_gracefully`). A second signal, or one
 outside training, stops at once.
 """
 

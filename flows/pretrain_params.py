@@ -12,7 +12,6 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from prefect.runtime import flow_run
@@ -197,7 +196,3 @@ def flow_run_name() -> str:
         return pipeline.run_name(None)
     return cfg.tracking.run_name or pipeline.run_name(cfg)
 
-
-def work_dir_of(cfg: PipelineConfig) -> Path:
-    """The work directory, absolute."""
-    return Path(cfg.work_dir).expanduser().resolve()

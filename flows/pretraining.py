@@ -46,7 +46,7 @@ try:  # a package: flows.pretraining (checkout) or mlm_pipeline_flows.pretrainin
         tokenizer_task,
     )
     from .pretrain_params import (
-        PreparedData,
+        PreparedData,  # noqa: F401 - re-exported for tests and users
         PretrainParams,
         StageDeployments,
         flow_run_name,
@@ -56,7 +56,6 @@ try:  # a package: flows.pretraining (checkout) or mlm_pipeline_flows.pretrainin
 except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
     from prepare_data import locate_prepared, prepare_data_flow
     from pretrain_params import (
-        PreparedData,
         PretrainParams,
         StageDeployments,
         flow_run_name,
@@ -126,7 +125,7 @@ def mlm_pretraining(
             "params": json_params, "data": data.model_dump(mode="json"), **passed})
         return {"mlflow_run_id": run_id, "prepare_data_flow_run_id": str(prepared.id),
                 "train_evaluate_flow_run_id": str(trained.id),
-                "data": PreparedData.model_validate(data).model_dump(mode="json")}
+                "data": data.model_dump(mode="json")}
     except BaseException as exc:
         end_tracking(cfg, run_id, *resume.failure_tags(exc), if_running=True)
         raise

@@ -2,7 +2,7 @@
 
 The library reports through `mlm_pipeline.progress.Progress`; the flow's data tasks take the
 reporter `current()` returns (with the Prefect progress artifacts beside it,
-`flows.pretraining.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for its run
+`flows.task_support.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for its run
 (`display`): in a terminal, `RichProgress`, one live `rich` line per stage (description,
 bar, count in its units, ETA) with the log lines printed above the bars (the training step
 lines left out: the `train` line shows them); otherwise nothing

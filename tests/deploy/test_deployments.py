@@ -77,12 +77,27 @@ def _client(deployed):
         yield client
 
 
+def _run_tree(deployed, flow_run_id: str) -> list:
+    """A flow run's id and its child flow runs' (the prepare-data and train-evaluate
+    subflows or deployment runs under mlm-pretraining)."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    with _client(deployed) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    return [flow_run_id, *(str(c.id) for c in children)]
+
+
 def _task_states(deployed, flow_run_id: str) -> dict[str, str]:
+    """Task run name (without its suffix) -> state name, in the flow run and its children."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with _client(deployed) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=_run_tree(deployed, flow_run_id))))
     return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
 
 
@@ -135,7 +150,7 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
 
     with _client(deployed) as client:
         logs = client.read_logs(log_filter=LogFilter(
-            flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            flow_run_id=LogFilterFlowRunId(any_=_run_tree(deployed, flow_run_id))))
     library = [log for log in logs if log.name.startswith("mlm_pipeline")]
     assert any(run.info.run_id in log.message for log in library), [l.message for l in logs]
     assert any("train/loss" in log.message for log in library)
@@ -259,11 +274,6 @@ def test_two_pool_deployment_runs_its_halves_as_deployments(deployed):
     """Issue 16, item 4: with `stages`, mlm-pretraining runs prepare-data and train-evaluate
     as deployments of their own (here both on the process pool), waits for each, and the
     MLflow run it opened is finished by the train-evaluate child on the prepared shards."""
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
-
     params = json.dumps({"config_file": deployed["config"], "overrides": ["train.max_steps=2"]})
     stages = json.dumps({"prepare_data": "prepare-data/prepare-cpu",
                          "train_evaluate": "train-evaluate/train-cpu"})
@@ -273,8 +283,7 @@ def test_two_pool_deployment_runs_its_halves_as_deployments(deployed):
     parent_id = _flow_run_id(out.stdout)
     with _client(deployed) as client:
         parent = client.read_flow_run(parent_id)
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+        children = [client.read_flow_run(i) for i in _run_tree(deployed, parent_id)[1:]]
         by_deployment = {client.read_deployment(c.deployment_id).name: c for c in children
                          if c.deployment_id is not None}
     assert parent.state.is_completed(), parent.state
