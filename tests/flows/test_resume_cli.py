@@ -193,6 +193,8 @@ def test_killed_run_resumes_bit_for_bit_in_the_same_mlflow_run(case, references,
     for key, values in history.items():
         steps = [s for s, _ in values]
         assert len(steps) == len(set(steps)), f"{key}: a step logged twice: {steps}"
+        if key.startswith("system/"):  # sampled every 10 s of wall clock: counts vary
+            continue
         assert steps == [s for s, _ in ref_history[key]], key
     max_dloss = 0.0
     for key in EXACT_KEYS:
