@@ -117,7 +117,16 @@ def _fresh(stage_task, *args):
 
 
 def prepare(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest, ShardManifest]:
-    """Run the three data stages (cached) in the current flow run; returns their manifests."""
+    """Run the three data stages (cached) in the current flow run; returns their manifests.
+    With `data.executor: dask` the partition work (reading and cleaning input partitions,
+    encoding documents) fans out on a Dask cluster (`dask_prep.prepare_partitioned`): the
+    same digests and byte-identical files."""
+    if cfg.data.executor == "dask":
+        try:
+            from .dask_prep import prepare_partitioned
+        except ImportError:  # loaded as a script by Prefect
+            from dask_prep import prepare_partitioned
+        return prepare_partitioned(cfg)
     corpus = _fresh(ingest_task, cfg)
     tokenizer = _fresh(tokenizer_task, cfg, corpus)
     return corpus, tokenizer, _fresh(shards_task, cfg, corpus, tokenizer)
