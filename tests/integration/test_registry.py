@@ -227,6 +227,7 @@ def test_bad_source_is_one_line(case, command, runs, uri, tmp_path, capsys):
         "alias": (f"models:/{NAME}@nope", "no such MLflow model"),
     }[case]
     rest = [str(tmp_path / "o")] if command == "export" else [TEXT]
+    capsys.readouterr()  # what the setup logged (starting a run) is not the command's output
     assert cli.main([command, source, *rest, "--tracking-uri", uri]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mlm-pipeline: error: ") and expect in err and source in err
