@@ -29,7 +29,6 @@ prefect, dask nor torch.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -41,15 +40,15 @@ from mlm_pipeline.ingest.accounting import Accounting
 from mlm_pipeline.ingest.readers import (
     Record,
     _logged,
-    _object_record,
     _screened,
+    jsonl_records,
     read_records,
+    txt_records,
 )
 from mlm_pipeline.ingest.sources import (
     _WIDE_BOMS,
     BadFileError,
     Source,
-    decode,
     is_url,
     raw_lines,
     source_name,
@@ -164,6 +163,7 @@ class _Range:
         self.left = None if end is None else end - start
 
     def read(self, n: int = -1) -> bytes:
+        """Up to `n` bytes (all that is left of the range when `n` < 0); b"" at its end."""
         if self.left is not None:
             n = self.left if n < 0 else min(n, self.left)
         data = self.f.read(n)
@@ -172,50 +172,26 @@ class _Range:
         return data
 
     def close(self) -> None:
+        """Close the file."""
         self.f.close()
 
 
 def _range_records(part: Partition, cfg: IngestConfig) -> Iterator[Record]:
-    """The records of a byte-range partition, as `readers._txt` / `readers._jsonl` give
-    them for the same lines of the whole file (ids and positions by absolute line)."""
+    """The records of a byte-range partition, as `readers.txt_records` /
+    `readers.jsonl_records` give them for the same lines of the whole file (ids and
+    positions by absolute line)."""
     name, jsonl = source_name(part.path), source_name(part.path).endswith(".jsonl")
 
     def rows() -> Iterator[tuple[int, Record]]:
         f = _Range(part.path, part.start, part.end)
-        lines: list[str] = []
-        start, repairs = 0, set()
         try:
-            for lineno, raw in enumerate(raw_lines(f, _CHUNK), part.first_line):
-                text, fixes = decode(raw, lineno == 1)
-                if jsonl:
-                    if text.strip():
-                        obj = _json_object(text)
-                        yield lineno, _object_record(obj, cfg.text_field, name, lineno, fixes)
-                    continue
-                if not text.strip():
-                    if lines:
-                        yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
-                        lines, repairs = [], set()
-                    else:
-                        repairs |= fixes & {"bom"}
-                    continue
-                if not lines:
-                    start = lineno
-                lines.append(text)
-                repairs |= fixes
-            if lines:
-                yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
+            raw = raw_lines(f, _CHUNK)
+            yield from (jsonl_records(raw, name, cfg.text_field, part.first_line) if jsonl
+                        else txt_records(raw, name, False, part.first_line))
         finally:
             f.close()
 
     return _logged(part.path, "line", cfg.text_field, _screened(rows()))
-
-
-def _json_object(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError):
-        return None
 
 
 class _Tally(dict):

@@ -55,7 +55,7 @@ import logging
 import re
 import secrets
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -235,40 +235,68 @@ def _object_record(obj, field: str, name: str, pos: int, fixes: set[str]) -> Rec
 # --------------------------------------------------------------------------------- formats
 # Each reader yields (position, record): the position (line, element or row, from 1) is
 # the one its ids use, for the warnings of `_logged`.
-def _txt(path: Source, by_file: bool) -> Iterator[tuple[int, Record]]:
-    name = source_name(path)
+def txt_records(raw: Iterable[bytes], name: str, by_file: bool = False,
+                first_line: int = 1) -> Iterator[tuple[int, Record]]:
+    """`.txt` records from raw lines (bytes, terminators removed): one per blank-line
+    separated paragraph, or one for all lines (`by_file`).
+
+    Args:
+        raw: the lines, e.g. `sources.raw_lines` of the file or of a byte range of it.
+        name: the source's name (ids are `<name>:<first line of the document>`).
+        by_file: one document for all lines instead of one per paragraph.
+        first_line: the number of the first line in the whole file (a byte range starts
+            later; only line 1 may carry a BOM).
+
+    Yields:
+        (first line of the document, its `Record`), in order.
+    """
     lines: list[str] = []
     start, repairs = 0, set()
-    with open_utf8(path) as f:
-        for lineno, raw in enumerate(raw_lines(f), 1):
-            line, fixes = decode(raw, lineno == 1)
-            if not by_file and not line.strip():
-                if lines:
-                    yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
-                    lines, repairs = [], set()
-                else:
-                    repairs |= fixes & {"bom"}  # a BOM on a blank line: next document
-                continue
-            if not lines:
-                start = lineno
-            lines.append(line)
-            repairs |= fixes
+    for lineno, line_bytes in enumerate(raw, first_line):
+        line, fixes = decode(line_bytes, lineno == 1)
+        if not by_file and not line.strip():
+            if lines:
+                yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
+                lines, repairs = [], set()
+            else:
+                repairs |= fixes & {"bom"}  # a BOM on a blank line: next document
+            continue
+        if not lines:
+            start = lineno
+        lines.append(line)
+        repairs |= fixes
     if lines:
         yield start, Record(f"{name}:{start}", "\n".join(lines), name, repairs)
 
 
-def _jsonl(path: Source, field: str) -> Iterator[tuple[int, Record]]:
-    name = source_name(path)
+def jsonl_records(raw: Iterable[bytes], name: str, field: str,
+                  first_line: int = 1) -> Iterator[tuple[int, Record]]:
+    """`.jsonl` records from raw lines (as `txt_records`): one per non-blank line, the text
+    in `field` (a line that is not a JSON object holding it gives a record that
+    `_screened` drops and counts, as `_object_record` says).
+
+    Yields:
+        (line number in the whole file, its `Record`), in order.
+    """
+    for lineno, line_bytes in enumerate(raw, first_line):
+        line, fixes = decode(line_bytes, lineno == 1)
+        if not line.strip():
+            continue  # a blank line is no record
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
+            obj = None
+        yield lineno, _object_record(obj, field, name, lineno, fixes)
+
+
+def _txt(path: Source, by_file: bool) -> Iterator[tuple[int, Record]]:
     with open_utf8(path) as f:
-        for lineno, raw in enumerate(raw_lines(f), 1):
-            line, fixes = decode(raw, lineno == 1)
-            if not line.strip():
-                continue  # a blank line is no record
-            try:
-                obj = json.loads(line)
-            except (ValueError, RecursionError):  # RecursionError: nested too deeply
-                obj = None
-            yield lineno, _object_record(obj, field, name, lineno, fixes)
+        yield from txt_records(raw_lines(f), source_name(path), by_file)
+
+
+def _jsonl(path: Source, field: str) -> Iterator[tuple[int, Record]]:
+    with open_utf8(path) as f:
+        yield from jsonl_records(raw_lines(f), source_name(path), field)
 
 
 def _reopen_text(path: Source) -> tuple[io.TextIOWrapper, set[str]]:
