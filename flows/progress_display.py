@@ -148,6 +148,7 @@ class _HideSinkLines(logging.Filter):
     """Keeps the step lines of `StdoutSink` off the terminal (the `train` bar shows them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for a `StdoutSink` step line, True for every other record."""
         return record.msg != "step %d | %s"
 
 

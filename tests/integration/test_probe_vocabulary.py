@@ -22,43 +22,24 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import EvalConfig, FillMaskProbe
-from mlm_pipeline.config.evaluation import GUIDE_PROBES
+from mlm_pipeline.config.evaluation import DOMAIN_PROBES, GUIDE_PROBES
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.ingest import ingest
 from mlm_pipeline.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.slow
 
-#: Probes from the default corpus's domain (LibreOffice help, Debian handbook and
-#: reference). Each answer occurred at least 200 times in the tiny run's training text when
-#: they were written (debian:fr of Debian 12: `noyau` 229 ... `document` 4,052).
-DOMAIN_PROBES: tuple[FillMaskProbe, ...] = (
-    FillMaskProbe(text="Pour installer un [MASK], utilisez la commande apt.",
-                  answers=["paquet", "logiciel", "programme"]),
-    FillMaskProbe(text="Appuyez sur la [MASK] Entrée pour valider votre saisie.",
-                  answers=["touche"]),
-    FillMaskProbe(text="Cliquez sur le [MASK] OK pour fermer la boîte de dialogue.",
-                  answers=["bouton"]),
-    FillMaskProbe(text="Sélectionnez une [MASK] du tableau, puis saisissez la formule.",
-                  answers=["cellule", "colonne", "ligne", "plage"]),
-    FillMaskProbe(text="Le [MASK] Linux gère la mémoire et les périphériques de la machine.",
-                  answers=["noyau", "système"]),
-    FillMaskProbe(text="Enregistrez le [MASK] avant de fermer l'application.",
-                  answers=["document", "fichier"]),
-    FillMaskProbe(text="Pour changer la [MASK] des caractères, choisissez Format - Caractères.",
-                  answers=["police", "taille", "couleur"]),
-    FillMaskProbe(text="Le [MASK] web répond aux requêtes des clients sur le port 80.",
-                  answers=["serveur"]),
-)
 MIN_COUNT = 200  # occurrences in the training text for "a frequent word of the domain"
 
 
 def probes_under_test() -> list[FillMaskProbe]:
-    """The domain probes above and every default probe that is not one of the guide's."""
+    """Every default probe that is not one of the guide's (the domain probes: each answer
+    occurred at least 200 times in the tiny run's training text when they were written,
+    debian:fr of Debian 12: `noyau` 229 ... `document` 4,052)."""
     guide = {p.text for p in GUIDE_PROBES}
-    extra = [p for p in EvalConfig().probes if p.text not in guide]
-    known = {p.text for p in DOMAIN_PROBES}
-    return list(DOMAIN_PROBES) + [p for p in extra if p.text not in known]
+    probes = [p for p in EvalConfig().probes if p.text not in guide]
+    assert {p.text for p in DOMAIN_PROBES} <= {p.text for p in probes}
+    return probes
 
 
 def squash(text: str) -> str:
