@@ -35,7 +35,7 @@ from mlm_pipeline.manifest import (
     TokenizerManifest,
     TrainManifest,
 )
-from mlm_pipeline.sinks import AfterStepSink, MultiSink, StdoutSink
+from mlm_pipeline.sinks import MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
@@ -112,40 +112,18 @@ def train_task(
     run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
     only the steps it does not hold yet (one value per step and key). With
     `train.distributed` asking for several processes, torchrun runs the training
-    (`train.launch.run_torchrun`): its output streams into this task's log, its failure
-    names the failing rank, and the metrics reach MLflow from `metrics.jsonl` at the end."""
-    from mlm_pipeline.tracking.periodic import periodic_evaluator
+    (`train.launch.run_torchrun` with the tracking entry `tracking.torchrun_entry`): rank 0
+    logs the metrics and the periodic evaluations to MLflow as it trains, the ranks' output
+    streams into this task's log (the progress artifact follows rank 0's metric lines), and
+    a failure names the failing rank."""
+    from mlm_pipeline.tracking.torchrun_entry import live_tracking
     from mlm_pipeline.train import train
 
     tracker = MlflowTracker.from_config(cfg.tracking)
-    held = resume.last_logged_step(tracker, run_id)
-    mlflow_sink = tracker.sink(run_id)
     if cfg.train.distributed.world_size > 1:
-        from prefect import get_run_logger
-        from prefect.exceptions import MissingContextError
-
-        from mlm_pipeline.train.launch import replay_metrics, run_torchrun
-
-        try:
-            log = get_run_logger()
-        except MissingContextError:  # called as `train_task.fn()` outside a run
-            log = logging.getLogger(__name__)
-        if cfg.eval.every_steps is not None:
-            log.warning("eval.every_steps: periodic evaluation does not run inside a "
-                        "torchrun launch; the evaluate stage runs after training")
-        sink = MultiSink(AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
-                         PrefectProgressSink(cfg.train.max_steps))
-        with tracker.system_metrics(run_id):
-            try:
-                trained = run_torchrun(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                                       tracking.train_dir(cfg, run_id), on_line=log.info)
-                replay_metrics(trained.file(trained.metrics_log), sink)
-                return trained
-            finally:
-                sink.close()
-    evaluator = periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held or 0)
-    sink = MultiSink(StdoutSink(), AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
-                     PrefectProgressSink(cfg.train.max_steps))
+        return _train_torchrun(cfg, shards, tokenizer, run_id, tracker)
+    mlflow_sink, evaluator = live_tracking(cfg, shards, tokenizer, tracker, run_id)
+    sink = MultiSink(StdoutSink(), mlflow_sink, PrefectProgressSink(cfg.train.max_steps))
     with tracker.system_metrics(run_id):
         try:
             with stop_gracefully():
@@ -153,6 +131,35 @@ def train_task(
                              tracking.train_dir(cfg, run_id), sink, evaluator)
         finally:
             sink.close()
+
+
+def _train_torchrun(cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest,
+                    run_id: str, tracker: MlflowTracker) -> TrainManifest:
+    """`train_task` under torchrun: rank 0 of the launch feeds MLflow (sinks, periodic
+    evaluator, system metrics); here every output line goes to the task log, and rank 0's
+    metric lines move the progress artifact."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    from mlm_pipeline.tracking import torchrun_entry
+    from mlm_pipeline.train.launch import run_torchrun, sink_line_step
+
+    try:
+        log = get_run_logger()
+    except MissingContextError:  # called as `train_task.fn()` outside a run
+        log = logging.getLogger(__name__)
+    extra = torchrun_entry.launch_extra(cfg, run_id, tracker)  # refuses FSDP2 + every_steps
+    progress = PrefectProgressSink(cfg.train.max_steps)
+
+    def on_line(line: str) -> None:
+        log.info(line)
+        step = sink_line_step(line)
+        if step is not None:
+            progress.log({}, step)
+
+    return run_torchrun(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                        tracking.train_dir(cfg, run_id), on_line=on_line,
+                        entry=torchrun_entry.ENTRY, extra=extra)
 
 
 @task(name="evaluate", **NOT_CACHED)

@@ -5,19 +5,23 @@ shard and tokenizer manifests) to `<out_dir>/launch/`, starts
 
     python -m torch.distributed.run --nproc-per-node N --nnodes M
         (--standalone | --rdzv-backend c10d --rdzv-endpoint HOST:PORT)
-        --log-dir <out_dir>/launch/torchrun-<time> -m mlm_pipeline.train.launch
+        --log-dir <out_dir>/launch/torchrun-<time> -m <entry>
         --inputs <out_dir>/launch/inputs.json --out-dir <out_dir>
 
 (`torch.distributed.run` is what the `torchrun` command runs), hands every line of its
-output to a callback as it comes, and reads back the `TrainManifest` rank 0 wrote. On a
+output to a callback as it comes, and reads back the `TrainManifest` rank 0 wrote. The
+entry module is `mlm_pipeline.train.launch` (`ENTRY`) unless the caller names another (the
+tracking stage's `mlm_pipeline.tracking.torchrun_entry`, which logs to MLflow live); what
+such an entry needs beyond the training inputs travels in `inputs.json` under `extra`. On a
 failure it raises `DistributedTrainingError` with the root cause: the earliest error that a
 rank recorded through the `torch.distributed.elastic` error file (`@record` on `main`,
 written to the per-rank `error.json` under `--log-dir`), naming the rank and the exception.
 
 `main` is the entry point each rank runs: it reads the inputs, calls `stage.train` (which
 joins the process group from the variables torchrun sets) and lets rank 0 write the
-manifest. Metrics reach the launcher as log lines (`StdoutSink` on rank 0);
-`metrics.jsonl` holds them all.
+manifest. Metrics reach the launcher as log lines (`StdoutSink` on rank 0; `sink_line_step`
+reads their step back); `metrics.jsonl` holds them all. Another entry module reuses
+`parse_rank_args`, `rank_logging`, `read_launch_inputs` and `recorded`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
 from mlm_pipeline.manifest import (
@@ -41,7 +48,6 @@ from mlm_pipeline.manifest import (
     atomic_write_text,
     read_manifest,
 )
-from mlm_pipeline.sinks import MetricsSink
 
 logger = logging.getLogger(__name__)
 
@@ -63,25 +69,69 @@ class DistributedTrainingError(RuntimeError):
         self.rank, self.returncode = rank, returncode
 
 
+@dataclass(frozen=True)
+class LaunchInputs:
+    """What every rank of a launch reads from `inputs.json`: the arguments of `stage.train`
+    and the entry module's `extra` (a JSON object, empty for `ENTRY`)."""
+
+    train: TrainConfig
+    model: ModelConfig
+    masking: MaskingConfig
+    shards: ShardManifest
+    tokenizer: TokenizerManifest
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 def write_launch_inputs(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                         shards: ShardManifest, tokenizer: TokenizerManifest,
-                        out_dir: Path) -> Path:
+                        out_dir: Path, extra: Mapping[str, Any] | None = None) -> Path:
     """Write what every rank needs to `<out_dir>/launch/inputs.json` (configs and manifests
-    as JSON) and return its path."""
+    as JSON, `extra` under its own key) and return its path.
+
+    Raises:
+        TypeError: `extra` holds a value JSON cannot represent.
+    """
     path = out_dir / "launch" / "inputs.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({
         "train": cfg.model_dump(mode="json"), "model": model.model_dump(mode="json"),
         "masking": masking.model_dump(mode="json"),
         "shards": shards.model_dump(mode="json"),
-        "tokenizer": tokenizer.model_dump(mode="json")}, indent=2))
+        "tokenizer": tokenizer.model_dump(mode="json"), "extra": dict(extra or {})},
+        indent=2))
     return path
 
 
-def torchrun_command(cfg: TrainConfig, inputs: Path, out_dir: Path, log_dir: Path) -> list[str]:
-    """The `torch.distributed.run` command line of a launch (`train.distributed`): one
-    node uses `--standalone` (a free local port), several the c10d rendezvous at
-    `rdzv_endpoint`."""
+def read_launch_inputs(path: str | Path) -> LaunchInputs:
+    """Read `inputs.json` back (`write_launch_inputs`).
+
+    Raises:
+        ValueError: the file is not JSON, or a section is missing or invalid (the file and
+            the section are named).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    kinds = {"train": TrainConfig, "model": ModelConfig, "masking": MaskingConfig,
+             "shards": ShardManifest, "tokenizer": TokenizerManifest}
+    values: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        if key not in data:
+            raise ValueError(f"{path}: section {key!r} is missing")
+        try:
+            values[key] = kind.model_validate(data[key])
+        except ValueError as exc:
+            raise ValueError(f"{path}: section {key!r}: {exc}") from exc
+    return LaunchInputs(**values, extra=dict(data.get("extra") or {}))
+
+
+def torchrun_command(cfg: TrainConfig, inputs: Path, out_dir: Path, log_dir: Path,
+                     entry: str = ENTRY) -> list[str]:
+    """The `torch.distributed.run` command line of a launch (`train.distributed`) running
+    module `entry` on every rank: one node uses `--standalone` (a free local port), several
+    the c10d rendezvous at `rdzv_endpoint`."""
     dist = cfg.distributed
     cmd = [sys.executable, "-m", "torch.distributed.run",
            "--nproc-per-node", str(dist.nproc_per_node), "--nnodes", str(dist.nnodes),
@@ -90,7 +140,7 @@ def torchrun_command(cfg: TrainConfig, inputs: Path, out_dir: Path, log_dir: Pat
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", dist.rdzv_endpoint]
     else:
         cmd += ["--standalone"]
-    return [*cmd, "-m", ENTRY, "--inputs", str(inputs), "--out-dir", str(out_dir)]
+    return [*cmd, "-m", entry, "--inputs", str(inputs), "--out-dir", str(out_dir)]
 
 
 def root_cause(log_dir: Path) -> tuple[int | None, str] | None:
@@ -115,7 +165,8 @@ def root_cause(log_dir: Path) -> tuple[int | None, str] | None:
 
 def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                  shards: ShardManifest, tokenizer: TokenizerManifest, out_dir: str | Path,
-                 on_line: Callable[[str], None] = logger.info) -> TrainManifest:
+                 on_line: Callable[[str], None] = logger.info, entry: str = ENTRY,
+                 extra: Mapping[str, Any] | None = None) -> TrainManifest:
     """Train with `train.distributed.nproc_per_node x nnodes` ranks under torchrun.
 
     Args:
@@ -123,6 +174,10 @@ def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
         out_dir: the run's directory (as for `stage.train`); it must be on storage every
             node shares.
         on_line: receives each line torchrun and the ranks print, as it comes.
+        entry: the module every rank runs (`python -m entry --inputs ... --out-dir ...`;
+            it must call `stage.train` on every rank).
+        extra: what `entry` needs beyond the training inputs (JSON values), written to
+            `inputs.json` under `extra` (`LaunchInputs.extra`), never on the command line.
 
     Returns:
         The `TrainManifest` rank 0 wrote to `out_dir/manifest.json`.
@@ -133,9 +188,9 @@ def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
             and the last lines of output).
     """
     out = Path(out_dir).expanduser().resolve()
-    inputs = write_launch_inputs(cfg, model, masking, shards, tokenizer, out)
+    inputs = write_launch_inputs(cfg, model, masking, shards, tokenizer, out, extra)
     log_dir = out / "launch" / f"torchrun-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    cmd = torchrun_command(cfg, inputs, out, log_dir)
+    cmd = torchrun_command(cfg, inputs, out, log_dir, entry)
     on_line("launching: " + " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: deque[str] = deque(maxlen=20)
@@ -162,29 +217,17 @@ def run_torchrun(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     return read_manifest(out / "manifest.json", TrainManifest)
 
 
-def replay_metrics(path: Path, sink: MetricsSink) -> int:
-    """Deliver every record of a `metrics.jsonl` to `sink` (a launch's ranks cannot reach
-    the caller's sink; values written as `null`, non-finite, are left out).
+#: A rank-0 `StdoutSink` line as `rank_logging` formats it: `[rank 0] INFO
+#: mlm_pipeline.sinks: step 12 | train/loss 5.1 | ...`.
+_SINK_LINE = re.compile(r"\[rank 0\] INFO mlm_pipeline\.sinks: step (\d+) \| ")
 
-    Returns:
-        The number of records delivered.
 
-    Raises:
-        ValueError: a line is not valid JSON (the file and line are named).
-    """
-    count = 0
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from exc
-        step = int(record.pop("step"))
-        sink.log({k: v for k, v in record.items() if v is not None}, step)
-        count += 1
-    sink.flush()
-    return count
+def sink_line_step(line: str) -> int | None:
+    """The step of a metrics line rank 0's `StdoutSink` printed (`rank_logging` format),
+    None for any other line (another rank's, a warning, torchrun's own): how a launcher
+    follows the training's progress from its output."""
+    match = _SINK_LINE.search(line)
+    return int(match[1]) if match else None
 
 
 def _error_handler():
@@ -207,24 +250,50 @@ def _error_handler():
     return RankErrorHandler()
 
 
-def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m {ENTRY}",
+def parse_rank_args(argv: list[str] | None, entry: str) -> argparse.Namespace:
+    """The command line of an entry module `entry` (`--inputs`, `--out-dir`).
+
+    Raises:
+        SystemExit: an argument is missing (argparse's usage message).
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m {entry}",
                                      description="one rank of a torchrun training launch")
     parser.add_argument("--inputs", required=True, help="inputs.json of write_launch_inputs")
     parser.add_argument("--out-dir", required=True, help="the run's directory")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def rank_logging() -> int:
+    """Send this rank's log records to stdout, prefixed `[rank N]` (INFO on rank 0,
+    warnings only on the others), and return the global rank (`RANK`, 0 when unset)."""
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(stream=sys.stdout, level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    return rank
+
+
+def recorded(entry_main: Callable[[list[str] | None], None],
+             argv: list[str] | None = None) -> None:
+    """Run `entry_main(argv)` so that an exception is recorded in torchrun's error file with
+    this rank and a nanosecond time (`root_cause` reads it), then raised.
+
+    Raises:
+        Exception: whatever `entry_main` raises.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(entry_main, error_handler=_error_handler())(argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    args = parse_rank_args(argv, ENTRY)
+    rank = rank_logging()
     from mlm_pipeline.sinks import StdoutSink
     from mlm_pipeline.train.stage import train
 
-    data = json.loads(Path(args.inputs).read_text())
-    train(TrainConfig.model_validate(data["train"]), ModelConfig.model_validate(data["model"]),
-          MaskingConfig.model_validate(data["masking"]),
-          ShardManifest.model_validate(data["shards"]),
-          TokenizerManifest.model_validate(data["tokenizer"]), args.out_dir,
-          sink=StdoutSink() if rank == 0 else None)
+    inputs = read_launch_inputs(args.inputs)
+    train(inputs.train, inputs.model, inputs.masking, inputs.shards, inputs.tokenizer,
+          args.out_dir, sink=StdoutSink() if rank == 0 else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,9 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     Raises:
         Exception: whatever `stage.train` raises on this rank.
     """
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(_main, error_handler=_error_handler())(argv)
+    recorded(_main, argv)
 
 
 if __name__ == "__main__":

@@ -249,15 +249,31 @@ def train(
         world.close()
 
 
+def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
+    """Refuse periodic evaluation during a several-rank FSDP2 run: the evaluator runs on
+    rank 0 alone, while each FSDP2 rank holds only a shard of the parameters (a forward
+    pass gathers them collectively, with every rank taking part).
+
+    Args:
+        distributed: the run has several ranks.
+        strategy: `train.distributed.strategy` (`ddp` or `fsdp2`).
+
+    Raises:
+        ValueError: `distributed` and `strategy` is `fsdp2`.
+    """
+    if distributed and strategy == "fsdp2":
+        raise ValueError("eval.every_steps: periodic evaluation during training runs on "
+                         "rank 0 alone, which FSDP2's sharded parameters do not allow: use "
+                         "train.distributed.strategy ddp or turn periodic evaluation off")
+
+
 def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
            shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
            sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
            watch: Stopwatch) -> TrainManifest:
     """`train` once the process group (if any) is up: rank 0 alone writes files."""
-    if evaluator is not None and world.distributed and world.strategy == "fsdp2":
-        raise ValueError("periodic evaluation during training runs on rank 0 alone, which "
-                         "FSDP2's sharded parameters do not allow: use "
-                         "train.distributed.strategy ddp or turn periodic evaluation off")
+    if evaluator is not None:
+        refuse_fsdp2_evaluation(world.distributed, world.strategy)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if cfg.verify_shards:

@@ -23,9 +23,12 @@ from mlm_pipeline.train.distributed import FAIL_RANK_ENV
 from mlm_pipeline.train.launch import (
     DistributedTrainingError,
     _error_handler,
+    read_launch_inputs,
     root_cause,
     run_torchrun,
+    sink_line_step,
     torchrun_command,
+    write_launch_inputs,
 )
 
 #: every torchrun test starts two interpreters importing torch (about 20 s each launch)
@@ -87,6 +90,8 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_config, tiny_shard_man
     # the ranks' output reached the callback, metrics as rank 0's lines only
     assert any("[rank 0]" in line and "train/loss" in line for line in lines)
     assert not any("[rank 1]" in line and "train/loss" in line for line in lines)
+    # ... from which a launcher follows the progress: steps 1-4, once each
+    assert [s for s in map(sink_line_step, lines) if s is not None] == [1, 2, 3, 4]
 
 
 @slow
@@ -194,6 +199,10 @@ def test_torchrun_command_and_rendezvous_rule(tmp_path):
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--standalone" in cmd and cmd[cmd.index("--nproc-per-node") + 1] == "4"
     assert cmd[-6:-4] == ["-m", "mlm_pipeline.train.launch"]
+    other = torchrun_command(one_node, tmp_path / "in.json", tmp_path, tmp_path / "logs",
+                             entry="mlm_pipeline.tracking.torchrun_entry")
+    assert other[-6:] == ["-m", "mlm_pipeline.tracking.torchrun_entry", "--inputs",
+                          str(tmp_path / "in.json"), "--out-dir", str(tmp_path)]
     with pytest.raises(ValueError, match="nnodes 2 needs rdzv_endpoint"):
         DistributedConfig(nproc_per_node=8, nnodes=2)
     two = _cfg(1, 2, distributed=DistributedConfig(nproc_per_node=8, nnodes=2,
@@ -201,3 +210,27 @@ def test_torchrun_command_and_rendezvous_rule(tmp_path):
     assert two.distributed.world_size == 16
     cmd = torchrun_command(two, tmp_path / "in.json", tmp_path, tmp_path / "logs")
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "head:29400" and "--standalone" not in cmd
+
+
+def test_launch_inputs_round_trip_with_an_entrys_extra(tmp_path, tiny_model_config,
+                                                       tiny_shard_manifest,
+                                                       tiny_tokenizer_manifest):
+    cfg, extra = _cfg(2, 2), {"run_id": "abc", "nested": {"uri": "sqlite:///x.db"}}
+    path = write_launch_inputs(cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
+                               tiny_tokenizer_manifest, tmp_path, extra)
+    back = read_launch_inputs(path)
+    assert (back.train, back.model, back.masking) == (cfg, tiny_model_config, MaskingConfig())
+    assert back.shards == tiny_shard_manifest and back.tokenizer == tiny_tokenizer_manifest
+    assert back.extra == extra
+    data = json.loads(path.read_text())
+    del data["shards"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"inputs\.json: section 'shards' is missing"):
+        read_launch_inputs(path)
+
+
+def test_sink_line_step_reads_rank_0_metric_lines_only():
+    assert sink_line_step("[rank 0] INFO mlm_pipeline.sinks: step 12 | train/loss 5.1") == 12
+    assert sink_line_step("[rank 1] INFO mlm_pipeline.sinks: step 12 | train/loss 5.1") is None
+    assert sink_line_step("[rank 0] INFO mlm_pipeline.train.stage: step 12 | resumed") is None
+    assert sink_line_step("[rank 0] WARNING mlm_pipeline.sinks: step 3 | x 1") is None
