@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from flows.pretraining import PretrainParams, mlm_pretraining
 from flows.train_evaluate import train_task
 from mlm_pipeline.train.distributed import FAIL_RANK_ENV
-from tests.flows.test_pretraining_flow import _overrides
+from tests.flows.test_pretraining_flow import _overrides, run_tree
 
 
 def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
@@ -57,6 +57,14 @@ def test_flow_trains_with_two_ranks(tmp_path, monkeypatch):
         run_id, "eval/fill_mask_table.json", str(tmp_path / "dl"))).read_text())
     step_column = table["columns"].index("step")
     assert {row[step_column] for row in table["data"]} == {2, 4, 6}
+    # the progress artifact followed rank 0's metric lines to the last step
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=run_tree(state.state_details.flow_run_id))))
+    assert float({a.key: a for a in artifacts}["training-progress"].data) == 100.0
     # one torchrun launch; its checkpoint was written by a run of two ranks
     assert len(list((train_dir / "launch").glob("torchrun-*"))) == 1
     state_json = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
