@@ -4,7 +4,8 @@ fan out over input partitions as Prefect tasks on `prefect_dask.DaskTaskRunner`.
 `prepare_partitioned(cfg)` runs the subflow `prepare-data-dask` with a Dask task runner: a
 local cluster of `data.workers` worker processes when `data.dask_address` is None, else the
 existing cluster at that address (its workers must read the sources and the work directory
-at the same paths: a shared file system). In it:
+at the same paths: a shared file system, or a URL work directory with the same cache
+directory and credentials on every worker, `mlm_pipeline.store`). In it:
 
 * ingestion: `read-partition` tasks read and clean the input partitions (files, byte ranges
   of large `.jsonl` / `.txt` files: `mlm_pipeline.ingest.partitions`); the merge
@@ -39,13 +40,19 @@ PARTITIONS_PER_WORKER = 4
 
 
 @task(name="partition", cache_policy=NO_CACHE, persist_result=False)
-def partition_task(fn: Callable[[Any], Any], item: Any) -> Any:
+def partition_task(fn: Callable[[Any], Any], item: Any, work_dir: str) -> Any:
     """`fn(item)` on a Dask worker: `read_partition` or `encode_partition` bound to its
-    config (`functools.partial`), `item` the partition. Not cached: the stage around it is."""
+    config (`functools.partial`), `item` the partition. Not cached: the stage around it is.
+    A URL `work_dir` gets its local mirror on the worker first (`store.work_root`), so the
+    documents a partition reads through its manifest are fetched from the store."""
+    from mlm_pipeline.store import work_root
+
+    work_root(work_dir)
     return fn(item)
 
 
-def task_mapper(name: str) -> Callable[[Callable[[Any], Any], list[Any]], Iterator[Any]]:
+def task_mapper(name: str, work_dir: str
+                ) -> Callable[[Callable[[Any], Any], list[Any]], Iterator[Any]]:
     """A `Mapper` (`mlm_pipeline.ingest.partitions.Mapper`) that submits one `name` task per
     item to the flow's task runner at once and yields the results in the items' order.
 
@@ -55,7 +62,7 @@ def task_mapper(name: str) -> Callable[[Callable[[Any], Any], list[Any]], Iterat
     named = partition_task.with_options(name=name)
 
     def mapper(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
-        futures = named.map(unmapped(fn), items)
+        futures = named.map(unmapped(fn), items, unmapped(work_dir))
         for future in futures:
             yield future.result()
 
@@ -96,10 +103,10 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
 
     n = partition_count(cfg)
     corpus = ingest(cfg.ingest, cfg.work_dir,
-                    accounting=partitioned(task_mapper("read-partition"), n))
+                    accounting=partitioned(task_mapper("read-partition", cfg.work_dir), n))
     tokenizer = train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
     encode = partitioned_encoder(Tokenizer.load(tokenizer).path, cfg.shards,
-                                 task_mapper("encode-partition"), n)
+                                 task_mapper("encode-partition", cfg.work_dir), n)
     shards = write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking,
                           encode=encode)
     return corpus, tokenizer, shards

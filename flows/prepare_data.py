@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -30,9 +29,10 @@ from mlm_pipeline.manifest import (
     CorpusManifest,
     ShardManifest,
     TokenizerManifest,
-    read_manifest,
+    find_manifest,
     stage_dir,
 )
+from mlm_pipeline.store import work_root
 from mlm_pipeline.tracking import records as pipeline
 
 try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
@@ -49,10 +49,12 @@ ENTRYPOINT = "flows/prepare_data.py:prepare_data_flow"
 
 
 def _in_work_dir(cfg: PipelineConfig, key: str) -> str:
-    """`key` qualified by the absolute work directory: Prefect's result cache is shared by
-    every flow run of a user (`PREFECT_HOME`), and a hit from another checkout would return
-    a manifest whose files live in that checkout's work directory, not in this one."""
-    work_dir = str(Path(cfg.work_dir).expanduser().resolve())
+    """`key` qualified by the absolute work directory (a URL one's local mirror): Prefect's
+    result cache is shared by every flow run of a user (`PREFECT_HOME`), and a hit from
+    another checkout would return a manifest whose files live in that checkout's work
+    directory, not in this one."""
+    # The directory the manifest's paths are in: a URL work directory's local mirror.
+    work_dir = str(work_root(cfg.work_dir))
     return f"{key}-{hashlib.sha256(work_dir.encode()).hexdigest()[:16]}"
 
 
@@ -148,11 +150,12 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
     from mlm_pipeline.tokenizer import tokenizer_digest
 
     def read(stage, digest, cls):
-        path = stage_dir(cfg.work_dir, stage, digest) / "manifest.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no {stage} output for this config in work_dir "
-                                    f"{cfg.work_dir} (prepare-data did not make it there)")
-        return read_manifest(path, cls)
+        try:  # in the work directory, or in a URL one's store
+            return find_manifest(stage_dir(cfg.work_dir, stage, digest), cls)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{exc}: no {stage} output for this config in work_dir "
+                                    f"{cfg.work_dir} (prepare-data did not make it there)"
+                                    ) from exc
 
     corpus = read("ingest", ingest_digest(cfg.ingest, cfg.work_dir), CorpusManifest)
     tokenizer = read("tokenizer", tokenizer_digest(cfg.tokenizer, corpus), TokenizerManifest)

@@ -12,6 +12,7 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from prefect.runtime import flow_run
@@ -24,8 +25,9 @@ from mlm_pipeline.manifest import (
     Manifest,
     ShardManifest,
     TokenizerManifest,
-    read_manifest,
+    find_manifest,
 )
+from mlm_pipeline.store import remote_url, work_id, work_root
 from mlm_pipeline.tracking import records as pipeline
 
 #: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
@@ -104,21 +106,30 @@ class ManifestRef(BaseModel):
 
     path: str = Field(description="Absolute path of the stage's manifest.json.")
     digest: str = Field(description="The manifest's digest (64 hex characters).")
+    url: str | None = Field(None, description="The manifest's URL in the store of a URL "
+                            "work directory (None: a local work directory).")
 
     @classmethod
     def of(cls, manifest: Manifest) -> ManifestRef:
         """The reference of a loaded manifest."""
-        return cls(path=str(manifest.path), digest=manifest.digest)
+        return cls(path=str(manifest.path), digest=manifest.digest,
+                   url=remote_url(manifest.path))
 
-    def read(self, cls: type[M]) -> M:
+    def read(self, cls: type[M], work_dir: str | None = None) -> M:
         """Load the manifest as `cls` and check it is the one referenced, with its files.
+        With a `url` inside the URL work directory `work_dir`, it is read in this
+        machine's mirror of it, or from the store (the machine that prepared the data
+        had its own mirror).
 
         Raises:
             FileNotFoundError: the manifest, or a file it lists, is missing or changed
                 (a work directory other than the one `prepare-data` wrote, or cleaned).
             ValueError: the file is not a valid `cls`, or its digest is not `digest`.
         """
-        manifest = read_manifest(self.path, cls)
+        path = Path(self.path)
+        if self.url and work_dir and self.url.startswith(work_id(work_dir) + "/"):
+            path = work_root(work_dir) / self.url[len(work_id(work_dir)) + 1:]
+        manifest = find_manifest(path.parent, cls)
         if manifest.digest != self.digest:
             raise ValueError(f"{self.path}: digest {manifest.digest[:16]}, the prepared data "
                              f"names {self.digest[:16]}: the stage was rebuilt since")
@@ -161,9 +172,9 @@ class PreparedData(BaseModel):
         from mlm_pipeline.shards import shards_digest
         from mlm_pipeline.tokenizer import tokenizer_digest
 
-        corpus = self.corpus.read(CorpusManifest)
-        tokenizer = self.tokenizer.read(TokenizerManifest)
-        shards = self.shards.read(ShardManifest)
+        corpus = self.corpus.read(CorpusManifest, cfg.work_dir)
+        tokenizer = self.tokenizer.read(TokenizerManifest, cfg.work_dir)
+        shards = self.shards.read(ShardManifest, cfg.work_dir)
         if tokenizer.digest != tokenizer_digest(cfg.tokenizer, corpus):
             raise ValueError(f"{self.tokenizer.path}: not the tokenizer this config's "
                              "`tokenizer` section makes from this corpus; prepare the data "

@@ -36,8 +36,11 @@ except ImportError:  # loaded as a script by Prefect, with this folder on sys.pa
 
 
 def train_dir(cfg: PipelineConfig, run_id: str) -> Path:
-    """Where the training stage of MLflow run `run_id` writes (checkpoints, metrics)."""
-    return Path(cfg.work_dir).expanduser() / "train" / run_id
+    """Where the training stage of MLflow run `run_id` writes (checkpoints, metrics): in
+    the work directory, or in the local mirror of a URL one (`mlm_pipeline.store`)."""
+    from mlm_pipeline.store import work_root
+
+    return work_root(cfg.work_dir) / "train" / run_id
 
 
 def _newest_checkpoint(cfg: PipelineConfig):

@@ -245,7 +245,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
     corpus, digest = None, ""
     if any(s.startswith("debian:") for s in cfg.ingest.sources):
         want = cfg.ingest.model_dump(mode="json")
-        for path in (Path(cfg.work_dir).expanduser() / "ingest").glob("*/manifest.json"):
+        for path in stage_dir(cfg.work_dir, "ingest", "").glob("*/manifest.json"):
             m = read_manifest(path, Corpus)
             if m.config == want and (m := load_if_complete(path.parent, Corpus, m.digest)) \
                     and (corpus is None or m.created_at > corpus.created_at):

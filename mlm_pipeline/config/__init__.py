@@ -115,7 +115,9 @@ class PipelineConfig(StrictModel):
     name: str = "mlm"
     """A label for the config (logged as a param)."""
     work_dir: str = ".mlm-pipeline"
-    """Root of every stage's outputs (content-addressed subdirectories)."""
+    """Root of every stage's outputs (content-addressed subdirectories): a local directory,
+    or an fsspec URL (`s3://bucket/prefix`) mirrored in `$MLM_PIPELINE_CACHE_DIR` (see "the
+    work directory on an S3-compatible store")."""
     ingest: IngestConfig = IngestConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     shards: ShardConfig = ShardConfig()

@@ -18,7 +18,10 @@ them unchanged would cost about a second per GB, so a hash is remembered in
 * a remote object (fsspec URL) by its version id or ETag (S3 gives both, HTTP servers often
   an ETag), read from fresh metadata (fsspec's listing cache for it is dropped first): a
   cached rerun of a remote corpus reads its metadata, not its bytes. An object with
-  neither is downloaded and hashed every time, never remembered.
+  neither is downloaded and hashed every time, never remembered. With a URL work
+  directory (`mlm_pipeline.store`) these rows are also kept in the store, one small JSON
+  object per URL under `<work_dir>/.hash-memo/` (`REMOTE_MEMO_DIR`), so a machine that has
+  never seen the corpus (a fresh worker pod) gets its cache keys without downloading it.
 
 SQLite locks the file while it writes, so processes sharing a work directory share the
 memo safely. A memo that cannot be opened or written (a read-only work directory, a
@@ -36,6 +39,7 @@ not import a stage; later stages import it. This module imports neither torch no
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sqlite3
 import threading
@@ -45,10 +49,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from mlm_pipeline import store
+
 logger = logging.getLogger(__name__)
 
 #: Name of the memo database in a work directory.
 MEMO_FILE = ".hash-memo.sqlite"
+#: Directory of a URL work directory's store holding the rows of remote objects.
+REMOTE_MEMO_DIR = ".hash-memo"
 #: A file changed less than this long (ns) before its hash started is hashed again next time.
 RACY_NS = 2_000_000_000
 #: fsspec info keys that name one version of a remote object, most specific first.
@@ -91,11 +99,16 @@ class HashMemo:
     (or in this process when `work_dir` is None); see the module docstring for the keys.
 
     Args:
-        work_dir: the pipeline work directory (created when missing), or None.
+        work_dir: the pipeline work directory (created when missing; a URL work
+            directory's memo is in its local mirror, and remote objects' rows also in
+            its store), or None.
     """
 
     def __init__(self, work_dir: str | Path | None = None) -> None:
-        self.db = None if work_dir is None else Path(work_dir).expanduser().resolve() / MEMO_FILE
+        root = None if work_dir is None else store.work_root(work_dir)
+        self.db = None if root is None else root / MEMO_FILE
+        self.shared = None if root is None or store.remote_url(root) is None else (
+            root / REMOTE_MEMO_DIR)
 
     @classmethod
     def of_stage_dir(cls, out_dir: str | Path) -> HashMemo:
@@ -138,14 +151,48 @@ class HashMemo:
         info = fs.info(path)
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), None)
         key = f"{info.get('size')}:{version}"
-        if version is not None and (row := self._get(url)) is not None and row.key == key:
-            return row.size, row.sha256
+        if version is not None:
+            if (row := self._get(url)) is not None and row.key == key:
+                return row.size, row.sha256
+            if (row := self._get_shared(url)) is not None and row.key == key:
+                self._put(url, row)
+                return row.size, row.sha256
         started = _now_ns()
         with fs.open(path, "rb") as f:
             size, sha = hash_stream(f)
         if version is not None:
-            self._put(url, _Row(key, size, sha, 0, started))
+            self._put(url, row := _Row(key, size, sha, 0, started))
+            self._put_shared(url, row)
         return size, sha
+
+    def _shared_path(self, url: str) -> Path:
+        return self.shared / (hashlib.sha256(url.encode()).hexdigest() + ".json")
+
+    def _get_shared(self, url: str) -> _Row | None:
+        """The row of `url` in the store of a URL work directory (None: none there, or no
+        store, or the store unreadable: then hashed, never wrong)."""
+        if self.shared is None:
+            return None
+        try:
+            data = store.read_remote(self._shared_path(url))
+            found = None if data is None else json.loads(data)
+        except (OSError, ValueError) as exc:
+            self._unusable(exc)
+            return None
+        if not isinstance(found, dict) or found.get("url") != url:
+            return None
+        return _Row(str(found["key"]), int(found["size"]), str(found["sha256"]), 0,
+                    int(found["hashed_at_ns"]))
+
+    def _put_shared(self, url: str, row: _Row) -> None:
+        if self.shared is None:
+            return
+        record = {"url": url, "key": row.key, "size": row.size, "sha256": row.sha256,
+                  "hashed_at_ns": row.hashed_at_ns}
+        try:
+            store.write_remote(self._shared_path(url), json.dumps(record).encode())
+        except OSError as exc:
+            self._unusable(exc)
 
     # ----------------------------------------------------------------------- storage
     def _get(self, name: str) -> _Row | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from mlm_pipeline import store
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.tracking.registry import CHAMPION, RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker
@@ -104,7 +105,7 @@ def plan_gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
     client = tracker.client
     champions = champion_run_ids(tracker)
     found, missing, names = [], [], {}
-    root = Path(work_dir).expanduser() / "train"
+    root = store.work_root(work_dir) / "train"  # a URL work directory: its mirror
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
         state = run_dir / "checkpoints"
         if not RUN_ID.fullmatch(run_dir.name) or state.is_symlink() or not state.is_dir():

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlm_pipeline import store
 from mlm_pipeline.manifest import ShardManifest, ShardSplit
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def shard_inputs(shards: ShardManifest, name_prefix: str = "shards") -> list[Dat
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    source = Path(shards.output_dir).resolve().as_uri()
+    source = store.remote_url(shards.output_dir) or Path(shards.output_dir).resolve().as_uri()
     inputs = []
     for split_name, context in CONTEXTS.items():
         split: ShardSplit = getattr(shards, split_name)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlm_pipeline import store
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
@@ -50,11 +51,11 @@ _CHECKED_PREFIXES = ("train.", "model.", "masking.")
 
 def job_key(cfg: PipelineConfig) -> str:
     """Hex sha256 identifying a job for resumption: config name, experiment, absolute work
-    directory and the data sections (`ingest`, `tokenizer`, `shards`)."""
+    directory (or its URL) and the data sections (`ingest`, `tokenizer`, `shards`)."""
     identity = {
         "name": cfg.name,
         "experiment": cfg.tracking.experiment_name,
-        "work_dir": str(Path(cfg.work_dir).expanduser().resolve()),
+        "work_dir": store.work_id(cfg.work_dir),
         "ingest": cfg.ingest.model_dump(mode="json"),
         "tokenizer": cfg.tokenizer.model_dump(mode="json"),
         "shards": cfg.shards.model_dump(mode="json"),

@@ -20,7 +20,8 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
+
+from mlm_pipeline import store
 
 
 def versions() -> str:
@@ -104,7 +105,7 @@ def run_logging(work_dir: str, verbose: bool) -> tuple[RunConsole, logging.FileH
     Raises:
         OSError: `<work_dir>/logs` cannot be created.
     """
-    log = Path(work_dir).expanduser().resolve() / "logs" / (
+    log = store.work_root(work_dir) / "logs" / (
         f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     file = logging.FileHandler(log, encoding="utf-8", delay=True)

@@ -23,6 +23,11 @@ non-finite weights. Loading uses safetensors and `torch.load(weights_only=True)`
 checkpoint cannot execute code. Checkpoints written before `format` 2 (the whole pipeline
 config under `config`, `step`/`tokens_seen` at the top, no masker or meter state, weights
 in `model.pt`) and format-2 ones without `files` still load, unverified.
+
+With a URL work directory (`mlm_pipeline.store`) a saved checkpoint is uploaded to the
+store (`state.json` last) with the run directory's other files (`metrics.jsonl`) and the
+pruned ones removed from it, and the newest complete
+one is downloaded when a run resumes on a machine whose mirror lacks it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from mlm_pipeline import store
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +161,10 @@ def verify_checkpoint(checkpoint: Path) -> None:
 
 def latest_intact_checkpoint(root: Path) -> Path | None:
     """The newest checkpoint under `root` that passes `verify_checkpoint`, or None; every
-    newer damaged one is reported with a warning."""
+    newer damaged one is reported with a warning. In the mirror of a URL work directory
+    the store's newest complete checkpoint is downloaded first when the mirror lacks it
+    (a run resumed on another machine; `store.pull_newest`)."""
+    store.pull_newest(root, _JSON)
     for checkpoint in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(checkpoint)
@@ -294,6 +304,10 @@ class Checkpointer:
         _fsync(self.root)
         for old in list_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        # A URL work directory: the checkpoints to the store, then the run directory's
+        # other files (metrics.jsonl), so another machine resumes with the log up to here.
+        store.sync_children(self.root, last=_JSON)
+        store.publish(self.root.parent)
         logger.info("checkpoint saved: %s", final)
 
     def load(self, checkpoint: Path, map_location: str | torch.device = "cpu") -> None:
@@ -307,6 +321,7 @@ class Checkpointer:
                 data cursor or the masker of another configuration).
             RuntimeError: the model state does not match the model (`load_state_dict`).
         """
+        store.fetch_tree(checkpoint, last=_JSON)  # a rank on a node without it: download
         verify_checkpoint(checkpoint)
         files: dict[str, Any] = {_JSON: read_state(checkpoint)}
         legacy = "format" not in files[_JSON]

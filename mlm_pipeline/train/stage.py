@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mlm_pipeline import store
 from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
 from mlm_pipeline.manifest import (
     ShardManifest,
@@ -181,7 +182,11 @@ def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig
 def _truncate_metrics_log(path: Path, step: int) -> None:
     """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
     those steps again, and the log must hold each step once. A line cut short by a kill
-    (not valid JSON) is dropped with a warning."""
+    (not valid JSON) is dropped with a warning. In the mirror of a URL work directory the
+    store's copy is fetched first when the mirror lacks it (a run resumed on another
+    machine: the checkpoint came from the store, so does the log up to it)."""
+    with contextlib.suppress(FileNotFoundError):
+        store.fetch(path)
     if not path.is_file():
         return
     kept = []

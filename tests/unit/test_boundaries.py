@@ -8,7 +8,8 @@ Rules checked here, one test each:
    `mlm-pipeline run` gets the flow from the console script's entry, `flows/cli.py`.
 3. Only `mlm_pipeline/tracking/` imports `mlflow`.
 4. No module imports a stage package above its own. Levels, lowest first: the ground floor
-   (`mlm_pipeline/__init__.py`, `config`, `config_files`, `manifest`, `sinks`), then the
+   (`mlm_pipeline/__init__.py`, `config`, `config_files`, `locks`, `manifest`, `progress`,
+   `sinks`, `store`), then the
    stages `ingest`, `tokenizer`, `masking`, `shards`, `train`, `evaluate`, `tracking`, then
    `cli`. A module may import its own level and the levels below it, so the ground floor
    imports no stage and no stage imports `cli`.
@@ -54,7 +55,7 @@ FILES = {p: p.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
 ALL_MODULES = sorted(
     ".".join(parts[:-1] if parts[-1] == "__init__" else parts) for parts in FILES.values()
 )
-GROUND_FLOOR = ("config", "config_files", "locks", "manifest", "progress", "sinks")
+GROUND_FLOOR = ("config", "config_files", "locks", "manifest", "progress", "sinks", "store")
 STAGES = ("ingest", "tokenizer", "masking", "shards", "train", "evaluate", "tracking")
 TOP = ("cli",)
 #: Level of each top-level name under `mlm_pipeline` (rule 4); `None` = the package itself.

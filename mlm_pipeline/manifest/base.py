@@ -1,4 +1,5 @@
-"""Stage manifests: small JSON records of what a stage wrote and what it depended on.
+"""What every stage manifest shares: `Manifest`, `FileEntry`, the digest, atomic writes,
+finding and reusing a stage's output.
 
 Each stage writes its outputs into a content-addressed directory
 `<work_dir>/<stage>/<digest[:16]>/` and a `manifest.json` beside them. The digest is a
@@ -6,11 +7,17 @@ sha256 over the stage name, its config and the digests of its inputs (input mani
 the bytes of raw input files), so it is the stage's identity: a rerun with unchanged inputs
 finds the manifest and skips the work (`load_if_complete`).
 
+With a URL work directory (`s3://...`, `mlm_pipeline.store`) the stage directory is in
+the local mirror: `write_manifest` publishes it to the store, `load_if_complete` reuses an
+output found in the store only (its manifest and one listing read), and `Manifest.file`
+downloads a file the first time it is read.
+
 This module imports neither torch nor prefect.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,7 +30,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from mlm_pipeline import __version__
+from mlm_pipeline import __version__, store
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +91,28 @@ class Manifest(BaseModel):
         of every path read from a manifest, so a tampered manifest cannot make a stage
         read, or upload, a file outside its stage directory.
 
+        In the mirror of a URL work directory (`mlm_pipeline.store`) a missing file is
+        downloaded first, checked against the size and sha256 this manifest records (a
+        directory, such as a checkpoint, with every file under it).
+
         Raises:
             ManifestPathError: `rel` is absolute or has a `..` part, or resolves (through
                 a symbolic link) outside `output_dir`; the manifest is named.
+            ValueError: a downloaded file differs from its record (the URL is named).
+            OSError: the store cannot be read.
         """
+        path = self._local(rel)
+        if not path.exists() and store.remote_url(path) is not None:
+            entry = next((e for e in _file_entries(self) if e.path == rel), None)
+            if entry is not None:
+                store.fetch(path, entry.bytes, entry.sha256)
+            elif not store.fetch_tree(path):  # a directory (a checkpoint), or one file
+                with contextlib.suppress(FileNotFoundError):
+                    store.fetch(path)
+        return path
+
+    def _local(self, rel: str) -> Path:
+        """`file`'s checks, without fetching from a store."""
         root, given = Path(self.output_dir), PurePath(rel)
         if given.anchor or ".." in given.parts:
             raise ManifestPathError(f"{self.path}: path {rel!r} is not relative to the "
@@ -159,8 +184,9 @@ def file_entry(root: Path, path: Path, **counts: int | None) -> FileEntry:
 
 
 def stage_dir(work_dir: str | os.PathLike[str], stage: str, digest: str) -> Path:
-    """`<work_dir>/<stage>/<digest[:16]>`, absolute."""
-    return Path(work_dir).expanduser().resolve() / stage / digest[:16]
+    """`<work_dir>/<stage>/<digest[:16]>`, absolute; in the local mirror for a URL work
+    directory (`store.work_root`)."""
+    return store.work_root(work_dir) / stage / digest[:16]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -184,9 +210,54 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_manifest(manifest: Manifest) -> Path:
-    """Write `manifest.json` atomically into the manifest's `output_dir`; returns its path."""
+    """Write `manifest.json` atomically into the manifest's `output_dir`; returns its path.
+    In the mirror of a URL work directory the stage directory is then published to the
+    store, the manifest last (`store.publish`).
+
+    Raises:
+        OSError: the file, or the store, cannot be written.
+    """
     atomic_write_text(manifest.path, manifest.model_dump_json(indent=2) + "\n")
+    store.publish(manifest.path.parent)
     return manifest.path
+
+
+def find_manifest(out_dir: str | os.PathLike[str], cls: type[M]) -> M:
+    """The manifest of stage directory `out_dir`: its `manifest.json`, or the store's copy
+    for the mirror of a URL work directory (then also written to the mirror); its
+    `output_dir` is `out_dir`. Its files are not checked (`load_if_complete` does).
+
+    Raises:
+        FileNotFoundError: neither the directory nor the store holds a manifest.
+        ValueError: it does not validate as `cls` (the path is named).
+    """
+    out = Path(out_dir).resolve()
+    path = out / "manifest.json"
+    if path.is_file():
+        m = read_manifest(path, cls)
+        return m if m.output_dir == str(out) else m.model_copy(update={"output_dir": str(out)})
+    data = store.read_remote(path)
+    if data is None:
+        raise FileNotFoundError(f"{path}: no manifest" + (
+            f" (nor {store.remote_url(path)})" if store.remote_url(path) else ""))
+    return _mirrored(out, cls, data)
+
+
+def _mirrored(out: Path, cls: type[M], data: bytes) -> M:
+    """The store's manifest `data` of stage directory `out` (in a mirror), with `out` as its
+    `output_dir`, written to the mirror as such.
+
+    Raises:
+        ValueError: `data` does not validate as `cls` (the URL is named).
+    """
+    try:
+        m = cls.model_validate_json(data)
+    except ValueError as exc:
+        raise ValueError(f"{store.remote_url(out / 'manifest.json')}: not a valid "
+                         f"{cls.__name__}: {exc}") from exc
+    m = m.model_copy(update={"output_dir": str(out)})
+    atomic_write_text(out / "manifest.json", m.model_dump_json(indent=2) + "\n")
+    return m
 
 
 def read_manifest(path: str | os.PathLike[str], cls: type[M]) -> M:
@@ -217,9 +288,43 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str,
     A stage directory that was moved or copied (its work directory with it) is reused
     where it is: the returned manifest's `output_dir` is `out_dir`, resolved.
 
+    In the mirror of a URL work directory (`mlm_pipeline.store`), an output complete in the
+    mirror is published if the store lacks its manifest (a run killed while publishing);
+    one missing from the mirror is reused from the store when the store's manifest has
+    `digest` and one listing shows every file it lists with the recorded size (no file is
+    downloaded: `Manifest.file` fetches each when it is read, checking its sha256).
+
     Raises:
         ManifestPathError: a listed path is not inside `out_dir` (`Manifest.file`).
+        OSError: the store cannot be read or written.
     """
+    m = _load_local(out_dir, cls, digest, sha256)
+    if store.remote_url(out_dir) is None:
+        return m
+    if m is not None:
+        if store.read_remote(m.path) is None:
+            store.publish(out_dir)
+        return m
+    data = store.read_remote(out_dir / "manifest.json")
+    try:
+        m = None if data is None else cls.model_validate_json(data)
+    except ValueError:
+        return None
+    if m is None or m.digest != digest:
+        return None
+    m = m.model_copy(update={"output_dir": str(out_dir.resolve())})
+    sizes = store.remote_sizes(out_dir)
+    for entry in _file_entries(m):
+        local = m._local(entry.path)  # the path checks, before anything is fetched
+        have = local.stat().st_size if local.is_file() else sizes.get(entry.path)
+        if have != entry.bytes:
+            return None
+    return _mirrored(out_dir.resolve(), cls, data)
+
+
+def _load_local(out_dir: Path, cls: type[M], digest: str,
+                sha256: Callable[[Path], str] | None) -> M | None:
+    """`load_if_complete` in `out_dir` alone (never a store)."""
     p = out_dir / "manifest.json"
     if not p.is_file():
         return None
@@ -232,7 +337,7 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str,
     here = str(out_dir.resolve())
     if Path(m.output_dir).resolve() != Path(here):
         m = m.model_copy(update={"output_dir": here})
-    files = [(m.file(entry.path), entry) for entry in _file_entries(m)]
+    files = [(m._local(entry.path), entry) for entry in _file_entries(m)]
     if any(not f.is_file() or f.stat().st_size != e.bytes for f, e in files):
         return None
     for f, entry in files if sha256 is not None else ():
@@ -264,196 +369,3 @@ class Stopwatch:
     def elapsed(self) -> float:
         """Seconds since the stopwatch was created."""
         return time.perf_counter() - self.start
-
-
-# --------------------------------------------------------------------------- stage manifests
-# All stage manifests live here (not in the stage modules) so that flows can pass and
-# validate them without importing torch.
-
-
-class SourceEntry(BaseModel):
-    """One raw input file read by ingestion."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    path: str
-    """Absolute path (or URL) as read."""
-    sha256: str
-    """Hex sha256 of the file's bytes (compressed bytes for `.gz`)."""
-    bytes: int
-    """Size in bytes."""
-    documents: int
-    """Documents read from it, before any drop."""
-
-
-class SkippedFile(BaseModel):
-    """An entry of a source directory or glob that was not read (never opened)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    path: str
-    """Path (or URL) of the entry."""
-    reason: str
-    """What it is: `unsupported_type`, `fifo`, `device`, `socket`, `symlink_loop`,
-    `dangling_symlink`, `symlink_to_directory`, `directory` (named like an input file),
-    `unreadable_directory`, ... (see `mlm_pipeline.ingest.listing`)."""
-
-
-class BadFile(BaseModel):
-    """An input file rejected as unreadable in its format (`ingest.on_bad_file: skip`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    path: str
-    """Path (or URL) of the file, as in `sources`."""
-    reason: str
-    """Short code: `corrupt_compressed`, `corrupt_parquet`, `not_json_array`,
-    `json_extra_data`, `missing_text_column`, `text_column_type`, `unclosed_csv_quote`."""
-    error: str
-    """The error message (it names the file, and the line, offset or column)."""
-    documents: int = 0
-    """Records read from it before the error (counted, kept or dropped, like any other
-    records); 0 when the file was rejected before its first record."""
-
-
-class CorpusManifest(Manifest):
-    """Output of `ingest`: Parquet document shards (`id`, `text`, `source`) per split."""
-
-    sources: list[SourceEntry]
-    """Every raw input file, in reading order."""
-    train: list[FileEntry]
-    """Training-split Parquet files (rows = documents)."""
-    validation: list[FileEntry]
-    """Validation-split Parquet files (rows = documents)."""
-    documents_read: int
-    """Records read from all sources, before any drop."""
-    documents_kept: int
-    """Documents written (train + validation)."""
-    documents_train: int
-    """Documents in the training split."""
-    documents_validation: int
-    """Documents in the validation split."""
-    characters: int
-    """Characters (code points) in the kept documents."""
-    dropped: dict[str, int]
-    """Documents dropped, by reason (`empty`, `too_short`, `duplicate`, `bad_json`, ...)."""
-    repaired: dict[str, int]
-    """Documents kept after a repair, by reason (`invalid_utf8`, `nul`, `bom`, ...)."""
-    split_parts_extra: int = 0
-    """Extra documents made by splitting oversized ones (a document cut into k parts adds
-    k - 1), so that `documents_read + split_parts_extra == documents_kept + sum(dropped)`."""
-    bad_files: list[BadFile] = []
-    """Input files rejected part-way or before their first record, with the reason."""
-    skipped_files: list[SkippedFile] = []
-    """Entries of source directories and globs that were not read, with their kind."""
-
-
-class TokenizerManifest(Manifest):
-    """Output of `train_tokenizer`: a SentencePiece model."""
-
-    model: FileEntry
-    """The `.model` file (serialized SentencePiece ModelProto)."""
-    vocab: FileEntry
-    """The `.vocab` file (piece and score per line)."""
-    vocab_size: int
-    """Pieces in the vocabulary, special tokens included."""
-    model_type: str
-    """`unigram` or `bpe`."""
-    special_tokens: dict[str, int]
-    """Special token -> fixed id (`[PAD]`=0 ... `[MASK]`=4)."""
-    training_sentences: int
-    """Sentences the trainer read (after sampling)."""
-    byte_fallback: bool = False
-    """Whether unknown characters decompose into UTF-8 byte pieces instead of [UNK]."""
-    sample_digest: str | None = None
-    """sha256 of the training text the trainer was given (one sentence per line): the
-    seeded sample of at most `input_sentence_size` lines."""
-    sampled_from: int | None = None
-    """Candidate sentences (lines) of the training split the sample was drawn from."""
-    normalization: str | None = None
-    """Unicode normalization form of the corpus it was trained on (`NFC`, `NFKC`), which
-    `Tokenizer.encode` applies to new text; None in manifests written before this field."""
-
-
-class ShardSplit(BaseModel):
-    """The shards of one split (train or validation)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    shards: list[FileEntry]
-    """Arrow IPC files in order; `rows` and `tokens` set on each."""
-    rows: int
-    """Rows of exactly `seq_len` tokens."""
-    documents: int
-    """Documents encoded."""
-    tokens_in: int
-    """Tokens entering packing: every document's pieces plus one [SEP] per document."""
-    remainder_tokens: int
-    """Stream tokens left after the last full row (fewer than `seq_len - 1`), not written:
-    `remainder_content_tokens + remainder_separators`."""
-    remainder_content_tokens: int | None = None
-    """Document pieces dropped in the remainder, so that content tokens in rows + these =
-    the pieces of every document (None: a manifest written before this field)."""
-    remainder_separators: int | None = None
-    """[SEP] tokens dropped in the remainder (None: a manifest written before this field)."""
-    masked_copies: int = 0
-    """Precomputed masked copies of every row among `shards` (0 = unmasked rows only)."""
-
-
-class ShardManifest(Manifest):
-    """Output of `write_shards`: packed token rows in Arrow IPC files."""
-
-    seq_len: int
-    """Tokens per row."""
-    dtype: str
-    """Storage dtype of `input_ids` (`uint16` or `uint32`)."""
-    vocab_size: int
-    """Size of the vocabulary the ids index."""
-    packing: str
-    """How rows are built (documented in `mlm_pipeline.shards.stage`)."""
-    train: ShardSplit
-    """Training rows."""
-    validation: ShardSplit
-    """Validation rows."""
-    masking: dict[str, Any] | None = None
-    """The masking config and seed the precomputed copies were made with (None = none)."""
-
-
-class TrainManifest(Manifest):
-    """Output of `train`: the final checkpoint and training summary."""
-
-    checkpoint_dir: str
-    """Directory of the final checkpoint (relative to `output_dir`)."""
-    steps: int
-    """Optimizer steps taken."""
-    tokens_seen: int
-    """Tokens (rows * seq_len) consumed by training."""
-    final_metrics: dict[str, float]
-    """Last logged training metrics (`train/loss`, `train/tokens_per_s`, ...)."""
-    metrics_log: str
-    """JSONL file of every logged metrics record (relative to `output_dir`)."""
-    stopped_early: bool
-    """True when `max_time_s` ended training before `max_steps`."""
-    stop_reason: str = "max_steps"
-    """Why training ended: `max_steps` (all steps trained) or `time_cap` (`max_time_s`); a
-    run stopped by a non-finite loss or an interruption raises and writes no manifest."""
-    device: str
-    """Device trained on (`cpu`, `cuda`)."""
-    precision: str
-    """`fp32` or `bf16`."""
-    train_time_s: float | None = None
-    """Seconds of training loop over every segment of a resumed run (`Meter.train_time_s`:
-    no start-up, no periodic evaluation); None in manifests written before it was kept."""
-    peak_tflops: float | None = None
-    """MFU denominator at the end of training, TFLOP/s (None: unknown, MFU not reported)."""
-    peak_source: str | None = None
-    """Where `peak_tflops` comes from: `measured`, `declared`, `spec` or `achieved`."""
-
-
-class EvalManifest(Manifest):
-    """Output of `evaluate`: held-out metrics with fixed masks."""
-
-    metrics: dict[str, float]
-    """`eval/loss`, `eval/mlm_accuracy`, `eval/perplexity`, `eval/masked_tokens`, ..."""
-    probes: list[dict[str, Any]]
-    """Fill-mask probes: text and top-k predictions per mask."""

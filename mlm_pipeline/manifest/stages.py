@@ -1,0 +1,202 @@
+"""The manifests of the stages (`CorpusManifest`, `TokenizerManifest`, `ShardManifest`,
+`TrainManifest`, `EvalManifest`), over `base.Manifest`.
+
+They live here, not in the stage modules, so that flows can pass and validate them without
+importing torch. This module imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from mlm_pipeline.manifest.base import FileEntry, Manifest
+
+
+class SourceEntry(BaseModel):
+    """One raw input file read by ingestion."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Absolute path (or URL) as read."""
+    sha256: str
+    """Hex sha256 of the file's bytes (compressed bytes for `.gz`)."""
+    bytes: int
+    """Size in bytes."""
+    documents: int
+    """Documents read from it, before any drop."""
+
+
+class SkippedFile(BaseModel):
+    """An entry of a source directory or glob that was not read (never opened)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Path (or URL) of the entry."""
+    reason: str
+    """What it is: `unsupported_type`, `fifo`, `device`, `socket`, `symlink_loop`,
+    `dangling_symlink`, `symlink_to_directory`, `directory` (named like an input file),
+    `unreadable_directory`, ... (see `mlm_pipeline.ingest.listing`)."""
+
+
+class BadFile(BaseModel):
+    """An input file rejected as unreadable in its format (`ingest.on_bad_file: skip`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    """Path (or URL) of the file, as in `sources`."""
+    reason: str
+    """Short code: `corrupt_compressed`, `corrupt_parquet`, `not_json_array`,
+    `json_extra_data`, `missing_text_column`, `text_column_type`, `unclosed_csv_quote`."""
+    error: str
+    """The error message (it names the file, and the line, offset or column)."""
+    documents: int = 0
+    """Records read from it before the error (counted, kept or dropped, like any other
+    records); 0 when the file was rejected before its first record."""
+
+
+class CorpusManifest(Manifest):
+    """Output of `ingest`: Parquet document shards (`id`, `text`, `source`) per split."""
+
+    sources: list[SourceEntry]
+    """Every raw input file, in reading order."""
+    train: list[FileEntry]
+    """Training-split Parquet files (rows = documents)."""
+    validation: list[FileEntry]
+    """Validation-split Parquet files (rows = documents)."""
+    documents_read: int
+    """Records read from all sources, before any drop."""
+    documents_kept: int
+    """Documents written (train + validation)."""
+    documents_train: int
+    """Documents in the training split."""
+    documents_validation: int
+    """Documents in the validation split."""
+    characters: int
+    """Characters (code points) in the kept documents."""
+    dropped: dict[str, int]
+    """Documents dropped, by reason (`empty`, `too_short`, `duplicate`, `bad_json`, ...)."""
+    repaired: dict[str, int]
+    """Documents kept after a repair, by reason (`invalid_utf8`, `nul`, `bom`, ...)."""
+    split_parts_extra: int = 0
+    """Extra documents made by splitting oversized ones (a document cut into k parts adds
+    k - 1), so that `documents_read + split_parts_extra == documents_kept + sum(dropped)`."""
+    bad_files: list[BadFile] = []  # noqa: RUF012 - pydantic copies defaults
+    """Input files rejected part-way or before their first record, with the reason."""
+    skipped_files: list[SkippedFile] = []  # noqa: RUF012 - pydantic copies defaults
+    """Entries of source directories and globs that were not read, with their kind."""
+
+
+class TokenizerManifest(Manifest):
+    """Output of `train_tokenizer`: a SentencePiece model."""
+
+    model: FileEntry
+    """The `.model` file (serialized SentencePiece ModelProto)."""
+    vocab: FileEntry
+    """The `.vocab` file (piece and score per line)."""
+    vocab_size: int
+    """Pieces in the vocabulary, special tokens included."""
+    model_type: str
+    """`unigram` or `bpe`."""
+    special_tokens: dict[str, int]
+    """Special token -> fixed id (`[PAD]`=0 ... `[MASK]`=4)."""
+    training_sentences: int
+    """Sentences the trainer read (after sampling)."""
+    byte_fallback: bool = False
+    """Whether unknown characters decompose into UTF-8 byte pieces instead of [UNK]."""
+    sample_digest: str | None = None
+    """sha256 of the training text the trainer was given (one sentence per line): the
+    seeded sample of at most `input_sentence_size` lines."""
+    sampled_from: int | None = None
+    """Candidate sentences (lines) of the training split the sample was drawn from."""
+    normalization: str | None = None
+    """Unicode normalization form of the corpus it was trained on (`NFC`, `NFKC`), which
+    `Tokenizer.encode` applies to new text; None in manifests written before this field."""
+
+
+class ShardSplit(BaseModel):
+    """The shards of one split (train or validation)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shards: list[FileEntry]
+    """Arrow IPC files in order; `rows` and `tokens` set on each."""
+    rows: int
+    """Rows of exactly `seq_len` tokens."""
+    documents: int
+    """Documents encoded."""
+    tokens_in: int
+    """Tokens entering packing: every document's pieces plus one [SEP] per document."""
+    remainder_tokens: int
+    """Stream tokens left after the last full row (fewer than `seq_len - 1`), not written:
+    `remainder_content_tokens + remainder_separators`."""
+    remainder_content_tokens: int | None = None
+    """Document pieces dropped in the remainder, so that content tokens in rows + these =
+    the pieces of every document (None: a manifest written before this field)."""
+    remainder_separators: int | None = None
+    """[SEP] tokens dropped in the remainder (None: a manifest written before this field)."""
+    masked_copies: int = 0
+    """Precomputed masked copies of every row among `shards` (0 = unmasked rows only)."""
+
+
+class ShardManifest(Manifest):
+    """Output of `write_shards`: packed token rows in Arrow IPC files."""
+
+    seq_len: int
+    """Tokens per row."""
+    dtype: str
+    """Storage dtype of `input_ids` (`uint16` or `uint32`)."""
+    vocab_size: int
+    """Size of the vocabulary the ids index."""
+    packing: str
+    """How rows are built (documented in `mlm_pipeline.shards.stage`)."""
+    train: ShardSplit
+    """Training rows."""
+    validation: ShardSplit
+    """Validation rows."""
+    masking: dict[str, Any] | None = None
+    """The masking config and seed the precomputed copies were made with (None = none)."""
+
+
+class TrainManifest(Manifest):
+    """Output of `train`: the final checkpoint and training summary."""
+
+    checkpoint_dir: str
+    """Directory of the final checkpoint (relative to `output_dir`)."""
+    steps: int
+    """Optimizer steps taken."""
+    tokens_seen: int
+    """Tokens (rows * seq_len) consumed by training."""
+    final_metrics: dict[str, float]
+    """Last logged training metrics (`train/loss`, `train/tokens_per_s`, ...)."""
+    metrics_log: str
+    """JSONL file of every logged metrics record (relative to `output_dir`)."""
+    stopped_early: bool
+    """True when `max_time_s` ended training before `max_steps`."""
+    stop_reason: str = "max_steps"
+    """Why training ended: `max_steps` (all steps trained) or `time_cap` (`max_time_s`); a
+    run stopped by a non-finite loss or an interruption raises and writes no manifest."""
+    device: str
+    """Device trained on (`cpu`, `cuda`)."""
+    precision: str
+    """`fp32` or `bf16`."""
+    train_time_s: float | None = None
+    """Seconds of training loop over every segment of a resumed run (`Meter.train_time_s`:
+    no start-up, no periodic evaluation); None in manifests written before it was kept."""
+    peak_tflops: float | None = None
+    """MFU denominator at the end of training, TFLOP/s (None: unknown, MFU not reported)."""
+    peak_source: str | None = None
+    """Where `peak_tflops` comes from: `measured`, `declared`, `spec` or `achieved`."""
+
+
+class EvalManifest(Manifest):
+    """Output of `evaluate`: held-out metrics with fixed masks."""
+
+    metrics: dict[str, float]
+    """`eval/loss`, `eval/mlm_accuracy`, `eval/perplexity`, `eval/masked_tokens`, ..."""
+    probes: list[dict[str, Any]]
+    """Fill-mask probes: text and top-k predictions per mask."""

@@ -1,0 +1,349 @@
+"""The work directory: a local directory, or an object-store URL mirrored on local disk.
+
+`work_dir` is a local path (the default, `.mlm-pipeline`), or a URL of any fsspec protocol
+with a writable backend (`s3://bucket/prefix`: s3fs; `gs://`, `az://` likewise). A URL work
+directory is the store of record, and every machine that uses it works in a local mirror:
+`$MLM_PIPELINE_CACHE_DIR/<sha256(url)[:16]>/` (default cache directory:
+`$XDG_CACHE_HOME/mlm-pipeline/work`, i.e. `~/.cache/mlm-pipeline/work`), which has the
+same layout (`<stage>/<digest[:16]>/...`, `train/<run>/checkpoints/...`) and holds the
+URL in its `.store-url` file. Stages keep reading and writing local files; this module
+moves them:
+
+* **publish** (`publish`): when a stage writes its `manifest.json` (`manifest.write_manifest`)
+  every file of its directory is uploaded, the manifest last, so a manifest in the store
+  means a complete output (names starting with `.` — locks, temporary files — stay
+  local). A training checkpoint is uploaded when it is saved, its `state.json` last, and
+  the checkpoints that keep-last-k pruned are removed from the store too
+  (`sync_checkpoints`), so a run killed on one machine resumes on another.
+* **reuse** (`read_remote`, `remote_sizes`): a stage whose output is not in the mirror but
+  is in the store is reused from the store's manifest and one listing of its directory
+  (sizes checked): nothing else is downloaded then.
+* **fetch** (`fetch`, `fetch_tree`): a file is downloaded the first time something reads it
+  through its manifest (`Manifest.file`), into a temporary name and renamed, its size and
+  sha256 checked against the manifest's record, so training reads the shards it needs and
+  nobody downloads a corpus's documents only to find the shards cached.
+
+Credentials and endpoints come only from the environment, as fsspec's backends read them
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, an instance role, ...; an
+S3-compatible endpoint: `FSSPEC_S3_ENDPOINT_URL`, which fsspec turns into the
+`endpoint_url` argument of s3fs), never from the config.
+
+Two machines that build the same missing stage at the same time both upload it; outputs
+are named by the digest of their inputs and written deterministically, so either copy is
+the same output (the stage lock is per machine). A local `work_dir` never touches fsspec.
+
+This module is on the ground floor: it imports no stage, neither torch nor prefect; fsspec
+is imported only for a URL work directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming the directory that holds the local mirrors of URL work dirs.
+CACHE_ENV = "MLM_PIPELINE_CACHE_DIR"
+#: File in a mirror's root holding the URL it mirrors.
+MARKER = ".store-url"
+#: The file a stage directory's completeness hangs on: uploaded last, read first.
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20  # bytes hashed at a time
+
+
+def is_url(work_dir: str | os.PathLike[str]) -> bool:
+    """Whether `work_dir` is an object-store URL (`scheme://...`, not `file://`)."""
+    text = os.fspath(work_dir)
+    return "://" in text and not text.startswith("file://")
+
+
+def _normal_url(url: str) -> str:
+    return url.rstrip("/")
+
+
+def cache_root() -> Path:
+    """The directory holding the mirrors of URL work directories (`CACHE_ENV`, or
+    `$XDG_CACHE_HOME/mlm-pipeline/work`, or `~/.cache/mlm-pipeline/work`), absolute."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return (Path(base).expanduser() / "mlm-pipeline" / "work").resolve()
+
+
+def work_root(work_dir: str | os.PathLike[str]) -> Path:
+    """The local directory stages write in: `work_dir` itself (absolute), or the mirror of
+    a URL work directory (created, with its `.store-url` marker)."""
+    text = os.fspath(work_dir)
+    text = text.removeprefix("file://")
+    if not is_url(text):
+        return Path(text).expanduser().resolve()
+    url = _normal_url(text)
+    root = cache_root() / hashlib.sha256(url.encode()).hexdigest()[:16]
+    marker = root / MARKER
+    if not marker.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        marker.write_text(url + "\n")
+    return root
+
+
+def work_id(work_dir: str | os.PathLike[str]) -> str:
+    """What identifies a work directory across processes and machines: its URL, or its
+    absolute local path."""
+    text = os.fspath(work_dir)
+    return _normal_url(text) if is_url(text) else str(work_root(text))
+
+
+def remote_url(local: str | os.PathLike[str]) -> str | None:
+    """The store URL of a path inside the mirror of a URL work directory, or None (a local
+    work directory, or a path outside any mirror)."""
+    path = Path(local).absolute()
+    for root in (path, *path.parents):
+        marker = root / MARKER
+        if marker.is_file():
+            url = marker.read_text().strip()
+            rel = path.relative_to(root).as_posix()
+            return url if rel == "." else f"{url}/{rel}"
+    return None
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec  # only for URL work directories
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _remote(local: str | os.PathLike[str]) -> tuple[Any, str] | None:
+    """(file system, path in it) of the store's copy of `local`, or None without a store."""
+    url = remote_url(local)
+    return None if url is None else _fs(url)
+
+
+def read_remote(local: str | os.PathLike[str]) -> bytes | None:
+    """The bytes of the store's copy of a small mirrored file (a manifest, a memo row), or
+    None when the path has no store or the store has no such object.
+
+    Raises:
+        OSError: the store cannot be reached or read (other than a missing object).
+    """
+    if (remote := _remote(local)) is None:
+        return None
+    fs, path = remote
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def write_remote(local: str | os.PathLike[str], data: bytes) -> bool:
+    """Write `data` as the store's copy of `local` (nothing is written locally); False when
+    the path has no store.
+
+    Raises:
+        OSError: the store refused the write.
+    """
+    if (remote := _remote(local)) is None:
+        return False
+    fs, path = remote
+    fs.pipe_file(path, data)
+    return True
+
+
+def remote_sizes(local_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """{path relative to `local_dir` (POSIX): size in bytes} of every object under the
+    store's copy of `local_dir`, from one fresh listing ({} without a store).
+
+    Raises:
+        OSError: the store cannot be listed.
+    """
+    if (remote := _remote(local_dir)) is None:
+        return {}
+    fs, path = remote
+    fs.invalidate_cache(path)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = path.rstrip("/") + "/"
+    return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
+            if name.startswith(prefix) and info.get("type", "file") != "directory"}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(local: str | os.PathLike[str], size: int | None = None,
+          sha256: str | None = None) -> bool:
+    """Download the store's copy of a mirrored file that is missing locally; True when
+    downloaded, False when it is already there or has no store.
+
+    The download goes to a temporary name in the same directory and is renamed once
+    checked, so a reader never sees a partial file and processes fetching the same file
+    at once (the ranks of one node) are safe.
+
+    Args:
+        local: the file's path in the mirror.
+        size: expected bytes, when a manifest records them.
+        sha256: expected hex sha256, when a manifest records it.
+
+    Raises:
+        FileNotFoundError: the store has no such object (the URL is named).
+        ValueError: the downloaded bytes differ from `size` or `sha256` (the URL is named;
+            nothing is kept).
+        OSError: the store cannot be read.
+    """
+    path = Path(local)
+    if path.exists():
+        return False
+    url = remote_url(path)
+    if url is None:
+        return False
+    fs, rpath = _fs(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        try:
+            fs.get_file(rpath, tmp)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{url}: not in the work directory's store") from exc
+        got = os.path.getsize(tmp)
+        if size is not None and got != size:
+            raise ValueError(f"{url}: {got} bytes downloaded, its manifest records {size}")
+        if sha256 is not None and (actual := _sha256(Path(tmp))) != sha256:
+            raise ValueError(f"{url}: sha256 {actual} downloaded, its manifest records "
+                             f"{sha256}")
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    logger.info("fetched %s (%d bytes)", url, path.stat().st_size)
+    return True
+
+
+def fetch_tree(local_dir: str | os.PathLike[str], last: str | None = None) -> int:
+    """Download every object under the store's copy of `local_dir` that is missing
+    locally (`last`, e.g. a checkpoint's `state.json`, after the others); returns how
+    many files were downloaded (0 without a store).
+
+    Raises:
+        OSError: the store cannot be listed or read.
+    """
+    root = Path(local_dir)
+    sizes = remote_sizes(root)
+    return sum(fetch(root / name, sizes[name])
+               for name in sorted(sizes, key=lambda n: (n == last, n)))
+
+
+def _local_files(local_dir: Path) -> list[str]:
+    """Files under `local_dir` (POSIX, relative), none under a name starting with `.`."""
+    out = []
+    for path in sorted(local_dir.rglob("*")):
+        rel = path.relative_to(local_dir)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            out.append(rel.as_posix())
+    return out
+
+
+def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST) -> int:
+    """Upload the files of a mirrored directory that the store lacks or holds with another
+    size, `last` (its manifest) after all the others; returns the files uploaded (0 without
+    a store). Names starting with `.` (locks, temporary files) are not uploaded.
+
+    Raises:
+        OSError: the store refused a write (what was uploaded stays; the manifest, last, is
+            not, so the store never shows an incomplete output as complete).
+    """
+    root = Path(local_dir)
+    url = remote_url(root)
+    if url is None:
+        return 0
+    fs, rpath = _fs(url)
+    have = remote_sizes(root)
+    names = sorted(_local_files(root), key=lambda n: (n == last, n))
+    sent = 0
+    for name in names:
+        size = (root / name).stat().st_size
+        if have.get(name) == size and name != last:
+            continue
+        fs.put_file(str(root / name), f"{rpath.rstrip('/')}/{name}")
+        sent += 1
+    if sent:
+        logger.info("published %s: %d files", url, sent)
+    return sent
+
+
+def remove_remote(local: str | os.PathLike[str]) -> bool:
+    """Delete the store's copy of a mirrored file or directory (recursively); False when
+    it has no store or the store holds nothing there.
+
+    Raises:
+        OSError: the store refused the deletion.
+    """
+    if (remote := _remote(local)) is None:
+        return False
+    fs, path = remote
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remote_children(local_dir: str | os.PathLike[str]) -> list[str]:
+    """Names of the entries directly under the store's copy of `local_dir` ([] without a
+    store or when it holds nothing there).
+
+    Raises:
+        OSError: the store cannot be listed.
+    """
+    return sorted({name.split("/", 1)[0] for name in remote_sizes(local_dir)})
+
+
+def sync_children(local_dir: str | os.PathLike[str], last: str) -> None:
+    """Make the store's copy of `local_dir` hold the same subdirectories as the mirror
+    (checkpoints after a save and its keep-last-k pruning): each local one is published
+    (`last`, e.g. `state.json`, after its other files), then the store's ones that are no
+    longer local are removed. Nothing without a store.
+
+    Raises:
+        OSError: the store refused a write or a deletion.
+    """
+    root = Path(local_dir)
+    if remote_url(root) is None or not root.is_dir():
+        return
+    local = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for name in local:
+        publish(root / name, last=last)
+    for name in set(remote_children(root)) - set(local):
+        if not name.startswith("."):
+            remove_remote(root / name)
+
+
+def pull_newest(local_dir: str | os.PathLike[str], marker: str) -> Path | None:
+    """Download the newest (by name) subdirectory of the store's copy of `local_dir` that
+    holds `marker` (a complete checkpoint: its `state.json`) when the mirror lacks it, its
+    `marker` last; returns its local path, or None (no store, or none complete there).
+
+    Raises:
+        OSError: the store cannot be listed or read.
+    """
+    root = Path(local_dir)
+    if remote_url(root) is None:
+        return None
+    complete = sorted(name.split("/", 1)[0] for name in remote_sizes(root)
+                      if name.count("/") == 1 and name.endswith("/" + marker))
+    if not complete:
+        return None
+    newest = root / complete[-1]
+    if not (newest / marker).is_file():
+        fetch_tree(newest, last=marker)
+    return newest
