@@ -77,18 +77,56 @@ def cache_root() -> Path:
 
 def work_root(work_dir: str | os.PathLike[str]) -> Path:
     """The local directory stages write in: `work_dir` itself (absolute), or the mirror of
-    a URL work directory (created, with its `.store-url` marker)."""
+    a URL work directory (created, with its `.store-url` marker; the first call of a
+    process for a URL writes that marker to the store too: `_probe`).
+
+    Raises:
+        ValueError, ImportError, OSError: a URL work directory that cannot be written
+            (`_probe`; the URL is named).
+    """
     text = os.fspath(work_dir)
     text = text.removeprefix("file://")
     if not is_url(text):
         return Path(text).expanduser().resolve()
     url = _normal_url(text)
+    if url not in _probed:
+        _probe(url)
     root = cache_root() / hashlib.sha256(url.encode()).hexdigest()[:16]
     marker = root / MARKER
-    if not marker.is_file():
+    if not marker.is_file():  # written whole (ranks of one node may race here)
         root.mkdir(parents=True, exist_ok=True)
-        marker.write_text(url + "\n")
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f"{MARKER}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(url + "\n")
+        os.replace(tmp, marker)
     return root
+
+
+_probed: set[str] = set()  # URL work directories this process could write to
+
+
+def _probe(url: str) -> None:
+    """Write `<url>/.store-url` once per process, so a wrong URL, a missing bucket or
+    missing credentials fail at the start of a run, not when its first stage publishes.
+
+    Raises:
+        ValueError: fsspec knows no such protocol (the URL is named).
+        ImportError: the protocol's package is missing (e.g. `s3fs` for `s3://`).
+        OSError: the store refused the write (the URL, the cause and where credentials
+            come from are named).
+    """
+    try:
+        fs, path = _fs(url)
+    except ValueError as exc:
+        raise ValueError(f"work_dir {url}: {exc}") from exc
+    try:
+        fs.pipe_file(f"{path.rstrip('/')}/{MARKER}", (url + "\n").encode())
+    except Exception as exc:  # botocore and aiohttp errors are not OSError
+        raise OSError(f"work_dir {url}: cannot write to the store ({type(exc).__name__}: "
+                      f"{exc}); credentials and the endpoint come from the environment "
+                      "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE; "
+                      "FSSPEC_S3_ENDPOINT_URL for an S3-compatible store)") from exc
+    _probed.add(url)
 
 
 def work_id(work_dir: str | os.PathLike[str]) -> str:
@@ -253,10 +291,19 @@ def _local_files(local_dir: Path) -> list[str]:
     return out
 
 
-def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST) -> int:
-    """Upload the files of a mirrored directory that the store lacks or holds with another
-    size, `last` (its manifest) after all the others; returns the files uploaded (0 without
-    a store). Names starting with `.` (locks, temporary files) are not uploaded.
+def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST,
+            changed_only: bool = False) -> int:
+    """Upload the files of a mirrored directory, `last` (its manifest) after all the
+    others; returns the files uploaded (0 without a store). Names starting with `.` (locks,
+    temporary files) are not uploaded.
+
+    Args:
+        local_dir: the directory in the mirror.
+        last: the file uploaded after every other.
+        changed_only: upload only the files the store lacks or holds with another size
+            (checkpoints, which never change once written, and the growing metrics log);
+            False (a stage just built or republished) uploads every file, so an object
+            damaged in the store is replaced.
 
     Raises:
         OSError: the store refused a write (what was uploaded stays; the manifest, last, is
@@ -267,12 +314,10 @@ def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST) -> int:
     if url is None:
         return 0
     fs, rpath = _fs(url)
-    have = remote_sizes(root)
-    names = sorted(_local_files(root), key=lambda n: (n == last, n))
+    have = remote_sizes(root) if changed_only else {}
     sent = 0
-    for name in names:
-        size = (root / name).stat().st_size
-        if have.get(name) == size and name != last:
+    for name in sorted(_local_files(root), key=lambda n: (n == last, n)):
+        if changed_only and have.get(name) == (root / name).stat().st_size:
             continue
         fs.put_file(str(root / name), f"{rpath.rstrip('/')}/{name}")
         sent += 1
@@ -311,7 +356,8 @@ def remote_children(local_dir: str | os.PathLike[str]) -> list[str]:
 def sync_children(local_dir: str | os.PathLike[str], last: str) -> None:
     """Make the store's copy of `local_dir` hold the same subdirectories as the mirror
     (checkpoints after a save and its keep-last-k pruning): each local one is published
-    (`last`, e.g. `state.json`, after its other files), then the store's ones that are no
+    (what the store lacks; `last`, e.g. `state.json`, after its other files), then the
+    store's ones that are no
     longer local are removed. Nothing without a store.
 
     Raises:
@@ -322,28 +368,18 @@ def sync_children(local_dir: str | os.PathLike[str], last: str) -> None:
         return
     local = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in local:
-        publish(root / name, last=last)
+        publish(root / name, last=last, changed_only=True)
     for name in set(remote_children(root)) - set(local):
         if not name.startswith("."):
             remove_remote(root / name)
 
 
-def pull_newest(local_dir: str | os.PathLike[str], marker: str) -> Path | None:
-    """Download the newest (by name) subdirectory of the store's copy of `local_dir` that
-    holds `marker` (a complete checkpoint: its `state.json`) when the mirror lacks it, its
-    `marker` last; returns its local path, or None (no store, or none complete there).
+def complete_children(local_dir: str | os.PathLike[str], marker: str) -> list[str]:
+    """Names of the subdirectories of the store's copy of `local_dir` that hold `marker`
+    (complete checkpoints: their `state.json`, uploaded last), sorted; [] without a store.
 
     Raises:
-        OSError: the store cannot be listed or read.
+        OSError: the store cannot be listed.
     """
-    root = Path(local_dir)
-    if remote_url(root) is None:
-        return None
-    complete = sorted(name.split("/", 1)[0] for name in remote_sizes(root)
-                      if name.count("/") == 1 and name.endswith("/" + marker))
-    if not complete:
-        return None
-    newest = root / complete[-1]
-    if not (newest / marker).is_file():
-        fetch_tree(newest, last=marker)
-    return newest
+    return sorted(name.split("/", 1)[0] for name in remote_sizes(local_dir)
+                  if name.count("/") == 1 and name.endswith("/" + marker))

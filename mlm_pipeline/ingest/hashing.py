@@ -177,7 +177,8 @@ class HashMemo:
             data = store.read_remote(self._shared_path(url))
             found = None if data is None else json.loads(data)
         except (OSError, ValueError) as exc:
-            self._unusable(exc)
+            logger.warning("%s: hash memo row not usable (%s): the object is hashed again",
+                           store.remote_url(self._shared_path(url)), exc)
             return None
         if not isinstance(found, dict) or found.get("url") != url:
             return None
@@ -192,7 +193,8 @@ class HashMemo:
         try:
             store.write_remote(self._shared_path(url), json.dumps(record).encode())
         except OSError as exc:
-            self._unusable(exc)
+            logger.warning("%s: hash memo row not written (%s)",
+                           store.remote_url(self._shared_path(url)), exc)
 
     # ----------------------------------------------------------------------- storage
     def _get(self, name: str) -> _Row | None:

@@ -209,16 +209,18 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def write_manifest(manifest: Manifest) -> Path:
+def write_manifest(manifest: Manifest, changed_only: bool = False) -> Path:
     """Write `manifest.json` atomically into the manifest's `output_dir`; returns its path.
     In the mirror of a URL work directory the stage directory is then published to the
-    store, the manifest last (`store.publish`).
+    store, the manifest last (`store.publish`): every file, or with `changed_only` (a
+    training run, whose checkpoints were uploaded as they were saved) those the store
+    lacks or holds with another size.
 
     Raises:
         OSError: the file, or the store, cannot be written.
     """
     atomic_write_text(manifest.path, manifest.model_dump_json(indent=2) + "\n")
-    store.publish(manifest.path.parent)
+    store.publish(manifest.path.parent, changed_only=changed_only)
     return manifest.path
 
 
@@ -316,6 +318,11 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str,
     sizes = store.remote_sizes(out_dir)
     for entry in _file_entries(m):
         local = m._local(entry.path)  # the path checks, before anything is fetched
+        if local.is_file() and (local.stat().st_size != entry.bytes or (
+                sha256 is not None and sha256(local) != entry.sha256)):
+            logger.warning("%s: %s differs from its manifest; it is fetched again from %s",
+                           m.stage, local, store.remote_url(local))
+            local.unlink()
         have = local.stat().st_size if local.is_file() else sizes.get(entry.path)
         if have != entry.bytes:
             return None
@@ -342,8 +349,9 @@ def _load_local(out_dir: Path, cls: type[M], digest: str,
         return None
     for f, entry in files if sha256 is not None else ():
         if (actual := sha256(f)) != entry.sha256:
-            logger.warning("%s: %s changed: sha256 %s, its manifest %s records %s; the "
-                           "stage is rebuilt", m.stage, f, actual, p, entry.sha256)
+            if store.remote_url(f) is None:  # else fetched again (`load_if_complete`)
+                logger.warning("%s: %s changed: sha256 %s, its manifest %s records %s; the "
+                               "stage is rebuilt", m.stage, f, actual, p, entry.sha256)
             return None
     return m
 

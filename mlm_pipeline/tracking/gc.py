@@ -13,6 +13,9 @@ run directory, whether its `checkpoints/` goes:
   `keep` FINISHED runs of its experiment (by start time);
 - removed: every other FINISHED run.
 
+With a URL work directory (`mlm_pipeline.store`) the runs are those of its store and of
+this machine's mirror, wherever they trained, and a removed `checkpoints/` goes from both.
+
 The rest of a run directory (`metrics.jsonl`, `manifest.json`) is small and stays. MLflow's
 own `mlflow gc` is a different thing: it deletes runs already marked deleted from the store.
 """
@@ -106,14 +109,18 @@ def plan_gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
     champions = champion_run_ids(tracker)
     found, missing, names = [], [], {}
     root = store.work_root(work_dir) / "train"  # a URL work directory: its mirror
-    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+    local = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    in_store = set(store.remote_children(root))  # a URL work directory's runs, anywhere
+    for name in sorted(local | in_store):
+        run_dir = root / name
         state = run_dir / "checkpoints"
-        if not RUN_ID.fullmatch(run_dir.name) or state.is_symlink() or not state.is_dir():
+        if not RUN_ID.fullmatch(name) or state.is_symlink() or not (
+                state.is_dir() or name in in_store):
             continue
         try:
-            run = client.get_run(run_dir.name)
+            run = client.get_run(name)
         except MlflowException:
-            missing.append(GcItem(state, run_dir.name, "", tree_bytes(state), "keep",
+            missing.append(GcItem(state, name, "", _state_bytes(state), "keep",
                                   f"not a run of {tracker.tracking_uri}"))
             continue
         exp_id = run.info.experiment_id
@@ -139,13 +146,19 @@ def plan_gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
                 reason = f"one of the newest {keep} finished runs of its experiment"
             else:
                 action, reason = "remove", "finished"
-        items.append(GcItem(state, info.run_id, names[info.experiment_id], tree_bytes(state),
-                            action, reason))
+        items.append(GcItem(state, info.run_id, names[info.experiment_id],
+                            _state_bytes(state), action, reason))
     return items
 
 
+def _state_bytes(state: Path) -> int:
+    """Bytes of a run's `checkpoints/`: on disk, else in the store of a URL work directory."""
+    return tree_bytes(state) if state.is_dir() else sum(store.remote_sizes(state).values())
+
+
 def apply_gc(items: list[GcItem]) -> int:
-    """Delete the `checkpoints/` directory of every item whose action is `remove`.
+    """Delete the `checkpoints/` directory of every item whose action is `remove`: on disk
+    and, in the mirror of a URL work directory, in its store.
 
     Returns:
         The bytes freed (the sum of the removed items' `bytes`).
@@ -156,7 +169,9 @@ def apply_gc(items: list[GcItem]) -> int:
     freed = 0
     for item in items:
         if item.action == "remove":
-            shutil.rmtree(item.path)
+            if item.path.exists():
+                shutil.rmtree(item.path)
+            store.remove_remote(item.path)
             freed += item.bytes
     return freed
 

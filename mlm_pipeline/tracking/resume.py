@@ -16,7 +16,10 @@ threads, evaluation and tracking settings) are recorded as tags; any other diffe
 
 A run whose process is alive is never touched: runs record `mlm.host` and `mlm.pid`, and a
 RUNNING run of this host whose process still exists is left alone (two runs at once start
-two MLflow runs). A RUNNING run of a dead process without a checkpoint is closed KILLED.
+two MLflow runs). A RUNNING run of another host is left alone too, since nothing here can
+tell whether it still trains (a shared MLflow server, an `s3://` work directory): name it
+with `tracking.resume_run_id` to take it over once its machine is gone. A RUNNING run of a
+dead process without a checkpoint is closed KILLED.
 """
 
 from __future__ import annotations
@@ -91,9 +94,16 @@ def config_changes(old: Mapping[str, str], new: Mapping[str, object]
     return compatible, incompatible
 
 
-def _alive(tags: Mapping[str, str]) -> bool:
-    """True when the run's process is on this host and still exists."""
-    if tags.get(HOST_TAG) != socket.gethostname() or not tags.get(PID_TAG, "").isdigit():
+def _alive(tags: Mapping[str, str], run_id: str = "") -> bool:
+    """True when the run's process may still exist: it is on this host and exists, or it
+    is on another host (which no check here can reach; logged, with how to take it over)."""
+    host = tags.get(HOST_TAG)
+    if host and host != socket.gethostname():
+        logger.info("MLflow run %s is RUNNING on host %s: left alone (it may still be "
+                    "training); once that machine is gone, continue it with "
+                    "tracking.resume_run_id=%s", run_id, host, run_id)
+        return True
+    if not tags.get(PID_TAG, "").isdigit():
         return False
     pid = int(tags[PID_TAG])
     if pid == os.getpid():
@@ -137,8 +147,9 @@ def find_resumable(
         newest_checkpoint: run id -> its newest intact checkpoint, or None.
 
     Returns:
-        The newest run with this job key that is not FINISHED, whose process is gone and
-        that has a checkpoint; None when there is none. Dead RUNNING runs without a
+        The newest run with this job key that is not FINISHED, whose process is gone (a
+        RUNNING run of another host counts as alive) and that has a checkpoint; None when
+        there is none. Dead RUNNING runs without a
         checkpoint are closed KILLED on the way (nothing to continue).
 
     Raises:
@@ -151,7 +162,8 @@ def find_resumable(
         order_by=["attributes.start_time DESC"], max_results=50)
     for run in runs:
         status = run.info.status
-        if status == "FINISHED" or (status == "RUNNING" and _alive(run.data.tags)):
+        if status == "FINISHED" or (status == "RUNNING" and _alive(run.data.tags,
+                                                                   run.info.run_id)):
             continue
         checkpoint = newest_checkpoint(run.info.run_id)
         if checkpoint is None:

@@ -162,15 +162,20 @@ def verify_checkpoint(checkpoint: Path) -> None:
 def latest_intact_checkpoint(root: Path) -> Path | None:
     """The newest checkpoint under `root` that passes `verify_checkpoint`, or None; every
     newer damaged one is reported with a warning. In the mirror of a URL work directory
-    the store's newest complete checkpoint is downloaded first when the mirror lacks it
-    (a run resumed on another machine; `store.pull_newest`)."""
-    store.pull_newest(root, _JSON)
-    for checkpoint in reversed(list_checkpoints(root)):
+    the store's complete checkpoints count too: one the mirror lacks is downloaded when
+    its turn comes (a run resumed on another machine), and removed again if damaged."""
+    local = {p.name for p in list_checkpoints(root)}
+    remote = {name for name in store.complete_children(root, _JSON) if name.startswith(_PREFIX)}
+    for name in sorted(local | remote, reverse=True):
+        checkpoint = root / name
+        fetched = name not in local and store.fetch_tree(checkpoint, last=_JSON) > 0
         try:
             verify_checkpoint(checkpoint)
         except CheckpointError as exc:
             logger.warning("checkpoint %s is damaged, trying an older one: %s",
                            checkpoint.name, exc)
+            if fetched:
+                shutil.rmtree(checkpoint, ignore_errors=True)
             continue
         return checkpoint
     return None
@@ -307,7 +312,7 @@ class Checkpointer:
         # A URL work directory: the checkpoints to the store, then the run directory's
         # other files (metrics.jsonl), so another machine resumes with the log up to here.
         store.sync_children(self.root, last=_JSON)
-        store.publish(self.root.parent)
+        store.publish(self.root.parent, changed_only=True)
         logger.info("checkpoint saved: %s", final)
 
     def load(self, checkpoint: Path, map_location: str | torch.device = "cpu") -> None:

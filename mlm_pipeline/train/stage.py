@@ -183,14 +183,23 @@ def _truncate_metrics_log(path: Path, step: int) -> None:
     """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
     those steps again, and the log must hold each step once. A line cut short by a kill
     (not valid JSON) is dropped with a warning. In the mirror of a URL work directory the
-    store's copy is fetched first when the mirror lacks it (a run resumed on another
-    machine: the checkpoint came from the store, so does the log up to it)."""
-    with contextlib.suppress(FileNotFoundError):
-        store.fetch(path)
-    if not path.is_file():
+    store's copy is used when it holds more records up to `step` (a run resumed on another
+    machine, or back on one whose copy is older: the store's is uploaded at each
+    checkpoint)."""
+    texts = [path.read_text()] if path.is_file() else []
+    if (remote := store.read_remote(path)) is not None:
+        texts.append(remote.decode("utf-8", "replace"))
+    if not texts:
         return
+    kept = max((_records_upto(path, text, step) for text in texts), key=len)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _records_upto(path: Path, text: str, step: int) -> list[str]:
+    """The lines of a metrics log `text` (of `path`) with a step <= `step`; an incomplete
+    line is dropped with a warning."""
     kept = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -201,7 +210,7 @@ def _truncate_metrics_log(path: Path, step: int) -> None:
             continue
         if record["step"] <= step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    return kept
 
 
 def train(
@@ -348,6 +357,6 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
         peak_source=parts.meter.peak_source,
     )
-    if parts.world.is_main:
-        write_manifest(manifest)
+    if parts.world.is_main:  # checkpoints are in the store already (a URL work directory)
+        write_manifest(manifest, changed_only=True)
     return manifest

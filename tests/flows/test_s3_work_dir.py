@@ -116,10 +116,11 @@ def mlflow_server(s3, tmp_path_factory):
         _stop(proc)
 
 
-def _config(tmp: Path, tracking_uri: str, name: str, max_steps: int = 30) -> Path:
+def _config(tmp: Path, tracking_uri: str, name: str, max_steps: int = 30,
+            work: str = "work") -> Path:
     cfg = {
         "name": name,
-        "work_dir": f"s3://{BUCKET}/work",
+        "work_dir": f"s3://{BUCKET}/{work}",
         "ingest": {"sources": [f"s3://{BUCKET}/corpus/tiny_fr.txt"], "validation_fraction": 0.1},
         "tokenizer": {"vocab_size": 128},
         "shards": {"seq_len": 32, "rows_per_shard": 16},
@@ -242,6 +243,10 @@ def test_work_dir_and_artifacts_in_s3_and_a_second_machine_reads_no_corpus(
     machine_2 = tmp_path / "machine-2"
     out = _run(machine_2, config, endpoint)
     gets = server.object_gets(since)
+    kinds = {"corpus": "/corpus/", "documents": ".parquet", "manifests": "/manifest.json",
+             "tokenizer": "/spm.", "shards": ".arrow", "memo": "/.hash-memo/"}
+    by_kind = {k: sum(p in f"/{g}" for g in gets) for k, p in kinds.items()}
+    print(f"machine 2: {len(server.requests) - since} requests, GetObject by prefix: {by_kind}")
     corpus_size = len((ROOT / "tests" / "assets" / "tiny_fr.txt").read_bytes())
     assert not [k for k in gets if k.startswith(f"{BUCKET}/corpus/")], (corpus_size, gets)
     assert not [k for k in gets if k.startswith(f"{BUCKET}/work/ingest/")
@@ -259,7 +264,7 @@ def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_p
     from mlflow import MlflowClient
 
     endpoint, _, client = s3
-    config = _config(tmp_path, mlflow_server, "s3-resume", max_steps=400)
+    config = _config(tmp_path, mlflow_server, "s3-resume", max_steps=400, work="resume")
     machine_1 = tmp_path / "machine-1"
     machine_1.mkdir()
     proc = subprocess.Popen([str(CLI), "run", str(config)], cwd=machine_1,
@@ -268,7 +273,7 @@ def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_p
     deadline = time.monotonic() + 600
     done = []
     while time.monotonic() < deadline and proc.poll() is None:
-        done = [k for k in _keys(client, "work/train/") if k.endswith("/state.json")]
+        done = [k for k in _keys(client, "resume/train/") if k.endswith("/state.json")]
         if done:
             break
         time.sleep(0.5)
@@ -290,6 +295,6 @@ def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_p
     history = mlflow.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, 401))
     # The run's own log, continued on machine 2 from machine 1's up to the checkpoint.
-    log = client.get_object(Bucket=BUCKET, Key=f"work/train/{run_id}/metrics.jsonl")
+    log = client.get_object(Bucket=BUCKET, Key=f"resume/train/{run_id}/metrics.jsonl")
     steps = [json.loads(line)["step"] for line in log["Body"].read().decode().splitlines()]
     assert steps == list(range(1, 401))

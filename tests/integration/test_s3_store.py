@@ -133,3 +133,110 @@ def test_a_missing_object_makes_the_stage_run_again(bucket, work, monkeypatch, t
     rebuilt = ingest(cfg, work)  # built here, and published again
     assert rebuilt.digest == made.digest
     assert hashlib.sha256(_object(bucket, key)).hexdigest() == made.validation[0].sha256
+
+
+def test_a_rebuilt_stage_replaces_a_damaged_object_in_the_store(
+        bucket, work, monkeypatch, tmp_path):
+    cfg, made = _made_on_a(monkeypatch, tmp_path, work)
+    entry = made.train[0]
+    key = f"{_prefix(made, work)}/{entry.path}"
+    body = bytearray(_object(bucket, key))
+    body[0] ^= 0xFF  # same size, other bytes
+    bucket.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    bucket.delete_object(Bucket=BUCKET, Key=f"{_prefix(made, work)}/manifest.json")
+
+    _machine(monkeypatch, tmp_path, "b", work)
+    rebuilt = ingest(cfg, work)  # no manifest in the store: built again, published whole
+    assert rebuilt.digest == made.digest
+    assert hashlib.sha256(_object(bucket, key)).hexdigest() == entry.sha256
+
+
+def test_a_changed_file_in_the_mirror_is_fetched_again_from_the_store(
+        bucket, work, monkeypatch, tmp_path):
+    cfg, made = _made_on_a(monkeypatch, tmp_path, work)
+    entry = made.train[0]
+    local = Path(made.output_dir) / entry.path
+    body = bytearray(local.read_bytes())
+    body[0] ^= 0xFF
+    local.write_bytes(bytes(body))
+
+    again = ingest(cfg, work)  # reused: the store holds the output
+    assert again.digest == made.digest
+    assert hashlib.sha256(again.file(entry.path).read_bytes()).hexdigest() == entry.sha256
+
+
+def _fake_checkpoint(root: Path, step: int, payload: bytes) -> Path:
+    """A checkpoint directory as `verify_checkpoint` reads it: one file and `state.json`
+    with its size and sha256."""
+    from mlm_pipeline.train.checkpoint import checkpoint_name
+
+    path = root / checkpoint_name(step)
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(payload)
+    record = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (path / "state.json").write_text(json.dumps({"files": {"model.safetensors": record}}))
+    return path
+
+
+def test_a_damaged_newest_checkpoint_in_the_store_falls_back_to_an_older_one(
+        bucket, work, monkeypatch, tmp_path):
+    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint
+
+    root_a = _machine(monkeypatch, tmp_path, "a", work)
+    root = store.work_root(work) / "train" / "run" / "checkpoints"
+    for step in (5, 10):
+        _fake_checkpoint(root, step, f"weights at step {step}".encode())
+    store.sync_children(root, last="state.json")
+    key = f"{work.split('/', 3)[3]}/train/run/checkpoints/step-00000010/model.safetensors"
+    bucket.put_object(Bucket=BUCKET, Key=key, Body=b"weights at step XX")  # same size
+
+    root_b = _machine(monkeypatch, tmp_path, "b", work)
+    here = Path(str(root).replace(str(root_a), str(root_b)))
+    assert latest_intact_checkpoint(here) == here / "step-00000005"
+    assert (here / "step-00000005" / "model.safetensors").read_bytes() == b"weights at step 5"
+    assert not (here / "step-00000010").exists()  # the damaged download is not kept
+
+
+def test_a_resumed_runs_metrics_log_is_the_longer_of_the_mirrors_and_the_stores(
+        bucket, work, monkeypatch, tmp_path):
+    from mlm_pipeline.train.stage import _truncate_metrics_log
+
+    _machine(monkeypatch, tmp_path, "a", work)
+    log = store.work_root(work) / "train" / "run" / "metrics.jsonl"
+    log.parent.mkdir(parents=True)
+    lines = [json.dumps({"step": s, "train/loss": 5.0 - s / 100}) for s in range(1, 51)]
+    log.write_text("".join(line + "\n" for line in lines[:5]))  # this machine's old copy
+    store.write_remote(log, "".join(line + "\n" for line in lines).encode())  # the store's
+    _truncate_metrics_log(log, 45)
+    assert log.read_text().splitlines() == lines[:45]
+
+
+def test_a_work_dir_that_cannot_be_written_fails_at_once_naming_it(s3_endpoint):  # noqa: F811
+    with pytest.raises(OSError, match=r"work_dir s3://no-such-bucket/w: cannot write .*"
+                                      r"AWS_ACCESS_KEY_ID"):
+        store.work_root("s3://no-such-bucket/w")
+    with pytest.raises(ValueError, match=r"work_dir nope://x/w: .*nope"):
+        store.work_root("nope://x/w")
+
+
+def test_gc_removes_a_finished_runs_checkpoints_from_the_store_too(
+        bucket, work, monkeypatch, tmp_path):
+    from mlm_pipeline.tracking import MlflowTracker
+    from mlm_pipeline.tracking.gc import apply_gc, plan_gc
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", experiment_name="gc")
+    run_id = tracker.start_run({}, {})
+    tracker.end_run(run_id, "FINISHED")
+    _machine(monkeypatch, tmp_path, "a", work)  # trained there; gc runs on machine b
+    root = store.work_root(work) / "train" / run_id / "checkpoints"
+    _fake_checkpoint(root, 5, b"x" * 1000)
+    store.sync_children(root, last="state.json")
+    prefix = f"{work.split('/', 3)[3]}/train/{run_id}/checkpoints/"
+    stored = sum(o["Size"] for o in bucket.list_objects_v2(Bucket=BUCKET, Prefix=prefix)[
+        "Contents"])
+
+    _machine(monkeypatch, tmp_path, "b", work)
+    [item] = plan_gc(tracker, work, keep=0)
+    assert (item.run_id, item.action, item.bytes) == (run_id, "remove", stored)
+    assert apply_gc([item]) == stored
+    assert "Contents" not in bucket.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
