@@ -43,6 +43,7 @@ def test_dask_prep_equals_single_process(tmp_path, tiny_paragraphs):
     got = prepare_partitioned(cfg)
 
     for single, dask in zip((corpus, tokenizer, shards), got):
+        print(f"{single.stage}: in-process {single.digest[:16]}, Dask {dask.digest[:16]}")
         assert dask.digest == single.digest
         assert Path(dask.output_dir).is_relative_to(tmp_path / "dask")
         assert _tree_sha256(Path(dask.output_dir)) == _tree_sha256(Path(single.output_dir))
@@ -71,8 +72,8 @@ def _partition_states() -> dict[str, list[str]]:
 def test_prepare_data_flow_with_the_dask_executor_matches_the_local_one(tmp_path, tiny_paragraphs):
     """The `prepare-data` flow with `data.executor=dask` (what a user sets) returns the
     manifests of the local executor: same digests, byte-identical files."""
-    from flows.pretraining import PretrainParams
     from flows.prepare_data import prepare_data_flow
+    from flows.pretraining import PretrainParams
 
     src = _write_inputs(tmp_path, tiny_paragraphs)
     base = [f"ingest.sources=[{src}]", "ingest.validation_fraction=0.1",
