@@ -21,7 +21,7 @@ Rules checked here, one test each:
    `sys.modules`. Cheap: the package itself, `config`, `config_files`, `manifest`, `cli`
    and every module of `ingest/`, `tokenizer/` and `tracking/` (mlflow is imported lazily
    there).
-8. No module is longer than 460 lines.
+8. No module is longer than 600 lines; past 400 a warning asks for the seam (STYLE rule 4).
 
 Rules 1-4 read every import statement of every module with `ast`: module level and inside
 functions, `import x` and `from x import y` (`y` counted as the module `x.y` too), relative
@@ -234,12 +234,17 @@ def test_rule_7_cheap_modules_import_neither_torch_nor_mlflow(module):
     assert "mlflow" not in imported
 
 
-#: STYLE rule 4: "modules stay under ~400 lines"; the margin is for docstrings.
-MAX_MODULE_LINES = 460
+#: STYLE rule 4: past ~400 lines look for the seam, past 600 split along it.
+WARN_MODULE_LINES = 400
+MAX_MODULE_LINES = 600
 
 
 @pytest.mark.parametrize("module", ALL_MODULES)
 def test_rule_8_modules_stay_short(module):
     spec = importlib.util.find_spec(module)
     lines = len(Path(spec.origin).read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_MODULE_LINES, f"{spec.origin}: {lines} lines; split it (STYLE rule 4)"
+    assert lines <= MAX_MODULE_LINES, f"{spec.origin}: {lines} lines; split it along a seam (STYLE rule 4)"
+    if lines > WARN_MODULE_LINES:
+        import warnings
+        warnings.warn(f"{spec.origin}: {lines} lines; past {WARN_MODULE_LINES}, look for the seam "
+                      "(STYLE rule 4)", stacklevel=1)
