@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 DROP_REASONS = ("bad_json", "missing_text", "binary", "language", "empty", "too_short",
                 "few_letters", "duplicate", "near_duplicate")
-REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "control", "split", "extra_fields")
+REPAIR_REASONS = ("bom", "invalid_utf8", "nul", "control", "control_space", "split",
+                  "extra_fields")
 
 
 class Accounting:

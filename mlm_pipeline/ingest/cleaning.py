@@ -32,22 +32,29 @@ BINARY_SHARE = 0.3
 #: ... and at least this many such characters: a short text with a replaced byte or two
 #: ("caf\ufffd", "i\ufffdj") stays text (repaired as `invalid_utf8`).
 BINARY_MIN_CHARS = 8
-_CONTROL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f]")  # C0 but NUL (`nul`), \t, \n, \r
+#: C0 controls that are whitespace (`str.isspace`: vertical tab, form feed, the file /
+#: group / record / unit separators): they separate words, so a run of them becomes one space.
+_CONTROL_SPACE = re.compile("[\x0b\x0c\x1c-\x1f]+")
+#: The other C0 controls but NUL (`nul`), tab, line feed and carriage return: removed.
+_CONTROL = re.compile("[\x01-\x08\x0e-\x1b]")
 _SUSPECT = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")
 
 
-def screen(text: str) -> tuple[str, str | None]:
+def screen(text: str) -> tuple[str, tuple[str, ...] | str | None]:
     """Screen one record's text for binary content and control characters.
 
     Tab, line feed and carriage return (a line end, in `\\r\\n` or alone) are kept; NUL is
-    the readers' (repair `nul`), though one still present counts as binary evidence.
+    the readers' (repair `nul`), though one still present counts as binary evidence. A run
+    of C0 controls that are whitespace (vertical tab, form feed, U+001C-U+001F) becomes one
+    space (repair `control_space`: `"one\\x0ctwo"` -> `"one two"`, never `"onetwo"`); other
+    C0 controls are removed (repair `control`). Every other character is kept as it is.
 
     Returns:
         `(text, "binary")` when more than `BINARY_SHARE` of its characters, and at least
         `BINARY_MIN_CHARS`, are U+FFFD or C0 control characters (the text unchanged, to
-        be dropped); `(cleaned, "control")`
-        when C0 control characters were removed; `(text, None)` otherwise. One regex scan
-        when the text has none of these characters.
+        be dropped); else `(cleaned, repairs)`, `repairs` the tuple of the repairs made
+        (`"control"`, `"control_space"`, in this order), None when none was made. One
+        regex scan when the text has none of these characters.
     """
     if _SUSPECT.search(text) is None:
         return text, None
@@ -55,7 +62,9 @@ def screen(text: str) -> tuple[str, str | None]:
     if suspect > BINARY_SHARE * len(text) and suspect >= BINARY_MIN_CHARS:
         return text, "binary"
     cleaned, removed = _CONTROL.subn("", text)
-    return (cleaned, "control") if removed else (text, None)
+    cleaned, spaced = _CONTROL_SPACE.subn(" ", cleaned)
+    repairs = (("control",) if removed else ()) + (("control_space",) if spaced else ())
+    return (cleaned, repairs) if repairs else (text, None)
 
 
 def letter_share(text: str) -> float:

@@ -37,8 +37,9 @@ are `mlm_pipeline.ingest.sources`'s; a repair is counted once per record. A trun
 corrupt compressed or Parquet file is a `BadFileError` naming it (`ingest.on_bad_file`
 decides whether the run goes on). Every record's text is then screened
 (`cleaning.screen`): binary content (a share of U+FFFD and C0 control characters above
-`cleaning.BINARY_SHARE`) is dropped as `binary`; other C0 control characters than tab,
-line feed and carriage return are removed (repair `control`). Drops and repairs are
+`cleaning.BINARY_SHARE`) is dropped as `binary`; a run of C0 separators (vertical tab,
+form feed, U+001C-U+001F) becomes one space (repair `control_space`), other C0 control
+characters than tab, line feed and carriage return are removed (repair `control`). Drops and repairs are
 logged at WARNING once per file and reason, with the count and the first positions
 (line, element or row, as in the ids).
 
@@ -92,6 +93,7 @@ _WHY = {"bad_json": "not valid JSON / not an object",
         "missing_text": "field {field!r} missing or not a string",
         "binary": "binary content: too many U+FFFD / control characters",
         "control": "C0 control characters removed",
+        "control_space": "C0 separators (vertical tab, form feed, U+001C-U+001F) made spaces",
         "bom": "UTF-8 byte-order mark removed",
         "invalid_utf8": "invalid UTF-8 replaced by U+FFFD",
         "nul": "NUL characters removed",
@@ -106,7 +108,7 @@ class Record(NamedTuple):
         text: raw text, decoded but not normalized ("" for a bad record).
         source: the record's `source` field, else the file's basename.
         repairs: repair reasons applied to this record (`bom`, `invalid_utf8`, `nul`,
-            `extra_fields`, `control`).
+            `extra_fields`, `control`, `control_space`).
         drop: drop reason of a bad record (`bad_json`, `missing_text`, `binary`), else None.
         lang: the record's `lang` field, None when absent.
     """
@@ -186,15 +188,16 @@ def _logged(path: Source, unit: str, field: str,
 def _screened(rows: Generator[tuple[int, Record], None, None]
               ) -> Generator[tuple[int, Record], None, None]:
     """`rows` with every good record's text screened (`cleaning.screen`): binary content
-    dropped as `binary`, C0 control characters removed (repair `control`)."""
+    dropped as `binary`, C0 separators made one space (repair `control_space`), other C0
+    control characters removed (repair `control`)."""
     try:
         for where, rec in rows:
             if rec.drop is None and rec.text:
                 text, verdict = screen(rec.text)
                 if verdict == "binary":
                     rec = rec._replace(text="", drop="binary")
-                elif verdict == "control":
-                    rec = rec._replace(text=text, repairs=rec.repairs | {"control"})
+                elif verdict:
+                    rec = rec._replace(text=text, repairs=rec.repairs | set(verdict))
             yield where, rec
     finally:
         rows.close()

@@ -9,7 +9,9 @@ every repair and drop is counted in the manifest:
 
 * Repairs (counted once per record read, kept or dropped): `bom`, `invalid_utf8`, `nul`
   (see `sources`), `extra_fields` (see `readers`), `control` (C0 control characters other
-  than tab, line feed and carriage return removed; `cleaning.screen`), and `split`: a
+  than tab, line feed, carriage return and the separators removed; `cleaning.screen`),
+  `control_space` (a run of C0 separators, vertical tab, form feed or U+001C-U+001F,
+  made one space so that words stay apart), and `split`: a
   document longer than `max_document_chars` is cut into parts of at most that many
   characters, at the last blank line (paragraph) before the limit, else the last
   whitespace after `.`, `!` or `?` (sentence), else the last whitespace, else hard at the

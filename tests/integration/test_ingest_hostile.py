@@ -254,8 +254,28 @@ def test_control_characters_are_removed_and_counted(tmp_path):
                         "vertical\x0btab"]))
     m = run(tmp_path, f)
     assert sorted(texts_by_id(m).values()) == sorted([
-        "tab\tand\nnewline\r\nkept", "bell and escape[0m gone", "verticaltab"])
-    assert m.repaired["control"] == 2
+        "tab\tand\nnewline\r\nkept", "bell and escape[0m gone", "vertical tab"])
+    assert (m.repaired["control"], m.repaired["control_space"]) == (1, 1)
+
+
+def test_control_separators_keep_words_apart(tmp_path):
+    # Form feed, vertical tab and the separators U+001C-U+001F between two words: the words
+    # stay two (one space per run), counted as `control_space`, never glued ("ab").
+    f = tmp_path / "sep.jsonl"
+    f.write_bytes(jsonl(["a\x0cb", "c\x0bd", "e\x1c\x1d\x1e\x1ff", "g\x07\x0ch",
+                         "plain words"]))
+    m = run(tmp_path, f)
+    assert sorted(texts_by_id(m).values()) == ["a b", "c d", "e f", "g h", "plain words"]
+    assert (m.repaired["control_space"], m.repaired["control"]) == (4, 1)
+    assert m.documents_read == m.documents_kept == 5
+
+
+def test_form_feed_in_a_text_file_is_a_space(tmp_path):
+    f = tmp_path / "ff.txt"
+    f.write_bytes(b"one\x0ctwo three\n")
+    m = run(tmp_path, f)
+    assert list(texts_by_id(m).values()) == ["one two three"]
+    assert m.repaired["control_space"] == 1 and m.repaired["control"] == 0
 
 
 @needs_posix

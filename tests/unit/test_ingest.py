@@ -27,8 +27,8 @@ ISSUE_LINES = [b"\xef\xbb\xbfab\r\n", b"cd\r", b"ef\n", "g\u2028h\n".encode(), b
                b"k\x00l\n"]
 ZERO_DROPS = {"bad_json": 0, "missing_text": 0, "binary": 0, "language": 0, "empty": 0,
               "too_short": 0, "few_letters": 0, "duplicate": 0, "near_duplicate": 0}
-NO_REPAIRS = {"bom": 0, "invalid_utf8": 0, "nul": 0, "control": 0, "split": 0,
-              "extra_fields": 0}
+NO_REPAIRS = {"bom": 0, "invalid_utf8": 0, "nul": 0, "control": 0, "control_space": 0,
+              "split": 0, "extra_fields": 0}
 
 
 def records(m) -> list[tuple[str, str, str]]:
@@ -108,11 +108,11 @@ def test_other_separators_do_not_split(tmp_path):
     f = tmp_path / "s.txt"
     f.write_bytes("a\x85b\n\nc\u2029d\n\ne\x0cf\ng\x0bh\n".encode())
     m = run(tmp_path, [f])
-    # Form feed and vertical tab split nothing; as C0 control characters they are removed
-    # (one `control` repair: one record).
+    # Form feed and vertical tab split nothing; as C0 separators each becomes a space, so
+    # the words stay apart (one `control_space` repair: one record).
     assert records(m) == [("s.txt:1", "a\x85b", "s.txt"), ("s.txt:3", "c\u2029d", "s.txt"),
-                          ("s.txt:5", "ef\ngh", "s.txt")]
-    assert m.repaired == {**NO_REPAIRS, "control": 1}
+                          ("s.txt:5", "e f\ng h", "s.txt")]
+    assert m.repaired == {**NO_REPAIRS, "control_space": 1}
 
 
 def test_nfkc_and_bom_on_blank_first_line(tmp_path):
