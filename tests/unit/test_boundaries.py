@@ -23,6 +23,10 @@ Rules checked here, one test each:
    there).
 8. No module is longer than 600 lines; past 400 a warning asks for the seam (STYLE rule 4).
 
+Rules 6 and 7 hold for each module iff they hold for all of them imported together, so
+each imports all its modules in one fresh interpreter; only when that one sees a forbidden
+name does it import each module in an interpreter of its own, to name the offenders.
+
 Rules 1-4 read every import statement of every module with `ast`: module level and inside
 functions, `import x` and `from x import y` (`y` counted as the module `x.y` too), relative
 imports resolved against the module's package, and `importlib.import_module("x")` /
@@ -32,7 +36,6 @@ imports resolved against the module's package, and `importlib.import_module("x")
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
 import json
 import os
@@ -180,37 +183,33 @@ def test_rule_5_every_module_has_a_level():
     assert names <= set(LEVELS), f"place these in LEVELS: {sorted(names - set(LEVELS))}"
 
 
-def _imported_by(module: str) -> frozenset[str]:
-    """Top-level names in `sys.modules` after importing `module` in a fresh interpreter."""
+def _imported_by(modules: list[str]) -> frozenset[str]:
+    """Top-level names in `sys.modules` after importing every module of `modules`, in order,
+    in one fresh interpreter.
+
+    Raises:
+        AssertionError: an import failed (its traceback is in the message).
+    """
     code = (
-        f"import sys, json, importlib; importlib.import_module({module!r}); "
-        "print(json.dumps(sorted(k.split('.')[0] for k in sys.modules)))"
+        f"import sys, json, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted({k.split('.')[0] for k in sys.modules})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False)
-    assert out.returncode == 0, f"import {module} failed:\n{out.stderr[-2000:]}"
+    assert out.returncode == 0, f"import of {modules} failed:\n{out.stderr[-2000:]}"
     return frozenset(json.loads(out.stdout))
 
 
-@functools.cache
-def _fresh_imports() -> dict[str, frozenset[str] | AssertionError]:
-    """`_imported_by` of every module, run on every core at once (rules 6 and 7)."""
-
-    def attempt(module: str) -> frozenset[str] | AssertionError:
-        try:
-            return _imported_by(module)
-        except AssertionError as exc:
-            return exc
-
+def _offenders(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
+    """`modules` whose import brings in a name of `forbidden`, as lines naming each module
+    and what it brings in: one fresh interpreter for all of them, then (only when that one
+    sees a forbidden name) one per module, to name the culprits."""
+    if not set(forbidden) & _imported_by(modules):
+        return []
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(zip(ALL_MODULES, pool.map(attempt, ALL_MODULES)))
-
-
-def _imported_after(module: str) -> frozenset[str]:
-    result = _fresh_imports()[module]
-    if isinstance(result, AssertionError):
-        raise result
-    return result
+        seen = dict(zip(modules, pool.map(lambda m: _imported_by([m]), modules)))
+    return [f"{m} imports {', '.join(sorted(set(forbidden) & names))}"
+            for m, names in seen.items() if set(forbidden) & names]
 
 
 def test_every_module_is_found():
@@ -222,16 +221,29 @@ def test_every_module_is_found():
         assert name in CHEAP_MODULES
 
 
-@pytest.mark.parametrize("module", ALL_MODULES)
-def test_rule_6_library_never_imports_prefect(module):
-    assert "prefect" not in _imported_after(module)
+def test_rule_6_library_never_imports_prefect():
+    bad = _offenders(ALL_MODULES, ("prefect",))
+    assert not bad, ("importing these modules in a fresh interpreter imports Prefect "
+                     "(STYLE rule 1):\n" + "\n".join(bad))
 
 
-@pytest.mark.parametrize("module", CHEAP_MODULES)
-def test_rule_7_cheap_modules_import_neither_torch_nor_mlflow(module):
-    imported = _imported_after(module)
-    assert "torch" not in imported
-    assert "mlflow" not in imported
+def test_rule_7_cheap_modules_import_neither_torch_nor_mlflow():
+    bad = _offenders(CHEAP_MODULES, ("torch", "mlflow"))
+    assert not bad, ("cheap modules import neither torch nor mlflow at import time "
+                     "(STYLE rule 3):\n" + "\n".join(bad))
+
+
+def test_the_fresh_interpreter_check_names_the_offender(tmp_path, monkeypatch):
+    # Three stand-in modules: `h4_dirty` imports `h4_forbidden`, `h4_clean` does not. The
+    # check over both sees the forbidden name, and the per-module pass names `h4_dirty` alone.
+    (tmp_path / "h4_forbidden.py").write_text("")
+    (tmp_path / "h4_clean.py").write_text("import os\n")
+    (tmp_path / "h4_dirty.py").write_text("import h4_forbidden\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    assert _offenders(["h4_clean", "h4_dirty"], ("h4_forbidden",)) == [
+        "h4_dirty imports h4_forbidden"]
+    assert _offenders(["h4_clean"], ("h4_forbidden",)) == []
 
 
 #: STYLE rule 4: past ~400 lines look for the seam, past 600 split along it.
