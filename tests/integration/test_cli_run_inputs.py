@@ -49,7 +49,24 @@ def test_run_without_a_flow_names_the_entry_point(capsys):
     assert "mlm_pipeline_flows.cli:main" in err and "python -m flows.cli" in err
 
 
-def test_run_checks_the_config_then_calls_the_flow_it_was_given(capsys):
+@pytest.fixture
+def run_in_tmp(tmp_path, monkeypatch):
+    """`main(["run", ...])` in this process: the config's relative `work_dir` (and so the
+    run log, `<work_dir>/logs/`) lands under `tmp_path`, and the two handlers `run` puts on
+    the root logger are taken off again (a CLI process exits with them; a test session
+    would write every later record to this test's log)."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield tmp_path
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def test_run_checks_the_config_then_calls_the_flow_it_was_given(capsys, run_in_tmp):
     from mlm_pipeline.cli import main
 
     calls = []
@@ -62,4 +79,7 @@ def test_run_checks_the_config_then_calls_the_flow_it_was_given(capsys):
     assert calls == []  # a config error never reaches the flow
     assert main(["run", "tiny", "--set", "train.max_steps=5"], run_flow=failing_flow) == 1
     assert calls == [("tiny", ["train.max_steps=5"])]
-    assert "mlm-pipeline: error: task train failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "mlm-pipeline: error: task train failed" in err
+    (log,) = (run_in_tmp / ".mlm-pipeline" / "logs").glob("run-*.log")
+    assert f"traceback in {log}" in err and "RuntimeError: task train failed" in log.read_text()
