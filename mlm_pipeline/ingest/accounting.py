@@ -12,8 +12,9 @@ import unicodedata
 from collections.abc import Iterator
 
 from mlm_pipeline.config import IngestConfig
+from mlm_pipeline.ingest.allowed import OUTSIDE, escaped
 from mlm_pipeline.ingest.cleaning import letter_share, split_text
-from mlm_pipeline.ingest.readers import read_records
+from mlm_pipeline.ingest.readers import Record, read_records
 from mlm_pipeline.ingest.sources import BadFileError, Source
 from mlm_pipeline.manifest import BadFile
 
@@ -62,7 +63,8 @@ class Accounting:
         cfg, limit = self.cfg, self.cfg.max_documents
         langs = set(cfg.languages) if cfg.languages is not None else None
         for i, path in enumerate(files):
-            records = read_records(path, cfg.text_field, cfg.txt_document)
+            records = confined_records(path, cfg, read_records(
+                path, cfg.text_field, cfg.txt_document))
             checking = bool(self.bad_files) and cfg.on_bad_file == "fail"
             try:
                 while limit is None or self.read < limit:
@@ -134,6 +136,21 @@ class Accounting:
         if self.cfg.min_letter_share > 0 and letter_share(text) < self.cfg.min_letter_share:
             return "few_letters"
         return None
+
+
+def confined_records(path: Source, cfg: IngestConfig,
+                     records: Iterator[Record]) -> Iterator[Record]:
+    """`records` (of the file `path`, not yet started), once `path` is checked again, as it
+    is opened, against `cfg.allowed_sources` (`allowed.escaped`): a file listed inside an
+    allowed root that now resolves outside every root (a link swapped in after listing) is
+    a bad file, never opened.
+
+    Raises:
+        BadFileError: reason `outside_allowed_sources`, the path and where it leads named.
+    """
+    if (why := escaped(path, cfg.allowed_sources)) is not None:
+        raise BadFileError(path, OUTSIDE, f"not read: {why}")
+    yield from records
 
 
 def bad_files_error(bad: list[BadFile]) -> ValueError:

@@ -12,15 +12,30 @@ allow-list (`IngestConfig.allowed_sources`):
 * `debian:NAME` must be listed as such.
 
 No list (None) allows no event source. Sources of the config itself are the user's own and
-are not checked. This module imports neither torch nor prefect.
+are not checked.
+
+The check of a source string is not enough: a directory inside an allowed root may hold a
+file symlink leading out of it, and a glob inside the root may match one. So, with an
+allow-list set, every file that a source inside an allowed root (by its resolved path, or
+by its name as written) expands to is resolved (`os.path.realpath`) and must lie inside an
+allowed root too (`confine`); a URL source's expanded object URLs must each pass the URL
+check. A file leading out is skipped, never opened, and named in the corpus manifest's
+`skipped_files` with the kind `outside_allowed_sources`. Readers check each such file again
+when they open it (`escaped`), so a link swapped in after listing is refused as well.
+This module imports neither torch nor prefect.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from mlm_pipeline.config import IngestConfig, PipelineConfig
+from mlm_pipeline.manifest import SkippedFile
+
+#: `SkippedFile.reason` of a file that resolves outside every allowed root.
+OUTSIDE = "outside_allowed_sources"
 
 
 def refused_reason(source: str, allowed: Sequence[str]) -> str | None:
@@ -47,6 +62,92 @@ def refused_reason(source: str, allowed: Sequence[str]) -> str | None:
         if real == real_root or real_root in real.parents:
             return None
     return f"resolves to {real}, inside no allowed root"
+
+
+def _local_roots(allowed: Sequence[str]) -> list[str]:
+    """The allowed local roots (and the paths of `file://` prefixes), each as written
+    (absolute, `~` expanded) and resolved."""
+    roots = [os.path.expanduser(a.removeprefix("file://")) for a in allowed
+             if ("://" not in a or a.startswith("file://")) and not a.startswith("debian:")]
+    return sorted({os.path.abspath(r) for r in roots} | {os.path.realpath(r) for r in roots})
+
+
+def _inside(path: str, roots: Sequence[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def is_confined(source: str, allowed: Sequence[str] | None) -> bool:
+    """Whether the files `source` expands to must stay inside the allowed roots: an
+    allow-list is set and the source (a path, glob or URL, not `debian:`) lies inside an
+    allowed root or URL prefix, resolved or by its name as written."""
+    if allowed is None or source.startswith("debian:"):
+        return False
+    if refused_reason(source, allowed) is None:
+        return True
+    return "://" not in source and _inside(
+        os.path.abspath(os.path.expanduser(source)), _local_roots(allowed))
+
+
+def escaped(path: str | Path, allowed: Sequence[str] | None) -> str | None:
+    """Why the input file `path` may not be read under `allowed`; None when it may.
+
+    A file that lies inside an allowed root by its name (or a URL under an allowed
+    prefix) must resolve inside one (a URL: pass `refused_reason`); files outside every
+    root by name are not this check's (the config's own sources), nor is anything when
+    `allowed` is None.
+    """
+    if allowed is None:
+        return None
+    path = str(path)
+    if "://" in path:
+        if not any("://" in a and path.startswith(a.rstrip("/")) for a in allowed):
+            return None
+        why = refused_reason(path, allowed)
+        if why is None and path.startswith("file://"):
+            return escaped(path.removeprefix("file://"), allowed)
+        return None if why is None else f"{path}: {why}"
+    roots = _local_roots(allowed)
+    if not _inside(os.path.abspath(path), roots):
+        return None
+    real = os.path.realpath(path)
+    if _inside(real, [os.path.realpath(r) for r in roots]):
+        return None
+    return f"{path} resolves to {real}, inside no allowed root (ingest.allowed_sources)"
+
+
+def confine(source: str, found: list, allowed: Sequence[str] | None,
+            skipped: list[SkippedFile]) -> list:
+    """The files of `found` (expanded from `source`) that may be read under `allowed`.
+
+    When `is_confined(source, allowed)`, every file is resolved and one leading outside
+    every allowed root (a file symlink, a glob match through a link) is left out and
+    appended to `skipped` with the kind `OUTSIDE`; otherwise `found` is returned as is.
+
+    Args:
+        source: the `ingest.sources` entry.
+        found: its files (local paths or URLs), in order.
+        allowed: `ingest.allowed_sources` (None: no check).
+        skipped: where the left-out files are named.
+
+    Returns:
+        The files kept, in order.
+    """
+    if not is_confined(source, allowed):
+        return found
+    kept = []
+    for f in found:
+        if "://" in str(f):
+            bad = refused_reason(str(f), allowed) is not None
+            if not bad and str(f).startswith("file://"):  # a local file: links too
+                bad = escaped(str(f).removeprefix("file://"), allowed) is not None
+        else:
+            real = os.path.realpath(os.path.abspath(os.path.expanduser(str(f))))
+            bad = not _inside(real, [os.path.realpath(r) for r in _local_roots(allowed)])
+        if bad:
+            skipped.append(SkippedFile(path=str(f), reason=OUTSIDE))
+        else:
+            kept.append(f)
+    return kept
 
 
 def check_event_sources(sources: Sequence[str], allowed: Sequence[str] | None) -> None:

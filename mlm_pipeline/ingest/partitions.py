@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest.accounting import Accounting
+from mlm_pipeline.ingest.accounting import Accounting, confined_records
 from mlm_pipeline.ingest.readers import (
     Record,
     _logged,
@@ -210,7 +210,9 @@ def read_partition(cfg: IngestConfig, part: Partition) -> PartitionResult:
     """Read and clean one partition, record by record, as `Accounting.documents` does
     (repairs, drops, normalization, splitting; no deduplication).
 
-    Reads at most `max_documents` records (no partition can give the merge more), and with
+    A file that now resolves outside `cfg.allowed_sources` although it was listed inside
+    (`accounting.confined_records`) is a bad file, never opened. Reads at most
+    `max_documents` records (no partition can give the merge more), and with
     `on_bad_file: fail` the rest of the file too, without keeping them, so that a bad file
     is found as the single-process run finds it.
 
@@ -228,8 +230,8 @@ def read_partition(cfg: IngestConfig, part: Partition) -> PartitionResult:
     acc.repaired = _Tally("repaired", acc.repaired, events)
     langs = set(cfg.languages) if cfg.languages is not None else None
     whole = part.start == 0 and part.end is None
-    records = (read_records(part.path, cfg.text_field, cfg.txt_document) if whole
-               else _range_records(part, cfg))
+    records = confined_records(part.path, cfg, read_records(
+        part.path, cfg.text_field, cfg.txt_document) if whole else _range_records(part, cfg))
     out = PartitionResult()
     limit = cfg.max_documents
     try:

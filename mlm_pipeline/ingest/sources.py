@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import corpora
+from mlm_pipeline.ingest.allowed import confine
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.listing import (
     SUPPORTED_SUFFIXES,
@@ -79,7 +80,10 @@ def resolve_sources(cfg: IngestConfig, skipped: list[SkippedFile] | None = None
     local paths, or URLs (`s3://`, `file://`...) resolved with fsspec. Only regular files
     are returned; every other entry of a directory or glob (a file of an unsupported type,
     a FIFO, a device, a symlink loop or dangling link...) is skipped, named with its kind
-    in a warning and, when `skipped` is given, appended to it.
+    in a warning and, when `skipped` is given, appended to it. With
+    `cfg.allowed_sources` set, a file that an entry inside an allowed root expands to but
+    that resolves outside every allowed root (a file symlink leading out) is skipped the
+    same way, as `outside_allowed_sources` (`mlm_pipeline.ingest.allowed.confine`).
 
     Raises:
         FileNotFoundError: an entry matches no file (the entry is named).
@@ -97,6 +101,7 @@ def resolve_sources(cfg: IngestConfig, skipped: list[SkippedFile] | None = None
             continue
         here: list[SkippedFile] = []
         found = resolve_url(entry, here) if is_url(entry) else local_files(entry, here)
+        found = _confined(entry, found, cfg, here, warn=True)
         _check_found(entry, found, here)
         files += [f if is_url(f) else f.resolve() for f in found]
         if skipped is not None:
@@ -116,7 +121,22 @@ def check_local_sources(cfg: IngestConfig) -> None:
     for entry in cfg.sources:
         if not (entry.startswith("debian:") or is_url(entry)):
             here: list[SkippedFile] = []
-            _check_found(entry, local_files(entry, here, warn=False), here)  # ingest warns
+            found = _confined(entry, local_files(entry, here, warn=False), cfg, here, warn=False)
+            _check_found(entry, found, here)  # ingest warns
+
+
+def _confined(entry: str, found: list[Source], cfg: IngestConfig, skipped: list[SkippedFile],
+              warn: bool) -> list[Source]:
+    """`found` less the files leading outside `cfg.allowed_sources` (`allowed.confine`),
+    which are appended to `skipped` and, when `warn`, named in a warning."""
+    outside: list[SkippedFile] = []
+    kept = confine(entry, found, cfg.allowed_sources, outside)
+    if outside:
+        if warn:
+            special_warning(entry, outside, None)
+        skipped += outside
+        skipped.sort(key=lambda s: Path(s.path))
+    return kept
 
 
 def _check_found(entry: str, found: list[Source], skipped: list[SkippedFile]) -> None:
