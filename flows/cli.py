@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline import cli
+from mlm_pipeline.errors import TrainingInterrupted
 
 #: Seconds `run` waits for its local Prefect API to answer (a busy 2-core machine needed
 #: more than Prefect's 20 s); `MLM_PIPELINE_PREFECT_START_TIMEOUT_S` overrides it.
@@ -191,7 +192,7 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
         with display(_max_steps(params)):
             return mlm_pretraining(params)
     except BaseException as exc:
-        if type(exc).__name__ == "TrainingInterrupted" or isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, TrainingInterrupted | KeyboardInterrupt):
             again = shlex.join(["mlm-pipeline", "run", config,
                                 *(a for o in overrides for a in ("--set", o))])
             where = f" at step {exc.step}, checkpoint {exc.checkpoint}" if hasattr(

@@ -1,5 +1,6 @@
 """What the flows' tasks share: Prefect progress artifacts, the data tasks' progress
-reporter, and the task options for retries (`IO_RETRIES`) and no caching (`NOT_CACHED`).
+reporter, and the task options for retries (`IO_RETRIES`, `retry_condition`) and no
+caching (`NOT_CACHED`).
 
 Imported by the flow modules next to it (relatively, or as a top-level module when Prefect
 loads a flow file as a script; see `flows/__init__.py`).
@@ -13,6 +14,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from mlm_pipeline.progress import LogProgress, MultiProgress, Progress
+from mlm_pipeline.tracking.failures import retry_cures
 
 try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
     from .progress_display import current as current_progress
@@ -88,21 +90,19 @@ def data_progress() -> Progress:
     return MultiProgress(PrefectProgressArtifacts(), current_progress() or LogProgress())
 
 
-def _transient(task, task_run, state) -> bool:
-    """Retry only errors that a second try can cure (network, I/O), not bad input."""
+def retry_condition(task, task_run, state) -> bool:
+    """A task's `retry_condition_fn`: retry only what a second try can cure (network, I/O,
+    an MLflow server error; `mlm_pipeline.tracking.failures.retry_cures`, by type), never a
+    config error, a missing dependency, a compile failure or damaged input."""
     try:
         state.result()
-    except (FileNotFoundError, PermissionError, IsADirectoryError, ValueError):
-        return False
-    except (OSError, ConnectionError, TimeoutError, RuntimeError):
-        return True
-    except Exception:  # noqa: BLE001 - anything else is a bug or bad input: fail fast
-        return False
+    except Exception as exc:  # noqa: BLE001 - classified by type below
+        return retry_cures(exc)
     return False
 
 
 #: Options of a task that talks to a server or a disk: two retries for transient errors.
-IO_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": _transient}
+IO_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_condition}
 
 
 #: Options of a task whose result is neither cached nor persisted.

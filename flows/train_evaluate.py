@@ -42,11 +42,23 @@ from mlm_pipeline.tracking import records as pipeline
 try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
     from . import tracking_tasks as tracking
     from .pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from .task_support import IO_RETRIES, NOT_CACHED, PrefectProgressSink, data_progress
+    from .task_support import (
+        IO_RETRIES,
+        NOT_CACHED,
+        PrefectProgressSink,
+        data_progress,
+        retry_condition,
+    )
 except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
     import tracking_tasks as tracking
     from pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from task_support import IO_RETRIES, NOT_CACHED, PrefectProgressSink, data_progress
+    from task_support import (
+        IO_RETRIES,
+        NOT_CACHED,
+        PrefectProgressSink,
+        data_progress,
+        retry_condition,
+    )
 
 #: The flow's entry point (`prefect.yaml`), recorded as `mlflow.source.name` of the runs it
 #: opens itself.
@@ -89,22 +101,9 @@ def stop_gracefully() -> Iterator[None]:
         loop.clear_stop()
 
 
-def _curable(task, task_run, state) -> bool:
-    """Retry training only for what a second try can cure (I/O, a lost connection, a
-    runtime error such as out-of-memory): never a non-finite loss, an interruption, a
-    damaged checkpoint, a config error or bad input."""
-    try:
-        state.result()
-    except (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError):
-        return False
-    except Exception as exc:  # noqa: BLE001 - classified by name: flows import no torch code
-        if type(exc).__name__ in ("NonFiniteLossError", "TrainingInterrupted"):
-            return False
-        return isinstance(exc, (OSError, ConnectionError, TimeoutError, RuntimeError))
-    return False
-
-
-@task(name="train", retries=1, retry_condition_fn=_curable, **NOT_CACHED)
+# One retry, for what a second try cures (`retry_condition`): I/O, a lost connection, an
+# MLflow server error, a torchrun rank that died; it resumes from the newest checkpoint.
+@task(name="train", retries=1, retry_condition_fn=retry_condition, **NOT_CACHED)
 def train_task(
     cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest, run_id: str
 ) -> TrainManifest:

@@ -22,16 +22,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.errors import ConfigError  # noqa: F401 - raised here, importable from here
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11
     from importlib.resources.abc import Traversable
 
 #: Package whose data files are the shipped configs (the repository's `configs/` folder).
 SHIPPED_CONFIGS = "mlm_pipeline.configs"
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the file and field."""
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlm_pipeline.config import MASK_ID, SPECIAL_TOKENS, UNK_ID
+from mlm_pipeline.errors import MissingDependencyError
 from mlm_pipeline.manifest import TokenizerManifest
 from mlm_pipeline.tokenizer.tokenizer import Tokenizer
 
@@ -74,12 +75,12 @@ def require(module: str):
     """Import `module`, or explain which extra installs it.
 
     Raises:
-        RuntimeError: the module cannot be imported (the message names the extra).
+        MissingDependencyError: the module cannot be imported (the message names the extra).
     """
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as exc:
-        raise RuntimeError(f"export needs {module}, which cannot be imported ({exc}); "
+        raise MissingDependencyError(f"export needs {module}, which cannot be imported ({exc}); "
                            f"install the export extra: {INSTALL_HINT}") from exc
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from mlm_pipeline import store
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.errors import NonFiniteLossError, TrainingInterrupted
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 logger = logging.getLogger(__name__)
@@ -237,11 +238,12 @@ def failure_tags(exc: BaseException) -> tuple[str, dict[str, str]]:
         the run's description in the UI, saying what happened and how to continue).
     """
     name = type(exc).__name__
-    interrupted = isinstance(exc, KeyboardInterrupt) or name == "TrainingInterrupted"
+    interrupted = isinstance(exc, KeyboardInterrupt | TrainingInterrupted)
     message = str(exc).strip() or name
     tags = {"mlm.error": f"{name}: {message}"[:2000],
             "mlm.stop_reason": ("interrupted" if interrupted else
-                                "nonfinite" if name == "NonFiniteLossError" else "error")}
+                                "nonfinite" if isinstance(exc, NonFiniteLossError)
+                                else "error")}
     step = getattr(exc, "step", None)
     checkpoint = getattr(exc, "checkpoint", None) or getattr(exc, "last_checkpoint", None)
     if step is not None:

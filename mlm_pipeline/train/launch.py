@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
+from mlm_pipeline.errors import TransientError
 from mlm_pipeline.manifest import (
     ShardManifest,
     TokenizerManifest,
@@ -55,8 +56,9 @@ logger = logging.getLogger(__name__)
 ENTRY = "mlm_pipeline.train.launch"
 
 
-class DistributedTrainingError(RuntimeError):
-    """A `torchrun` launch failed.
+class DistributedTrainingError(RuntimeError, TransientError):
+    """A `torchrun` launch failed (transient: a rank that died, a lost node; the retry
+    resumes from the newest checkpoint).
 
     Attributes:
         rank: the global rank whose error came first (None when no rank recorded one,

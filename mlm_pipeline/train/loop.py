@@ -54,6 +54,11 @@ from typing import Any, Protocol
 import torch
 
 from mlm_pipeline.config import IGNORE_INDEX, TrainConfig
+from mlm_pipeline.errors import (  # noqa: F401 - raised here, importable from here too
+    CompileError,
+    NonFiniteLossError,
+    TrainingInterrupted,
+)
 from mlm_pipeline.masking.maskers import Masker
 from mlm_pipeline.sinks import MetricsSink
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState, Stateful
@@ -91,27 +96,6 @@ def stop_requested() -> bool:
 def training_active() -> bool:
     """True while `run_steps` runs in this process (a stop request is then honoured)."""
     return _ACTIVE.is_set()
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became non-finite (never cured by a retry).
-
-    Attributes:
-        step: the first non-finite optimizer step (1-based).
-        last_checkpoint: the newest intact checkpoint (all written before `step`), or None.
-    """
-
-    def __init__(self, message: str, step: int, last_checkpoint: Path | None) -> None:
-        super().__init__(message)
-        self.step, self.last_checkpoint = step, last_checkpoint
-
-
-class TrainingInterrupted(Exception):
-    """Training stopped on `request_stop()` after checkpointing `step` in `checkpoint`."""
-
-    def __init__(self, step: int, checkpoint: Path) -> None:
-        super().__init__(f"training interrupted at step {step}; checkpoint {checkpoint}")
-        self.step, self.checkpoint = step, checkpoint
 
 
 class Evaluator(Protocol):
@@ -316,7 +300,7 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
         loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast,
                                                 parts.masked_per_row, parts.world)
     except parts.compile_errors as exc:
-        raise RuntimeError(
+        raise CompileError(
             f"train.compile={cfg.compile}: torch.compile failed to build the model on "
             f"{parts.device.type} ({type(exc).__name__}); set train.compile: off"
         ) from exc
