@@ -37,10 +37,12 @@ COPY pyproject.toml README.md prefect.yaml ./
 COPY configs ./configs
 COPY flows ./flows
 COPY mlm_pipeline ./mlm_pipeline
-# The installed CPU torch satisfies the constraint, so pip keeps it. boto3: direct S3
-# artifact access when a deployment points MLflow at an object store instead of the
-# tracking server's proxy.
-RUN pip install -c constraints.txt . boto3 \
+# The installed CPU torch satisfies the constraint, so pip keeps it. Extras: what the
+# flows this worker runs may import (tests/infra/test_images.py checks it): `dask` for
+# prepare-data with data.executor: dask, `near-dedup` for ingest.near_dedup_threshold, `s3`
+# for s3:// work directories and sources (s3fs) and direct S3 artifact access when a
+# deployment points MLflow at an object store instead of the tracking server's proxy (boto3).
+RUN pip install -c constraints.txt ".[dask,near-dedup,s3]" \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
  && chown 10001:10001 /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline

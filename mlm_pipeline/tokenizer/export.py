@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 
 #: SentencePiece's word-boundary marker, U+2581.
 SPACE_SYMBOL = "\u2581"
-#: The extra that installs what export needs, named in the errors.
-INSTALL_HINT = "pip install 'mlm-pipeline[export]'"
+#: How to repair an install that lacks what export needs (base dependencies), named in the
+#: errors.
+INSTALL_HINT = "pip install --force-reinstall mlm-pipeline (or -e . in a checkout)"
 #: `ModelProto.SentencePiece.Type` and `TrainerSpec.ModelType` values
 #: (sentencepiece_model.proto).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -72,16 +73,18 @@ _MAX_RULES = 1024
 
 
 def require(module: str):
-    """Import `module`, or explain which extra installs it.
+    """Import `module`, or explain how to repair the install that lacks it.
 
     Raises:
-        MissingDependencyError: the module cannot be imported (the message names the extra).
+        MissingDependencyError: the module cannot be imported (a base dependency of this
+            package is missing or broken; the message says how to reinstall).
     """
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as exc:
-        raise MissingDependencyError(f"export needs {module}, which cannot be imported ({exc}); "
-                           f"install the export extra: {INSTALL_HINT}") from exc
+        raise MissingDependencyError(
+            f"export needs {module}, which cannot be imported ({exc}); it is a dependency "
+            f"of mlm-pipeline, so this install is incomplete: {INSTALL_HINT}") from exc
 
 
 def read_model_proto(path: str | os.PathLike[str]):
