@@ -64,6 +64,8 @@ def keep_name(tracker: MlflowTracker, run_id: str) -> str:
 def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) -> str:
     """Open the MLflow run, or continue this job's unfinished one (`tracking.resume`,
     `tracking.resume_run_id`; see `mlm_pipeline.tracking.resume`); returns its id.
+    A `train.max_steps` at or below the step it would continue from is refused
+    (`ResumeRefusedError`, before any data stage).
     `entrypoint` (the flow's, e.g. `flows/pretraining.py:mlm_pretraining`) is recorded as
     `mlflow.source.name`; the current flow run's id, name, page and deployment as tags."""
     extra = {}
@@ -90,14 +92,17 @@ def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) ->
                              + ", ".join(f"{k} {a!r} -> {b!r}"
                                          for k, (a, b) in incompatible.items()))
         checkpoint = newest(run_id)
-        step = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
-        resume.continue_run(tracker, run_id, params, tags, step)
+        step = 0 if checkpoint is None else resume.checkpoint_step(checkpoint)
+        run = tracker.get_run(run_id)
+        how = resume.plan(run_id, step, resume.run_budget(run.data.params, run.data.tags),
+                          cfg.train.max_steps, named=True)
+        resume.continue_run(tracker, run_id, params, tags, step, finish=how == "finish")
         return keep_name(tracker, run_id)
     if cfg.tracking.resume == "auto" and not fresh:
         found = resume.find_resumable(tracker, cfg, params, newest)
         if found is not None:
-            step = int(found.checkpoint.name.split("-")[-1])
-            resume.continue_run(tracker, found.run_id, params, tags, step, found.compatible)
+            resume.continue_run(tracker, found.run_id, params, tags, found.step,
+                                found.compatible, finish=found.finish)
             return keep_name(tracker, found.run_id)
     # One name for both runs: the flow run's (`flow_run_name`), unless the config sets one.
     name = cfg.tracking.run_name or (str(flow_run.name) if flow_run.id else None)

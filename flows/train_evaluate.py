@@ -109,7 +109,9 @@ def train_task(
 ) -> TrainManifest:
     """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
     run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
-    only the steps it does not hold yet (one value per step and key). With
+    only the steps it does not hold yet (one value per step and key); a run whose training
+    already reached `train.max_steps` (it failed after training) returns its manifest
+    (`resume.finished_training`) without training. With
     `train.distributed` asking for several processes, torchrun runs the training
     (`train.launch.run_torchrun` with the tracking entry `tracking.torchrun_entry`): rank 0
     logs the metrics and the periodic evaluations to MLflow as it trains, the ranks' output
@@ -118,6 +120,13 @@ def train_task(
     from mlm_pipeline.tracking.torchrun_entry import live_tracking
     from mlm_pipeline.train import train
 
+    done = resume.finished_training(tracking.train_dir(cfg, run_id), cfg.train.max_steps,
+                                    shards.digest)
+    if done is not None:  # a run that failed after training: nothing to train again
+        logging.getLogger(__name__).info(
+            "MLflow run %s trained all %d steps already (%s): not trained again", run_id,
+            done.steps, done.checkpoint_dir)
+        return done
     tracker = MlflowTracker.from_config(cfg.tracking)
     if cfg.train.distributed.world_size > 1:
         return _train_torchrun(cfg, shards, tokenizer, run_id, tracker)

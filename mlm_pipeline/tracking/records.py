@@ -184,6 +184,10 @@ def record_data(
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
 
 
+#: Tag set once the final evaluation's fill-mask rows are in the run's table (their step).
+_FINAL_ROWS_TAG = "mlm.final_fill_mask_rows"
+
+
 def record_results(
     tracker: MlflowTracker,
     run_id: str,
@@ -191,17 +195,24 @@ def record_results(
     trained: TrainManifest,
     evaluated: EvalManifest,
 ) -> None:
-    """Log eval metrics (at the final step: the curve's last point), the fill-mask
-    predictions (JSON, and appended to the fill-mask table at the final step), the stop
+    """Log eval metrics (at the final step: the curve's last point; those already there
+    are not logged again), the fill-mask predictions (JSON, and appended once to the
+    fill-mask table at the final step), the stop
     reason, device, precision and MFU peak source (tags), manifests and `plots/loss.png`
     (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
     checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
     (the model itself is logged by `tracking.registry.publish`)."""
     from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
 
-    tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
+    from mlm_pipeline.tracking.resume import log_missing_metrics
+
+    # Idempotent: finishing a run whose end stages failed keeps one point per key and
+    # step, and one set of final fill-mask rows (marked by a tag once appended).
+    log_missing_metrics(tracker, run_id, evaluated.metrics, trained.steps)
     tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
-    log_final_fill_mask_rows(tracker, run_id, evaluated, cfg.eval.probes, trained.steps)
+    if tracker.get_run(run_id).data.tags.get(_FINAL_ROWS_TAG) != str(trained.steps):
+        log_final_fill_mask_rows(tracker, run_id, evaluated, cfg.eval.probes, trained.steps)
+        tracker.set_tags(run_id, {_FINAL_ROWS_TAG: str(trained.steps)})
     try:
         log_loss_plot(tracker, run_id)
     except ValueError as exc:  # e.g. no train/tokens_seen logged (a run of 0 steps)
@@ -242,7 +253,8 @@ def summary(
 
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log
-        interval and evaluation), steps, tokens seen, the tokenizer's `spm.model`,
+        interval and evaluation), steps, `max_steps` (the budget trained to: a continued
+        run's, which its MLflow param may not show), tokens seen, the tokenizer's `spm.model`,
         `train_time_s` (seconds of training loop over every segment of a resumed run:
         `TrainManifest.train_time_s`, else the training stage's wall time),
         `train_tokens_per_s_mean` (tokens seen / `train_time_s`),
@@ -266,6 +278,7 @@ def summary(
         "loss_plot": LOSS_PLOT,
         "metrics": {**trained.final_metrics, **evaluated.metrics},
         "steps": trained.steps,
+        "max_steps": trained.config.get("train", {}).get("max_steps"),
         "tokens_seen": trained.tokens_seen,
         "train_time_s": round(train_time, 2),
         "train_tokens_per_s_mean": round(trained.tokens_seen / max(train_time, 1e-9), 1),
@@ -380,7 +393,10 @@ def training_lines(summary_dict: dict[str, Any]) -> list[str]:
              + (f", {d['train_tokens_per_s_last']:,.0f} tokens/s in the last log interval"
                 if d.get("train_tokens_per_s_last") is not None else "")]
     reason = d.get("stop_reason", "max_steps")
-    lines.append(f"Stop reason: {reason} ({STOP_REASONS.get(reason, reason)})")
+    why = STOP_REASONS.get(reason, reason)
+    if reason == "max_steps" and d.get("max_steps"):  # the budget this run trained to
+        why = f"all {d['max_steps']:,} train.max_steps trained"
+    lines.append(f"Stop reason: {reason} ({why})")
     if "device" in d:
         lines.append(f"Device: {d['device']}, precision {d['precision']}"
                      + (f"; MFU peak {d['mfu_peak_tflops']:.4g} TFLOP/s "

@@ -37,13 +37,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mlm_pipeline.errors import MissingDependencyError
 from mlm_pipeline.manifest import EvalManifest, TrainManifest
+from mlm_pipeline.tracking.resume import log_missing_metrics
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
 logger = logging.getLogger(__name__)
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
+#: Logged-model tag: the step of the checkpoint it was exported from.
+_STEP_TAG = "mlm.step"
+#: Model-version tag: the champion version when it was registered (`none`: there was none).
+_BEFORE_TAG = "champion_before"
 #: MLflow run ids: 32 lowercase hex digits.
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 #: Where the flavor stores the weights and the tokenizer inside a logged model.
@@ -100,11 +106,17 @@ def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
     truncated to the model's sequence length). Returns the `models:/m-...` URI.
 
     Raises:
-        RuntimeError: `transformers` is not installed.
+        MissingDependencyError: `transformers` is not installed.
     """
     import mlflow
-    import transformers
-    from huggingface_hub import ModelCard
+
+    try:
+        import transformers
+        from huggingface_hub import ModelCard
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"logging the model needs transformers, which cannot be imported ({exc}); it is "
+            "a dependency of mlm-pipeline: reinstall it (pip install mlm-pipeline)") from exc
 
     pipe = transformers.pipeline("fill-mask", model=str(model_dir), device="cpu")
     # Given explicitly, the card is not looked up on the Hugging Face Hub (offline runs).
@@ -114,7 +126,7 @@ def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
     # (the Default one, artifacts under ./mlruns), not the run's.
     logged = tracker.client.create_logged_model(
         run.info.experiment_id, name="model", source_run_id=run_id,
-        params=dict(run.data.params))
+        params=dict(run.data.params), tags={_STEP_TAG: str(step)})
     with _tracking_uri(tracker.tracking_uri):
         info = mlflow.transformers.log_model(
             pipe, name="model", task="fill-mask", model_card=card, run_id=run_id,
@@ -125,6 +137,22 @@ def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
             pip_requirements=[f"transformers=={transformers.__version__}", "torch"])
     tracker.set_tags(run_id, {"mlm.model_uri": info.model_uri})
     return info.model_uri
+
+
+def logged_model_uri(tracker: MlflowTracker, run_id: str, step: int) -> str | None:
+    """The `models:/m-...` URI of the model `log_model` logged for run `run_id` at `step`
+    and completed (READY), or None: finishing a run whose registration failed reuses it
+    rather than logging the model twice."""
+    run = tracker.get_run(run_id)
+    models = tracker.client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    ready = [m for m in models if m.name == "model" and m.tags.get(_STEP_TAG) == str(step)
+             and str(m.status) == "READY"]
+    if not ready:
+        return None
+    uri = f"models:/{max(ready, key=lambda m: m.creation_timestamp).model_id}"
+    tracker.set_tags(run_id, {"mlm.model_uri": uri})
+    return uri
 
 
 def _version_record(version) -> dict[str, Any]:
@@ -148,7 +176,10 @@ def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
 def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
            eval_loss: float, eval_data: str, shards_digest: str) -> dict[str, Any]:
     """Register `model_uri` as a new version of `name`, give it `challenger`, and move
-    `champion` to it when it is better on the same data (see the module docstring).
+    `champion` to it when it is better on the same data (see the module docstring). A
+    version `run_id` registered from `model_uri` before (an attempt that stopped before
+    the aliases moved) is reused: no second version, the decision is made against the
+    champion it was registered under (its tag `champion_before`).
 
     Args:
         tracker: the MLflow backend.
@@ -165,14 +196,21 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
         evaluated on other data), `reason` (a sentence), `eval_loss`, `champion_before`
         (the previous champion's record, or None) and `champion_version` (after).
     """
-    with _tracking_uri(tracker.tracking_uri):
-        import mlflow
+    version = _registered(tracker, name, run_id, model_uri)
+    if version is None:
+        before = champion(tracker, name)
+        with _tracking_uri(tracker.tracking_uri):
+            import mlflow
 
-        version = mlflow.register_model(model_uri, name, tags={
-            "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
-            "digest.shards": shards_digest})
+            version = mlflow.register_model(model_uri, name, tags={
+                "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
+                "digest.shards": shards_digest,
+                _BEFORE_TAG: str(before["version"]) if before else "none"})
+    else:  # registered by an attempt that stopped before the aliases moved
+        before = _champion_before(tracker, version)
+        logger.info("registry %s: version %s of run %s exists: not registered again, "
+                    "its aliases are set", name, version.version, run_id)
     new = int(version.version)
-    before = champion(tracker, name)
     if before is None:
         decision, reason = "first", f"version {new} is the first champion of {name!r}"
     elif before["eval_data"] != eval_data or before["eval_loss"] is None:
@@ -204,6 +242,28 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
     return result
 
 
+def _registered(tracker: MlflowTracker, name: str, run_id: str, model_uri: str):
+    """The version of `name` already registered from `model_uri` by run `run_id` (the
+    newest), or None."""
+    model_id = model_uri.removeprefix("models:/")
+    versions = [v for v in tracker.client.search_model_versions(
+        f"name = '{name}' and run_id = '{run_id}'")
+        if getattr(v, "model_id", None) in (None, model_id)]
+    return max(versions, key=lambda v: int(v.version), default=None)
+
+
+def _champion_before(tracker: MlflowTracker, version) -> dict[str, Any] | None:
+    """The champion when `version` was registered (its tag `champion_before`), or the
+    current champion when the tag is missing and it is another version."""
+    before = version.tags.get(_BEFORE_TAG)
+    if before == "none":
+        return None
+    if before is not None:
+        return _version_record(tracker.client.get_model_version(version.name, before))
+    now = champion(tracker, version.name)
+    return None if now is None or now["version"] == int(version.version) else now
+
+
 def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) -> None:
     before = result["champion_before"]
     tracker.set_tags(run_id, {
@@ -219,7 +279,7 @@ def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) 
     metrics = {"registry/eval_loss": result["eval_loss"]}
     if before and before["eval_loss"] is not None:
         metrics["registry/champion_eval_loss"] = before["eval_loss"]
-    tracker.log_metrics(run_id, metrics)
+    log_missing_metrics(tracker, run_id, metrics, 0)
 
 
 def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManifest,
@@ -228,16 +288,25 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
     """Export the run's final checkpoint, log it as the run's model and register it
     (`log_model`, then `decide`). Returns `decide`'s record with `model_uri`.
 
+    Idempotent, for a run finished after a failure: a model this run logged at this step
+    (`logged_model_uri`) is not logged again, and a version registered from it is not
+    registered again (`decide` only sets its aliases and tags).
+
     Raises:
         ValueError: the model cannot be exported (see `train.export.export_checkpoint`).
-        RuntimeError: `transformers` is not installed.
+        MissingDependencyError: `transformers` is not installed.
     """
     from mlm_pipeline.train.export import export_checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="mlm-export-") as tmp:
-        out = export_checkpoint(trained.file(trained.checkpoint_dir), Path(tmp) / "model",
-                                tokenizer=tokenizer_dir)
-        model_uri = log_model(tracker, run_id, out, trained.steps, input_example)
+    model_uri = logged_model_uri(tracker, run_id, trained.steps)
+    if model_uri is not None:
+        logger.info("run %s logged its model already (%s): not logged again", run_id,
+                    model_uri)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlm-export-") as tmp:
+            out = export_checkpoint(trained.file(trained.checkpoint_dir),
+                                    Path(tmp) / "model", tokenizer=tokenizer_dir)
+            model_uri = log_model(tracker, run_id, out, trained.steps, input_example)
     result = decide(tracker, name, run_id, model_uri, evaluated.metrics["eval/loss"],
                     eval_data_digest(evaluated), evaluated.inputs["shards"])
     return {**result, "model_uri": model_uri}

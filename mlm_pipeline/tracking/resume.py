@@ -14,6 +14,18 @@ the steps compute (`COMPATIBLE`: more steps, the time cap, logging and checkpoin
 threads, evaluation and tracking settings) are recorded as tags; any other difference in
 `train`, `model` or `masking` refuses to continue, naming the fields.
 
+The budget (`train.max_steps`, `plan`): continuing never goes back. A run whose training
+stopped before its budget (killed, failed, a time cap) at checkpoint step N continues with
+any `train.max_steps` above N (a larger budget is recorded in `mlm.resume.<n>`; MLflow
+params are immutable, so the param keeps the first value, and the run summary shows the
+budget used); `train.max_steps` at or below N is refused (`ResumeRefusedError`, naming
+`--fresh` and `tracking.resume_run_id`). A run whose training reached its budget and that
+failed after it (evaluation, model logging, registration) is *finished* by a rerun with the
+same `train.max_steps`: training is not run again and only what is missing is done (no
+second final evaluation point, logged model or model version). A rerun with another
+`train.max_steps` leaves it alone and starts a new run (its training is complete: another
+budget is another run); naming it with `tracking.resume_run_id` is refused.
+
 A run whose process is alive is never touched: runs record `mlm.host` and `mlm.pid`, and a
 RUNNING run of this host whose process still exists is left alone (two runs at once start
 two MLflow runs). A RUNNING run of another host is left alone too, since nothing here can
@@ -24,6 +36,7 @@ dead process without a checkpoint is closed KILLED.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,7 +48,7 @@ from pathlib import Path
 
 from mlm_pipeline import store
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.errors import NonFiniteLossError, TrainingInterrupted
+from mlm_pipeline.errors import NonFiniteLossError, ResumeRefusedError, TrainingInterrupted
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 logger = logging.getLogger(__name__)
@@ -127,12 +140,71 @@ class Resumable:
         status: its status before the rerun (`RUNNING`, `FAILED` or `KILLED`).
         checkpoint: its newest intact checkpoint directory.
         compatible: params that change (`{key: (old, new)}`), recorded on the run.
+        finish: its training reached its budget: only the end stages are left.
     """
 
     run_id: str
     status: str
     checkpoint: Path
     compatible: dict[str, tuple[str, str]] = field(default_factory=dict)
+    finish: bool = False
+
+    @property
+    def step(self) -> int:
+        """The optimizer step of `checkpoint`."""
+        return checkpoint_step(self.checkpoint)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step of a checkpoint directory (`step-00000060` -> 60)."""
+    return int(checkpoint.name.split("-")[-1])
+
+
+def run_budget(params: Mapping[str, str], tags: Mapping[str, str]) -> int | None:
+    """The `train.max_steps` a run trained towards: its param, or the value the newest
+    `mlm.resume.<n>` tag changed it to; None when unknown (not logged)."""
+    budget = params.get("train.max_steps")
+    resumes = sorted((int(k.rsplit(".", 1)[1]), v) for k, v in tags.items()
+                     if k.startswith("mlm.resume.") and k.rsplit(".", 1)[1].isdigit())
+    for _, record in resumes:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            change = json.loads(record).get("changed", {}).get("train.max_steps")
+            if change:
+                budget = change["to"]
+    return int(budget) if budget is not None and str(budget).isdigit() else None
+
+
+def plan(run_id: str, step: int, budget: int | None, max_steps: int,
+         named: bool = False) -> str:
+    """How a rerun with `train.max_steps` = `max_steps` goes on with unfinished run
+    `run_id`, whose newest checkpoint is at `step` and whose budget was `budget`.
+
+    Returns:
+        `finish` (its training reached the budget and the rerun asks for the same: only
+        the end stages are left), `train` (continue training to `max_steps`, above
+        `step`) or `new` (its training is complete and the rerun asks for another budget:
+        start a new run).
+
+    Raises:
+        ResumeRefusedError: `max_steps` is at or below `step` (going back), or the run was
+            named (`named`, `tracking.resume_run_id`) and the plan would be `new`.
+    """
+    if budget is not None and step >= budget:
+        if max_steps == step:
+            return "finish"
+        if named:
+            raise ResumeRefusedError(
+                f"cannot continue MLflow run {run_id} with train.max_steps={max_steps}: it "
+                f"trained all its {budget} steps, and only train.max_steps={budget} "
+                "finishes it; start a new run with --fresh (tracking.resume=never)")
+        return "new"
+    if max_steps <= step:
+        raise ResumeRefusedError(
+            f"cannot continue MLflow run {run_id} from step {step} with "
+            f"train.max_steps={max_steps}: a continued run never goes back; start a new run "
+            f"with --fresh (tracking.resume=never), give train.max_steps above {step}, or "
+            "name another run with tracking.resume_run_id")
+    return "train"
 
 
 def find_resumable(
@@ -149,13 +221,16 @@ def find_resumable(
 
     Returns:
         The newest run with this job key that is not FINISHED, whose process is gone (a
-        RUNNING run of another host counts as alive) and that has a checkpoint; None when
-        there is none. Dead RUNNING runs without a
+        RUNNING run of another host counts as alive), that has a checkpoint and that is
+        not a complete training of another `train.max_steps` (`plan`); None when there
+        is none. Dead RUNNING runs without a
         checkpoint are closed KILLED on the way (nothing to continue).
 
     Raises:
         ValueError: the run to continue was trained with incompatible settings (the
             differing params are named, with what to do).
+        ResumeRefusedError: `train.max_steps` is at or below the step of the checkpoint
+            it would continue from (`plan`).
     """
     key = job_key(cfg)
     runs = tracker.client.search_runs(
@@ -174,6 +249,14 @@ def find_resumable(
                     "Closed KILLED by a later run of the same config: its process was gone "
                     "and it had no checkpoint to continue from.")})
             continue
+        step, max_steps = checkpoint_step(checkpoint), int(params["train.max_steps"])
+        budget = run_budget(run.data.params, run.data.tags)
+        if budget is not None and step >= budget and max_steps != step:  # plan: "new"
+            logger.info(
+                "MLflow run %s trained all its %d steps and is %s: not continued with "
+                "train.max_steps=%d, a new run starts (train.max_steps=%d finishes it)",
+                run.info.run_id, budget, status, max_steps, budget)
+            continue
         compatible, incompatible = config_changes(run.data.params, params)
         if incompatible:
             changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in incompatible.items())
@@ -181,7 +264,8 @@ def find_resumable(
                 f"cannot continue MLflow run {run.info.run_id} (unfinished, checkpoint "
                 f"{checkpoint.name}): these settings differ: {changes}. Run the same config "
                 "to continue it, or start a new run with --fresh (tracking.resume=never)")
-        return Resumable(run.info.run_id, status, checkpoint, compatible)
+        how = plan(run.info.run_id, step, budget, max_steps)
+        return Resumable(run.info.run_id, status, checkpoint, compatible, how == "finish")
     return None
 
 
@@ -194,8 +278,10 @@ def last_logged_step(tracker: MlflowTracker, run_id: str, key: str = "train/loss
 
 def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, object],
                  tags: Mapping[str, str], step: int,
-                 changes: Mapping[str, tuple[str, str]] | None = None) -> None:
-    """Reopen `run_id` (status RUNNING) to continue it from checkpoint `step`.
+                 changes: Mapping[str, tuple[str, str]] | None = None,
+                 finish: bool = False) -> None:
+    """Reopen `run_id` (status RUNNING) to continue it from checkpoint `step` (`finish`:
+    its training is complete, only the end stages are left; said in the log line).
 
     Params the run lacks are logged; params whose value changed (compatible ones, and
     settings outside `train`/`model`/`masking`) keep their first value (MLflow params are
@@ -224,7 +310,13 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
     tracker.client.update_run(run_id, status="RUNNING")
     tracker.log_params(run_id, {k: v for k, v in params.items() if k not in old})
     tracker.set_tags(run_id, {**tags, f"mlm.resume.{number}": json.dumps(record)})
-    logger.info("continuing MLflow run %s from step %d (resume %d)", run_id, step, number)
+    if finish:
+        logger.info("finishing MLflow run %s: its training reached step %d, only what is "
+                    "missing after training is done (resume %d; --fresh starts a new run "
+                    "instead)", run_id, step, number)
+    else:
+        logger.info("continuing MLflow run %s from step %d (resume %d; --fresh starts a new "
+                    "run instead)", run_id, step, number)
 
 
 def failure_tags(exc: BaseException) -> tuple[str, dict[str, str]]:
@@ -275,3 +367,38 @@ def close_runs_of_flow_run(tracker: MlflowTracker, flow_run_id: str, status: str
             tracker.end_run(run.info.run_id, status)
             closed.append(run.info.run_id)
     return closed
+
+
+def finished_training(out_dir: str | Path, max_steps: int, shards_digest: str):
+    """The `TrainManifest` of a training that reached `max_steps` in `out_dir` (a run
+    that failed after training: `plan` said `finish`), so that the rerun goes to the end
+    stages without loading a model; None when training has steps left.
+
+    Complete: `out_dir/manifest.json` records `max_steps` steps, stop reason `max_steps`,
+    the shards `shards_digest`, and its checkpoint is the newest intact one.
+    """
+    from mlm_pipeline.manifest import TrainManifest, find_manifest
+    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint  # torch: lazily
+
+    try:
+        trained = find_manifest(out_dir, TrainManifest)
+    except (FileNotFoundError, ValueError):
+        return None
+    if (trained.steps != max_steps or trained.stop_reason != "max_steps"
+            or trained.inputs.get("shards") != shards_digest):
+        return None
+    newest = latest_intact_checkpoint(Path(out_dir) / "checkpoints")
+    if newest is None or newest.name != Path(trained.checkpoint_dir).name:
+        return None
+    return trained
+
+
+def log_missing_metrics(tracker: MlflowTracker, run_id: str, metrics: Mapping[str, float],
+                        step: int) -> dict[str, float]:
+    """Log the `metrics` the run does not hold at `step` yet (a finished run's end stages
+    done again keep one point per key and step); returns those logged."""
+    missing = {k: v for k, v in metrics.items()
+               if all(m.step != step for m in tracker.client.get_metric_history(run_id, k))}
+    if missing:
+        tracker.log_metrics(run_id, missing, step=step)
+    return missing
