@@ -15,11 +15,11 @@ threads, evaluation and tracking settings) are recorded as tags; any other diffe
 `train`, `model` or `masking` refuses to continue, naming the fields.
 
 The budget (`train.max_steps`, `plan`): continuing never goes back. A run whose training
-stopped before its budget (killed, failed, a time cap) at checkpoint step N continues with
-any `train.max_steps` above N (a larger budget is recorded in `mlm.resume.<n>`; MLflow
+stopped before its budget B (killed, failed, a time cap) at checkpoint step N continues
+with `train.max_steps` B or more (a larger budget is recorded in `mlm.resume.<n>`; MLflow
 params are immutable, so the param keeps the first value, and the run summary shows the
-budget used); `train.max_steps` at or below N is refused (`ResumeRefusedError`, naming
-`--fresh` and `tracking.resume_run_id`). A run whose training reached its budget and that
+budget used); `train.max_steps` at or below N, or below B, is refused
+(`ResumeRefusedError`, naming `--fresh` and `tracking.resume_run_id`). A run whose training reached its budget and that
 failed after it (evaluation, model logging, registration) is *finished* by a rerun with the
 same `train.max_steps`: training is not run again and only what is missing is done (no
 second final evaluation point, logged model or model version). A rerun with another
@@ -181,13 +181,14 @@ def plan(run_id: str, step: int, budget: int | None, max_steps: int,
 
     Returns:
         `finish` (its training reached the budget and the rerun asks for the same: only
-        the end stages are left), `train` (continue training to `max_steps`, above
-        `step`) or `new` (its training is complete and the rerun asks for another budget:
-        start a new run).
+        the end stages are left), `train` (continue training to `max_steps`, at or above
+        the budget) or `new` (its training is complete and the rerun asks for another
+        budget: start a new run).
 
     Raises:
-        ResumeRefusedError: `max_steps` is at or below `step` (going back), or the run was
-            named (`named`, `tracking.resume_run_id`) and the plan would be `new`.
+        ResumeRefusedError: `max_steps` is at or below `step` (going back), below the
+            budget of a training that has steps left (cutting its schedule short), or the
+            run was named (`named`, `tracking.resume_run_id`) and the plan would be `new`.
     """
     if budget is not None and step >= budget:
         if max_steps == step:
@@ -204,6 +205,13 @@ def plan(run_id: str, step: int, budget: int | None, max_steps: int,
             f"train.max_steps={max_steps}: a continued run never goes back; start a new run "
             f"with --fresh (tracking.resume=never), give train.max_steps above {step}, or "
             "name another run with tracking.resume_run_id")
+    if budget is not None and max_steps < budget:
+        raise ResumeRefusedError(
+            f"cannot continue MLflow run {run_id} (checkpoint at step {step} of "
+            f"{budget}) with train.max_steps={max_steps}: a continued run keeps or raises "
+            f"its budget; give train.max_steps={budget} or more, start a new run with "
+            "--fresh (tracking.resume=never), or name another run with "
+            "tracking.resume_run_id")
     return "train"
 
 

@@ -2,8 +2,8 @@
 real MLflow store (SQLite) with real runs, params and tags; the newest checkpoint of a run
 is given as a path (its step is in its name).
 
-- a run killed at step 100 of 200: `train.max_steps` 60 or 100 is refused naming `--fresh`
-  and `tracking.resume_run_id`; 300 continues it;
+- a run killed at step 100 of 200: `train.max_steps` 60, 100 or 150 is refused naming
+  `--fresh` and `tracking.resume_run_id`; 300 continues it;
 - a run that trained all its 60 steps and failed after training: 60 finishes it; 10 or 200
   start a new run (named with `tracking.resume_run_id`, they are refused);
 - through `mlm-pipeline run`: the refusal is one line on stderr and exit status 1.
@@ -62,8 +62,9 @@ def _find(tracker: MlflowTracker, tmp_path: Path, max_steps: int, step: int):
                                  lambda _: tmp_path / f"step-{step:08d}")
 
 
-@pytest.mark.parametrize("max_steps", [60, 100])
-def test_a_smaller_budget_than_the_checkpoint_is_refused(tmp_path, max_steps):
+@pytest.mark.parametrize("max_steps", [60, 100, 150])
+def test_a_smaller_budget_is_refused(tmp_path, max_steps):
+    # at or below the checkpoint: going back; between it and 200: a schedule cut short
     tracker, run_id = _failed_run(tmp_path, 200)
     with pytest.raises(ResumeRefusedError) as refused:
         _find(tracker, tmp_path, max_steps, step=100)
@@ -72,6 +73,7 @@ def test_a_smaller_budget_than_the_checkpoint_is_refused(tmp_path, max_steps):
     assert run_id in message and "step 100" in message
     assert f"train.max_steps={max_steps}" in message
     assert "--fresh" in message and "tracking.resume_run_id" in message
+    assert tracker.get_run(run_id).info.status == "FAILED"  # not reopened
 
 
 def test_a_larger_budget_continues_the_training(tmp_path):
