@@ -150,7 +150,7 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
     from mlm_pipeline.tracking.consumers import fill_mask_source
 
     results = fill_mask_source(args.source, args.args, top_k=args.top_k,
-                               tracker=_tracker(args))
+                               tracker=_tracker(args), trust_unverified=args.trust_unverified)
     print(json.dumps(results, ensure_ascii=False, indent=2))
     return 0
 
@@ -159,7 +159,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from mlm_pipeline.tracking.consumers import export_source
 
     written = export_source(args.source, args.out_dir, tokenizer=args.tokenizer,
-                            overwrite=args.force, tracker=_tracker(args))
+                            overwrite=args.force, tracker=_tracker(args),
+                            trust_unverified=args.trust_unverified)
     print(json.dumps(written, indent=2))
     return 0
 
@@ -335,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "ids and models:/ URIs (default: $MLFLOW_TRACKING_URI, else "
                        "sqlite:///./mlflow.db)")
 
+    def trust_unverified(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--trust-unverified", action="store_true", help="use a checkpoint "
+                       "that cannot be verified (no digest: written before checkpoints were "
+                       "verified); damaged checkpoints are refused all the same")
+
     p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint or an "
                        "MLflow model")
     p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), a "
@@ -343,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="+", metavar="[TOKENIZER_MODEL] TEXT", help="for a "
                    "checkpoint, its SentencePiece .model file first; then texts with [MASK]")
     p.add_argument("--top-k", type=int, default=5)
+    trust_unverified(p)
     tracking_uri(p)
     p.set_defaults(func=_cmd_fill_mask)
 
@@ -356,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer stage directory (default: "
                    "found by the checkpoint's tokenizer digest in its work directory)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    trust_unverified(p)
     tracking_uri(p)
     p.set_defaults(func=_cmd_export)
 

@@ -83,9 +83,10 @@ def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
 def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                  shards: ShardManifest, tokenizer: TokenizerManifest, run_key: str) -> str:
     """Identity of one training run: model, train and masking configs, inputs, run key."""
+    train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint"})
     return compute_digest(
         "train",
-        {"model": model, "train": cfg, "masking": masking},
+        {"model": model, "train": train, "masking": masking},
         {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key},
     )
 
@@ -298,7 +299,8 @@ def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     checkpointer = Checkpointer(out / "checkpoints", parts.stateful(),
                                 checkpoint_meta(cfg, model, masking, shards, tokenizer),
                                 keep_last=cfg.keep_last_checkpoints,
-                                is_writer=world.is_main, barrier=world.barrier)
+                                is_writer=world.is_main, barrier=world.barrier,
+                                trust_unverified=cfg.trust_unverified_checkpoint)
     # Rank 0 picks the checkpoint; every rank loads it (the work directory must be shared).
     resume_from = world.broadcast(checkpointer.latest() if world.is_main else None)
     if resume_from is not None:

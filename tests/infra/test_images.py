@@ -75,7 +75,8 @@ def provided(extras: set[str], named: set[str]) -> set[str]:
     return {canonicalize_name(Requirement(r).name) for r in reqs} | named
 
 
-def flows_of_images() -> dict[str, set[str]]:
+@functools.cache
+def flows_of_images() -> dict[str, frozenset[str]]:
     """Dockerfile name -> flow files (repository paths) it runs, from prefect.yaml's
     deployments and the worker images of their pools."""
     compose = yaml.safe_load((ROOT / "infra" / "compose.yaml").read_text(encoding="utf-8"))
@@ -97,7 +98,7 @@ def flows_of_images() -> dict[str, set[str]]:
         image = (pool.get("job_variables") or {}).get("image")
         name = image_file[image] if image else pool_file[pool["name"]]
         out.setdefault(name, set()).add(dep["entrypoint"].split(":", 1)[0])
-    return out
+    return {name: frozenset(flows) for name, flows in out.items()}
 
 
 def _module_file(dotted: str) -> Path | None:
@@ -119,7 +120,8 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(path: Path) -> list[str]:
+@functools.cache
+def _imports(path: Path) -> tuple[str, ...]:
     """Absolute dotted names a file imports (relative ones resolved; `if TYPE_CHECKING:`
     blocks skipped; a name `from X import name` may be a submodule, so `X.name` is listed
     too)."""
@@ -146,10 +148,10 @@ def _imports(path: Path) -> list[str]:
                 module = node.module or ""
             names.append(module)
             names += [f"{module}.{a.name}" for a in node.names]
-    return names
+    return tuple(names)
 
 
-def third_party_imports(flow_files: set[str]) -> dict[str, set[str]]:
+def third_party_imports(flow_files: frozenset[str]) -> dict[str, set[str]]:
     """Top-level third-party module -> the checkout files importing it, over every module
     reachable from `flow_files`."""
     flow_names = {p.stem for p in (ROOT / "flows").glob("*.py")}
