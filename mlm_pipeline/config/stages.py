@@ -332,6 +332,10 @@ class TrainConfig(StrictModel):
     machine loses at most this much work to a kill); None: by `checkpoint_every` only."""
     keep_last_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (oldest removed first)."""
+    trust_unverified_checkpoint: bool = False
+    """Resume from a checkpoint that cannot be verified (no digest of its `state.json`:
+    written before checkpoints were verified); false refuses it, naming it. Damaged
+    checkpoints are never used. No part of the run's digest."""
     distributed: DistributedConfig = DistributedConfig()
     """Processes and nodes of data-parallel training; each rank reads `micro_batch_size`
     rows per micro-batch, so the global batch is `micro_batch_size * grad_accum_steps *

@@ -38,28 +38,24 @@ def is_mlflow_source(source: str) -> bool:
                      "directory")
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or the newest complete checkpoint under a training run
-    directory or its `checkpoints/` directory.
+def resolve_checkpoint(path: Path, trust_unverified: bool = False) -> Path:
+    """A checkpoint directory (verified), or the newest intact checkpoint under a training
+    run directory or its `checkpoints/` directory (`train.verified.find_checkpoint`).
 
     Raises:
         FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
+        CheckpointError: the checkpoint is damaged, or every one of the run is; or it
+            cannot be verified and `trust_unverified` is false (`UnverifiedCheckpointError`,
+            naming `--trust-unverified`).
     """
-    from mlm_pipeline.train.checkpoint import latest_checkpoint
+    from mlm_pipeline.train.verified import find_checkpoint
 
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
-    if (path / "state.json").is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"{path}: holds no complete checkpoint (no step-*/state.json)")
+    return find_checkpoint(path, trust_unverified)
 
 
 def fill_mask_source(source: str, args: list[str], *, top_k: int,
-                     tracker: MlflowTracker) -> list[dict[str, Any]]:
+                     tracker: MlflowTracker, trust_unverified: bool = False
+                     ) -> list[dict[str, Any]]:
     """Fill-mask predictions of SOURCE (see `evaluate.fill_mask`).
 
     Args:
@@ -68,10 +64,12 @@ def fill_mask_source(source: str, args: list[str], *, top_k: int,
             MLflow SOURCE, the texts.
         top_k: candidates per mask.
         tracker: the MLflow backend of an MLflow SOURCE.
+        trust_unverified: use a local checkpoint that cannot be verified (no digest).
 
     Raises:
         ValueError: a bad SOURCE, a local SOURCE without TOKENIZER_MODEL and TEXT, or a
-            text without `[MASK]`.
+            text without `[MASK]`; a damaged, unverifiable (not trusted) or oversized
+            checkpoint (`CheckpointError`, the file named).
         FileNotFoundError: a local SOURCE holds no complete checkpoint.
     """
     if is_mlflow_source(source):
@@ -82,24 +80,27 @@ def fill_mask_source(source: str, args: list[str], *, top_k: int,
                                 top_k=top_k)
     from mlm_pipeline.evaluate.stage import fill_mask
     from mlm_pipeline.tokenizer import Tokenizer
-    from mlm_pipeline.train.checkpoint import load_model, read_state
+    from mlm_pipeline.train.verified import load_verified
 
     if len(args) < 2:
         raise ValueError(f"fill-mask {source}: a checkpoint needs TOKENIZER_MODEL and at "
                          "least one TEXT")
-    checkpoint = resolve_checkpoint(Path(source))
-    return fill_mask(load_model(checkpoint), Tokenizer.load(args[0]), args[1:],
-                     seq_len=read_state(checkpoint)["seq_len"], top_k=top_k)
+    checkpoint = resolve_checkpoint(Path(source), trust_unverified)
+    model, state = load_verified(checkpoint, trust_unverified=trust_unverified)
+    return fill_mask(model, Tokenizer.load(args[0]), args[1:], seq_len=state["seq_len"],
+                     top_k=top_k)
 
 
 def export_source(source: str, out_dir: str | Path, *, tokenizer: str | None,
-                  overwrite: bool, tracker: MlflowTracker) -> dict[str, Any]:
+                  overwrite: bool, tracker: MlflowTracker,
+                  trust_unverified: bool = False) -> dict[str, Any]:
     """Write SOURCE as a `transformers` model directory; returns what was written
     (`checkpoint` or `source`, `out_dir`, `files`: name -> bytes).
 
     Raises:
-        ValueError: a bad SOURCE (one line: what was given, what is expected), or a
-            model that cannot be exported.
+        ValueError: a bad SOURCE (one line: what was given, what is expected), a model
+            that cannot be exported, or a damaged, unverifiable (unless
+            `trust_unverified`) or oversized checkpoint (`CheckpointError`, the file named).
         FileExistsError: `out_dir` is not empty and `overwrite` is false.
         FileNotFoundError: the checkpoint's tokenizer is not found.
     """
@@ -110,11 +111,12 @@ def export_source(source: str, out_dir: str | Path, *, tokenizer: str | None,
         origin = {"source": source}
     else:
         try:
-            checkpoint = resolve_checkpoint(Path(source))
+            checkpoint = resolve_checkpoint(Path(source), trust_unverified)
         except FileNotFoundError as exc:
             raise ValueError(f"export: SOURCE {source!r} is not {SOURCE_KINDS}: "
                              f"{exc}") from exc
-        out = export_checkpoint(checkpoint, out_dir, tokenizer=tokenizer, overwrite=overwrite)
+        out = export_checkpoint(checkpoint, out_dir, tokenizer=tokenizer, overwrite=overwrite,
+                                trust_unverified=trust_unverified)
         origin = {"checkpoint": str(checkpoint)}
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     return {**origin, "out_dir": str(out), "files": files}

@@ -15,14 +15,16 @@ nothing about them but `state_dict()` / `load_state_dict()`. A checkpoint is a d
   `train` and `masking` sections), `vocab_size`, `seq_len` and the digests of the tokenizer
   and shards it was trained on, and `files`: the size and sha256 of every other file.
 
-It is written under a temporary name (every file fsynced, `state.json` last) and renamed,
-so a crash never leaves a partial checkpoint that looks complete. Loading verifies every
-file against `files` first: a damaged or incomplete newest checkpoint is reported and the
-newest intact one is used (`Checkpointer.latest`). A checkpoint is never written from
-non-finite weights. Loading uses safetensors and `torch.load(weights_only=True)`: a
-checkpoint cannot execute code. Checkpoints written before `format` 2 (the whole pipeline
-config under `config`, `step`/`tokens_seen` at the top, no masker or meter state, weights
-in `model.pt`) and format-2 ones without `files` still load, unverified.
+It is written under a temporary name (`.step-XXXXXXXX.<host>.<pid>.tmp`, every file
+fsynced, `state.json` last, sealed with the digest of its own fields) and renamed, so a
+crash never leaves a partial checkpoint that looks complete; the temporary directories of
+writers that died on this host (pid no longer alive) are removed by the next save into the
+same directory. A checkpoint is never written from non-finite weights. Finding, verifying
+and loading checkpoints is `train.verified`'s (re-exported here): loading verifies every
+file and `state.json` itself first, and the declared sizes against the tensors; a damaged
+newest checkpoint is reported and the newest intact one is used (`Checkpointer.latest`); a
+checkpoint that cannot be verified (written before digests) is refused unless trusted
+(`Checkpointer(trust_unverified=True)`, `train.trust_unverified_checkpoint`).
 
 With a URL work directory (`mlm_pipeline.store`) a saved checkpoint is uploaded to the
 store (`state.json` last) with the run directory's other files (`metrics.jsonl`) and the
@@ -32,11 +34,12 @@ one is downloaded when a run resumes on a machine whose mirror lacks it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -44,11 +47,29 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mlm_pipeline import store
+from mlm_pipeline.train.verified import (  # noqa: F401  (re-exported: the public API)
+    STATE_DIGEST,
+    CheckpointError,
+    UnverifiedCheckpointError,
+    find_checkpoint,
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    list_checkpoints,
+    load_model,
+    load_model_state,
+    read_state,
+    seal_state,
+    sha256_file,
+    verify_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "step-"
 _JSON = "state.json"
+#: A writer's temporary directory: `.step-XXXXXXXX.<host>.<pid>.tmp` (`<host>.` absent
+#: in names written before hosts were recorded).
+_TEMP = re.compile(r"^\.step-\d{8}\.(?:(?P<host>.+)\.)?(?P<pid>\d+)\.tmp$")
 #: Version of the checkpoint layout; 1 (no `format` key) is the layout before `LAYOUT`;
 #: 3 stores the weights as safetensors and the files' sha256.
 FORMAT = 3
@@ -108,79 +129,6 @@ def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (partial `.tmp` dirs excluded)."""
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and (p / _JSON).is_file()
-    ]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None (not verified: see
-    `latest_intact_checkpoint`)."""
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is damaged or incomplete; the message names the file."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_checkpoint(checkpoint: Path) -> None:
-    """Check every file of a checkpoint against the sizes and sha256 in its `state.json`.
-
-    Raises:
-        CheckpointError: `state.json` is missing or not valid JSON, a listed file is missing
-            or its size or sha256 differs (the file is named). Checkpoints written before
-            the `files` record pass unverified.
-    """
-    try:
-        state = json.loads((checkpoint / _JSON).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{checkpoint / _JSON}: unreadable ({exc})") from exc
-    for name, want in state.get("files", {}).items():
-        path = checkpoint / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: content differs from the sha256 in {_JSON}")
-
-
-def latest_intact_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint under `root` that passes `verify_checkpoint`, or None; every
-    newer damaged one is reported with a warning. In the mirror of a URL work directory
-    the store's complete checkpoints count too: one the mirror lacks is downloaded when
-    its turn comes (a run resumed on another machine), and removed again if damaged."""
-    local = {p.name for p in list_checkpoints(root)}
-    remote = {name for name in store.complete_children(root, _JSON) if name.startswith(_PREFIX)}
-    for name in sorted(local | remote, reverse=True):
-        checkpoint = root / name
-        fetched = name not in local and store.fetch_tree(checkpoint, last=_JSON) > 0
-        try:
-            verify_checkpoint(checkpoint)
-        except CheckpointError as exc:
-            logger.warning("checkpoint %s is damaged, trying an older one: %s",
-                           checkpoint.name, exc)
-            if fetched:
-                shutil.rmtree(checkpoint, ignore_errors=True)
-            continue
-        return checkpoint
-    return None
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -212,18 +160,6 @@ def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"aliases": json.dumps(aliases)})
 
 
-def _load_weights(path: Path, map_location: str | torch.device) -> dict[str, torch.Tensor]:
-    """Read what `_save_weights` wrote (aliases restored as the same tensor)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
-    for key, target in aliases.items():
-        state[key] = state[target]
-    return {k: v.to(map_location) for k, v in state.items()}
-
-
 class Checkpointer:
     """Saves and restores the Stateful parts of a run under the fixed keys of `LAYOUT`.
 
@@ -237,6 +173,8 @@ class Checkpointer:
             every part's state (a collective under FSDP2) but writes nothing.
         barrier: called at the end of `save` so no rank runs ahead of the write (None:
             one process).
+        trust_unverified: resume from a checkpoint that cannot be verified (no digest:
+            written before digests); False refuses it (`UnverifiedCheckpointError`).
 
     Raises:
         ValueError: `parts` does not have exactly the keys of `LAYOUT`, or a `meta` key is
@@ -245,7 +183,8 @@ class Checkpointer:
 
     def __init__(self, root: Path, parts: Mapping[str, Stateful], meta: Mapping[str, Any],
                  keep_last: int = 2, is_writer: bool = True,
-                 barrier: Callable[[], None] | None = None) -> None:
+                 barrier: Callable[[], None] | None = None,
+                 trust_unverified: bool = False) -> None:
         if set(parts) != set(LAYOUT):
             raise ValueError(f"checkpoint parts {sorted(parts)} must be {sorted(LAYOUT)}")
         clash = {"format", *LAYOUT} & set(meta)
@@ -253,10 +192,16 @@ class Checkpointer:
             raise ValueError(f"checkpoint meta keys {sorted(clash)} are reserved")
         self.root, self.parts, self.meta, self.keep_last = root, dict(parts), dict(meta), keep_last
         self.is_writer, self.barrier = is_writer, barrier or (lambda: None)
+        self.trust_unverified = trust_unverified
 
     def latest(self) -> Path | None:
-        """The newest intact checkpoint under `root` (`latest_intact_checkpoint`), or None."""
-        return latest_intact_checkpoint(self.root)
+        """The newest intact checkpoint under `root` (`latest_intact_checkpoint`), or None.
+
+        Raises:
+            UnverifiedCheckpointError: the newest undamaged checkpoint cannot be verified
+                and this checkpointer does not trust it.
+        """
+        return latest_intact_checkpoint(self.root, self.trust_unverified)
 
     def save(self, step: int) -> Path:
         """Write every part's state atomically as `step-<step>` and prune all but the newest
@@ -285,7 +230,8 @@ class Checkpointer:
         """Write the gathered `files` as the checkpoint `final` (atomically) and prune."""
         step = int(final.name[len(_PREFIX):])
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{final.name}.{os.getpid()}.tmp"
+        remove_dead_writers(self.root)
+        tmp = self.root / f".{final.name}.{socket.gethostname()}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         record = {}
@@ -299,9 +245,10 @@ class Checkpointer:
             _fsync(tmp / file)
             if os.environ.get(_DIE_ENV) == str(step):  # test hook: a kill mid-write
                 os.kill(os.getpid(), 9)
-            record[file] = {"bytes": (tmp / file).stat().st_size, "sha256": _sha256(tmp / file)}
+            record[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_file(tmp / file)}
         files[_JSON]["files"] = record
-        (tmp / _JSON).write_text(json.dumps(files[_JSON], indent=2, sort_keys=True) + "\n")
+        sealed = seal_state(files[_JSON])  # last: the digest covers every field above
+        (tmp / _JSON).write_text(json.dumps(sealed, indent=2, sort_keys=True) + "\n")
         _fsync(tmp / _JSON)
         if final.exists():
             shutil.rmtree(final)
@@ -321,14 +268,15 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: a checkpoint file is missing.
-            CheckpointError: a file's size or sha256 differs from `state.json`'s record.
+            CheckpointError: `state.json` differs from its digest, a file's size or sha256
+                from `state.json`'s record, or a declared size from the tensors'.
+            UnverifiedCheckpointError: no digest to verify it against, and not trusted.
             ValueError: the checkpoint lacks a part's state, or a part refuses it (e.g. the
                 data cursor or the masker of another configuration).
             RuntimeError: the model state does not match the model (`load_state_dict`).
         """
         store.fetch_tree(checkpoint, last=_JSON)  # a rank on a node without it: download
-        verify_checkpoint(checkpoint)
-        files: dict[str, Any] = {_JSON: read_state(checkpoint)}
+        files: dict[str, Any] = {_JSON: verify_checkpoint(checkpoint, self.trust_unverified)}
         legacy = "format" not in files[_JSON]
         for name, (file, key) in sorted(LAYOUT.items(), key=lambda kv: kv[1][0] != _JSON):
             if file not in files:
@@ -346,51 +294,33 @@ class Checkpointer:
         logger.info("resumed from %s", checkpoint)
 
 
-def read_state(checkpoint: Path) -> dict[str, Any]:
-    """The `state.json` of a checkpoint; a format-1 one gets its `train_state` key.
+def remove_dead_writers(root: Path) -> list[Path]:
+    """Remove the temporary directories under `root` of checkpoint writers that died on
+    this host (`.step-XXXXXXXX.<host>.<pid>.tmp` whose host is this one and whose pid is no
+    longer alive; a name without a host counts as this host's). Another host's, and a live
+    process's, are kept.
 
-    Raises:
-        FileNotFoundError: when `checkpoint` is not a complete checkpoint directory.
+    Returns:
+        The directories removed.
     """
-    path = checkpoint / _JSON
-    if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint}: not a checkpoint (no {_JSON})")
-    state = json.loads(path.read_text())
-    if "format" not in state and "train_state" not in state:
-        state["train_state"] = {"step": state["step"], "tokens_seen": state["tokens_seen"]}
-    return state
+    removed = []
+    here = socket.gethostname()
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _TEMP.match(p.name)
+        if m is None or not p.is_dir() or (m["host"] not in (None, here)):
+            continue
+        if int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            logger.info("removed %s: its writer (pid %s) is dead", p, m["pid"])
+    return removed
 
 
-def load_model_state(checkpoint: Path, map_location: str | torch.device = "cpu") -> dict:
-    """The model `state_dict` of a checkpoint, loaded safely (safetensors, or
-    `torch.load(weights_only=True)` for a checkpoint written before safetensors).
-
-    Raises:
-        FileNotFoundError: when neither `model.safetensors` nor `model.pt` exists.
-    """
-    if (checkpoint / _WEIGHTS).is_file():
-        return _load_weights(checkpoint / _WEIGHTS, map_location)
-    if (checkpoint / _LEGACY_WEIGHTS).is_file():
-        return torch.load(checkpoint / _LEGACY_WEIGHTS, map_location=map_location,
-                          weights_only=True)
-    raise FileNotFoundError(f"{checkpoint}: no {_WEIGHTS} (or {_LEGACY_WEIGHTS})")
-
-
-def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Rebuild the `BertMLM` a checkpoint was trained as, with its weights, in eval mode.
-
-    The architecture comes from the checkpoint's own `state.json` (`config.model`,
-    `vocab_size`, `seq_len`; both formats have them), so a checkpoint directory is enough
-    to use the model.
-
-    Raises:
-        FileNotFoundError: when `checkpoint` is not a complete checkpoint directory.
-    """
-    from mlm_pipeline.config import ModelConfig
-    from mlm_pipeline.train.model import BertMLM
-
-    state = read_state(checkpoint)
-    model_cfg = ModelConfig.model_validate(state["config"]["model"])
-    model = BertMLM(model_cfg, state["vocab_size"], state["seq_len"])
-    model.load_state_dict(load_model_state(checkpoint, "cpu"))
-    return model.to(device).eval()
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

@@ -223,6 +223,7 @@ def export_checkpoint(
     *,
     tokenizer: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    trust_unverified: bool = False,
 ) -> Path:
     """Write a `transformers` model directory from one of our checkpoints.
 
@@ -233,6 +234,7 @@ def export_checkpoint(
             default the one with the checkpoint's tokenizer digest under the
             `tokenizer/` directory of its work directory (any ancestor).
         overwrite: replace an existing non-empty `out_dir`.
+        trust_unverified: export a checkpoint that cannot be verified (no digest).
 
     Returns:
         `out_dir`, resolved.
@@ -241,19 +243,22 @@ def export_checkpoint(
         FileNotFoundError: `checkpoint_dir` is not a checkpoint, or its tokenizer is not
             found.
         FileExistsError: `out_dir` exists, is not empty, and `overwrite` is false.
+        CheckpointError: (a ValueError) the checkpoint is damaged, cannot be verified
+            (unless `trust_unverified`), or declares sizes its tensors do not have
+            (`train.verified`, the file named).
         ValueError: the model cannot be exported (fields no Hugging Face class can
             express; see `export_class`), or the tokenizer is not the checkpoint's.
         RuntimeError: `transformers` or `tokenizers` cannot be imported (an incomplete
             install; the message says how to reinstall).
     """
-    from mlm_pipeline.train.checkpoint import load_model, read_state
+    from mlm_pipeline.train.verified import load_verified, read_state
     from mlm_pipeline.train.hf import to_hf
 
     checkpoint = Path(checkpoint_dir).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
-    state = read_state(checkpoint)
+    export_class(read_state(checkpoint))  # an unexportable model: refused before loading
+    model, state = load_verified(checkpoint, trust_unverified=trust_unverified)
     hf_class = export_class(state)
-    model = load_model(checkpoint)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (choose a new directory, "
                               "or overwrite)")

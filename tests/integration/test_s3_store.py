@@ -167,14 +167,15 @@ def test_a_changed_file_in_the_mirror_is_fetched_again_from_the_store(
 
 def _fake_checkpoint(root: Path, step: int, payload: bytes) -> Path:
     """A checkpoint directory as `verify_checkpoint` reads it: one file and `state.json`
-    with its size and sha256."""
-    from mlm_pipeline.train.checkpoint import checkpoint_name
+    with its size and sha256, sealed with the state's digest."""
+    from mlm_pipeline.train.checkpoint import checkpoint_name, seal_state
 
     path = root / checkpoint_name(step)
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(payload)
     record = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    (path / "state.json").write_text(json.dumps({"files": {"model.safetensors": record}}))
+    state = seal_state({"files": {"model.safetensors": record}})
+    (path / "state.json").write_text(json.dumps(state))
     return path
 
 

@@ -11,7 +11,12 @@ import torch
 from mlm_pipeline.config import MaskingConfig, PipelineConfig, TrainConfig
 from mlm_pipeline.masking.maskers import build_masker
 from mlm_pipeline.train import BertMLM, train
-from mlm_pipeline.train.checkpoint import list_checkpoints, load_model, load_model_state
+from mlm_pipeline.train.checkpoint import (
+    list_checkpoints,
+    load_model,
+    load_model_state,
+    seal_state,
+)
 from mlm_pipeline.train.data import ShardDataset
 from mlm_pipeline.train.loop import accumulate_gradients
 from mlm_pipeline.train.schedule import lr_multiplier
@@ -112,12 +117,14 @@ def test_resume_checks_the_masker_state(tmp_path, tiny_model_config, tiny_shard_
         train(*_sections(tiny_model_config, exact_k, max_steps=4, checkpoint_every=2),
               tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     # ...and so is a checkpoint whose masker state was made by another masking algorithm
+    # (sealed with its digest: an intact checkpoint of another masking, not a damaged one)
     stale = {**saved, "masker": {**saved["masker"], "algorithm": -1}}
-    state_path.write_text(json.dumps(stale))
+    state_path.write_text(json.dumps(seal_state(stale)))
     with pytest.raises(ValueError, match="masking"):
         train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     # a checkpoint of this layout without masker state is refused, not resumed unchecked
-    state_path.write_text(json.dumps({k: v for k, v in saved.items() if k != "masker"}))
+    state_path.write_text(json.dumps(seal_state(
+        {k: v for k, v in saved.items() if k != "masker"})))
     with pytest.raises(ValueError, match="masker"):
         train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     state_path.write_text(json.dumps(saved))
@@ -143,9 +150,16 @@ def test_checkpoints_of_the_previous_layout_still_load(tmp_path, tiny_model_conf
            **{k: new[k] for k in ("vocab_size", "seq_len", "tokenizer_digest", "shards_digest")}}
     (step2 / "state.json").write_text(json.dumps(old))
 
-    model = load_model(step2)
+    # No digest to verify it against: refused unless the user trusts it.
+    with pytest.raises(ValueError, match="trust_unverified_checkpoint=true"):
+        load_model(step2)
+    with pytest.raises(ValueError, match="--trust-unverified"):
+        train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
+    model = load_model(step2, trust_unverified=True)
     assert model.cfg == tiny_model_config
-    resumed = train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
+    trusted = _sections(tiny_model_config, max_steps=4, checkpoint_every=2,
+                        trust_unverified_checkpoint=True)
+    resumed = train(*trusted, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     assert resumed.steps == 4
     # log_every=1: no open interval was lost, so the resume is still exact
     assert _records(resumed) and [r["train/loss"] for r in _records(resumed)] == [

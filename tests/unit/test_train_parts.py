@@ -13,6 +13,7 @@ from mlm_pipeline.train.checkpoint import (
     Checkpointer,
     list_checkpoints,
     read_state,
+    seal_state,
 )
 from mlm_pipeline.train.loop import TrainState
 from mlm_pipeline.train.meter import Meter
@@ -80,7 +81,7 @@ def test_a_missing_part_state_is_refused(tmp_path):
     path = Checkpointer(tmp_path, _parts(0), {}).save(1)
     state = json.loads((path / "state.json").read_text())
     del state["meter"]
-    (path / "state.json").write_text(json.dumps(state))
+    (path / "state.json").write_text(json.dumps(seal_state(state)))  # intact, but no meter
     with pytest.raises(ValueError, match="'meter'"):
         Checkpointer(tmp_path, _parts(1), {}).load(path)
 
