@@ -307,8 +307,11 @@ def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
         checkpointer.load(resume_from, map_location=parts.device)
         logger.info("resuming at step %d (%d tokens seen)", parts.train_state.step,
                     parts.train_state.tokens_seen)
-        if world.is_main:
-            _truncate_metrics_log(out / "metrics.jsonl", parts.train_state.step)
+    if world.is_main:
+        # From a checkpoint: the records after its step go; from step 0 (no checkpoint,
+        # or every one damaged) all of a killed process's records go, as it trains again.
+        _truncate_metrics_log(out / "metrics.jsonl",
+                              parts.train_state.step if resume_from is not None else -1)
     jsonl = JsonlSink(out / "metrics.jsonl", append=True) if world.is_main else None
     logger.info(
         "training %s parameters on %s (%s%s%s%s): %d steps of %d tokens, %d training rows",
