@@ -29,6 +29,9 @@ check fails if importing the library pulls in `prefect` or `mlflow`.
    `tests/assets/tiny_fr.txt` (vocabulary 256); passes when the mean loss of the last 3
    logged intervals is at least 10 % below that of the first 3.
 
+`--smoke` is the dry run with one timed step per model and no gpu tests (unless `--tests`
+asks for them): the test suite runs it (`tests/integration/test_gpu_check.py`).
+
 `--dry-run` runs the same code on the CPU at a toy size (hidden 64, 2 layers, vocabulary
 512, seq_len 32, batch 4, 60 training steps) in about 20 s; compile there uses the `eager`
 backend (graph capture without code generation) and the peak is the measured CPU matmul
@@ -171,7 +174,7 @@ def bench_model(name: str, model_cfg: ModelConfig, side: str, compile_mode: str 
            "compile": bool(compile_mode), "batch": batch, "seq_len": seq_len,
            "tokens_per_s": tps, "step_ms": sec * 1e3, "warmup_s": warm_s,
            "mfu_pct": 100 * tps * flops / peak if peak else None, "peak_mem_gib": mem,
-           "flops_per_token": flops}
+           "flops_per_token": flops, "peak_flops": peak}
     return row
 
 
@@ -246,7 +249,8 @@ def train_tiny(args, device: torch.device, tmp: Path) -> dict:
                                "log_every": max(1, args.train_steps // 30),
                                "micro_batch_size": 8 if args.dry_run else 16,
                                "compile": "off" if args.dry_run else "auto",
-                               "checkpoint_every": None, "max_time_s": 600})
+                               "checkpoint_every": None,
+                               "max_time_s": None if args.dry_run else 600})
     masking = MaskingConfig(**tiny.masking.model_dump())
     start = time.perf_counter()
     m = train(train_cfg, model, masking, shards, tok, tmp / "train")
@@ -289,12 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=Path, default=None, help="carried shards (see above)")
     ap.add_argument("--prepare-shards", type=Path, default=None, metavar="DIR")
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy size, seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the dry run, one timed step per model, no gpu tests unless --tests")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per model")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps (compile) per model")
     ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--tests", choices=["auto", "pytest", "plain", "none"], default="auto")
+    ap.add_argument("--tests", choices=["auto", "pytest", "plain", "none"], default=None,
+                    help="how to run the gpu tests (default: auto; none with --smoke)")
     args = ap.parse_args(argv)
+    args.dry_run = args.dry_run or args.smoke
+    args.tests = args.tests or ("none" if args.smoke else "auto")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.prepare_shards is not None:
         prepare_shards(args.prepare_shards)
@@ -303,12 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.vocab, args.seq_len, args.batch = DRY["vocab"], DRY["seq_len"], DRY["batch"]
         args.steps, args.warmup, args.train_steps = 2, 1, min(args.train_steps, 60)
+        if args.smoke:
+            args.steps = 1
+        # Toy shapes on one thread: two intra-op threads spend more on synchronisation than
+        # on these matmuls, badly so on a busy machine.
+        torch.set_num_threads(1)
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = "CPU " + platform.processor() if args.dry_run else torch.cuda.get_device_name()
-    peak = (measure_cpu_matmul_flops(torch.bfloat16) if args.dry_run
+    peak = (measure_cpu_matmul_flops(torch.bfloat16, n=256) if args.dry_run
             else gpu_peak_flops(name))
     started = time.perf_counter()
     runner, tests = ("none", []) if args.tests == "none" else run_gpu_tests(args.out, args.tests)
