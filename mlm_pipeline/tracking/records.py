@@ -36,11 +36,20 @@ logger = logging.getLogger(__name__)
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 
 
+#: Config keys that say how a run is kept (which run to continue, whether to, what to
+#: trust), not what it computes: never params, so a continued run's params are those of the
+#: run it continues. The tracker logs the `tracking.` ones as tags (`MlflowTracker`).
+BOOKKEEPING_KEYS = ("tracking.resume_run_id", "tracking.resume",
+                    "train.trust_unverified_checkpoint")
+
+
 def run_params(cfg: PipelineConfig) -> dict[str, Any]:
     """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params,
-    plus `train.warmup_in_effect`: the warm-up steps used (`TrainConfig.warmup`), since
-    `train.warmup_steps` is None when `warmup_ratio` (or the default) sets the warm-up."""
-    return {**flatten(cfg), "train.warmup_in_effect": cfg.train.warmup}
+    less `BOOKKEEPING_KEYS`, plus `train.warmup_in_effect`: the warm-up steps used
+    (`TrainConfig.warmup`), since `train.warmup_steps` is None when `warmup_ratio` (or the
+    default) sets the warm-up."""
+    params = {k: v for k, v in flatten(cfg).items() if k not in BOOKKEEPING_KEYS}
+    return {**params, "train.warmup_in_effect": cfg.train.warmup}
 
 
 def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:

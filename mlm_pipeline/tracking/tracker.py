@@ -126,11 +126,15 @@ class MlflowTracker:
     """
 
     def __init__(
-        self, tracking_uri: str, experiment_name: str = "mlm-pipeline", run_name: str | None = None
+        self, tracking_uri: str, experiment_name: str = "mlm-pipeline", run_name: str | None = None,
+        bookkeeping_tags: Mapping[str, str] | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
+        #: Tags set on every run this tracker starts or resumes (`from_config`: the
+        #: `tracking.resume_run_id` and `tracking.resume` settings, never params).
+        self.bookkeeping_tags = dict(bookkeeping_tags or {})
         self._client: MlflowClient | None = None
         self._experiment_ids: dict[str, str] = {}  # run_id -> experiment_id
 
@@ -243,7 +247,7 @@ class MlflowTracker:
         self._experiment_ids[run_id] = exp_id
         try:
             self.log_params(run_id, params)
-            self.set_tags(run_id, tags or {})
+            self.set_tags(run_id, {**self.bookkeeping_tags, **(tags or {})})
         except BaseException:  # leave no run stuck in RUNNING
             self.end_run(run_id, "FAILED")
             raise
@@ -278,7 +282,7 @@ class MlflowTracker:
         self._experiment_ids[run_id] = run.info.experiment_id
         self.client.update_run(run_id, status="RUNNING")
         self.log_params(run_id, {k: v for k, v in params.items() if k not in old})
-        self.set_tags(run_id, tags or {})
+        self.set_tags(run_id, {**self.bookkeeping_tags, **(tags or {})})
         logger.info("MLflow run %s resumed", run_id)
         return run_id
 
