@@ -140,8 +140,12 @@ class MlflowTracker:
 
     @classmethod
     def from_config(cls, cfg: TrackingConfig) -> MlflowTracker:
-        """A tracker for `cfg` (URI resolved with `resolve_tracking_uri`)."""
-        return cls(resolve_tracking_uri(cfg), cfg.experiment_name, cfg.run_name)
+        """A tracker for `cfg` (URI resolved with `resolve_tracking_uri`) that tags the runs
+        it starts or resumes with `tracking.resume_run_id` and `tracking.resume` (settings
+        about which run goes on, not about what it computes: tags, not params)."""
+        return cls(resolve_tracking_uri(cfg), cfg.experiment_name, cfg.run_name,
+                   {"tracking.resume_run_id": str(cfg.resume_run_id),
+                    "tracking.resume": str(cfg.resume)})
 
     @property
     def client(self) -> MlflowClient:
