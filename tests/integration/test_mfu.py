@@ -1,13 +1,12 @@
-"""`train/mfu_pct` never exceeds 100 % (issue 17, part 3): the CPU peak is the best of
-several matmul timings, a declared peak (`MLM_PIPELINE_PEAK_TFLOPS`) wins, and a peak below
-what an interval achieves is raised to it; the peak and its source are logged."""
+"""`train/mfu_pct` never exceeds 100 %: the CPU peak is the best of several matmul timings,
+a declared peak (`MLM_PIPELINE_PEAK_TFLOPS`) wins, and a peak below what an interval
+achieves is raised to it; the peak and its source are logged. Every expected value is
+computed from the logged tokens/s of the same record, so no assertion depends on the
+machine's speed."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,17 +14,12 @@ import torch
 from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.train import train
 from mlm_pipeline.train.meter import Meter
+from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
     PEAK_TFLOPS_ENV,
-    measure_cpu_matmul_flops,
     peak_flops,
     peak_source,
 )
-
-#: One busy process per core: numpy matmuls, single-threaded each, until killed.
-_SPIN = ("import os, numpy as np\n"
-         "a = np.random.default_rng(0).random((256, 256))\n"
-         "while True:\n    a @ a\n")
 
 
 def _records(manifest) -> list[dict]:
@@ -33,50 +27,36 @@ def _records(manifest) -> list[dict]:
             for line in manifest.file(manifest.metrics_log).read_text().splitlines()]
 
 
-class _Unload:
-    """A metrics sink that stops the background load once training has logged a step, so
-    the rest of training runs faster than when the peak was measured (the case that gave
-    MFU above 100 %)."""
-
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
-        self.procs = procs
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        for proc in self.procs:
-            proc.kill()
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def test_mfu_stays_at_most_100_with_a_background_load(
+def test_mfu_stays_at_most_100_when_intervals_beat_the_peak(
         tmp_path, monkeypatch, tiny_model_config, tiny_shard_manifest,
         tiny_tokenizer_manifest):
-    monkeypatch.delenv(PEAK_TFLOPS_ENV, raising=False)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _SPIN], env=env)
-             for _ in range(os.cpu_count() or 1)]
+    """Through `train()`: a peak below what the intervals achieve (declared at 1 FLOP/s,
+    so every interval beats it, whatever the machine's speed; the case a CPU peak measured
+    under load and a faster rest of training gave). Each logged peak is the running
+    maximum of the intervals' achieved rates, recomputed here from each record's own
+    tokens/s, and each MFU is that record's achieved rate over its peak."""
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "1e-12")
+    threads = torch.get_num_threads()
+    cfg = TrainConfig(micro_batch_size=8, max_steps=6, warmup_steps=2, log_every=1,
+                      precision="fp32", seed=2, num_threads=1)
     try:
-        measure_cpu_matmul_flops.cache_clear()  # measured under the load, not earlier
-        cfg = TrainConfig(micro_batch_size=8, max_steps=6, warmup_steps=2, log_every=1,
-                          precision="fp32", seed=2)
         manifest = train(cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
-                         tiny_tokenizer_manifest, tmp_path / "run", sink=_Unload(procs))
+                         tiny_tokenizer_manifest, tmp_path / "run")
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        measure_cpu_matmul_flops.cache_clear()
+        torch.set_num_threads(threads)
+    flops_per_token = BertMLM(tiny_model_config, tiny_shard_manifest.vocab_size,
+                              tiny_shard_manifest.seq_len).flops_per_token(
+        tiny_shard_manifest.seq_len, MaskingConfig().mlm_probability)
     records = _records(manifest)
     assert [r["step"] for r in records] == list(range(1, 7))
+    peak = 1.0  # FLOP/s, as declared
     for r in records:
-        assert 0 < r["train/mfu_pct"] <= 100.0, r
-        assert r["train/peak_tflops"] > 0
-    assert manifest.peak_source in ("measured", "achieved")
+        achieved = flops_per_token * r["train/tokens_per_s"]
+        peak = max(peak, achieved)
+        assert r["train/peak_tflops"] == pytest.approx(peak / 1e12, rel=1e-12)
+        assert r["train/mfu_pct"] == pytest.approx(100 * achieved / peak, rel=1e-12)
+        assert 0 < r["train/mfu_pct"] <= 100.0
+    assert manifest.peak_source == "achieved"
     assert manifest.peak_tflops == records[-1]["train/peak_tflops"]
 
 
