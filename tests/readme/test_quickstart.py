@@ -110,7 +110,10 @@ def fresh_environment(home: Path, venv: Path, tmp: Path) -> dict[str, str]:
                            text=True, check=False, timeout=60).stdout.strip()
     if cache:  # empty when the outer pip runs with its cache disabled
         env["PIP_CACHE_DIR"] = cache
-    env.update(HOME=str(home), PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
+    # the test's own environment's bin (an activated venv) is no part of a fresh machine
+    outer_bin = str(Path(sys.prefix) / "bin")
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != outer_bin]
+    env.update(HOME=str(home), PATH=os.pathsep.join([str(venv / "bin"), *path]),
                PIP_CONFIG_FILE=str(_pip_config_file(tmp / "pip.conf")),
                # timestamps on bash's trace of each command of the line (install vs run)
                PS4="+[$EPOCHREALTIME] ")
