@@ -284,6 +284,7 @@ def summary(
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracker.tracking_uri,
         "mlflow_run_url": tracker.run_url(run_id),
+        "mlflow_experiment_id": tracker.run_experiment_id(run_id),
         "loss_plot": LOSS_PLOT,
         "metrics": {**trained.final_metrics, **evaluated.metrics},
         "steps": trained.steps,

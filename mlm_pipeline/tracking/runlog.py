@@ -117,6 +117,22 @@ def run_logging(work_dir: str, verbose: bool) -> tuple[RunConsole, logging.FileH
     return console, file
 
 
+def ui_lines(result: dict) -> list[str]:
+    """Where to see the run in the MLflow UI: its experiment's runs beside their metric
+    charts and the run's metric charts, opened in the UI's "Model training" mode (`tracker.ui_url`); for a tracking URI
+    that is not a server, first the `mlflow ui` command serving it on port 5000."""
+    from mlm_pipeline.tracking.tracker import LOCAL_UI, ui_url
+
+    uri, exp, run = (result["mlflow_tracking_uri"], result.get("mlflow_experiment_id"),
+                     result["mlflow_run_id"])
+    served = uri.startswith(("http://", "https://"))
+    lines = [] if served else [f"Open the UI:   mlflow ui --backend-store-uri {uri} --port 5000"]
+    if exp is not None:
+        base = uri if served else LOCAL_UI
+        lines += [f"Runs, charts:  {ui_url(base, exp)}", f"Run page:      {ui_url(base, exp, run)}"]
+    return lines
+
+
 def print_summary(result: dict, experiment: str) -> None:
     """Print the end of a successful `run` on stdout: a table of the final metrics, then
     where everything is (run id, tracking URI, run page, checkpoint, tokenizer), the
@@ -140,8 +156,7 @@ def print_summary(result: dict, experiment: str) -> None:
     lines = [
         f"MLflow run id: {result['mlflow_run_id']}",
         f"Tracking URI:  {result['mlflow_tracking_uri']}",
-        f"Run page:      {result['mlflow_run_url']}" if result.get("mlflow_run_url") else
-        f"Open the UI:   mlflow ui --backend-store-uri {result['mlflow_tracking_uri']}",
+        *ui_lines(result),
         f"Checkpoint:    {result['checkpoint']}",
         f"Tokenizer:     {result['tokenizer_model']}",
     ]

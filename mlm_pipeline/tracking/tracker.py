@@ -73,6 +73,13 @@ MAX_TAG_VALUE_LENGTH = 8000
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 #: Experiment tag and value that open an experiment on the MLflow UI's training-runs view.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+#: Query that opens MLflow 3.17's UI in its "Model training" mode (runs, training curves)
+#: whatever the browser stored: without it a fresh browser profile shows the GenAI view
+#: (the sidebar toggle, kept in local storage as `mlflow.workflowType`, defaults to GenAI;
+#: the UI reads `workflowType` from the URL first, see `WorkflowTypeProvider` in its bundle).
+UI_TRAINING_QUERY = "?workflowType=machine_learning"
+#: Where `mlflow ui` serves the UI by default.
+LOCAL_UI = "http://127.0.0.1:5000"
 #: (tracking URI, experiment id) already warned about a local artifact location.
 _WARNED_LOCAL_LOCATIONS: set[tuple[str, str]] = set()
 
@@ -413,10 +420,12 @@ class MlflowTracker:
         """The run's page in the MLflow UI when the tracking URI is http(s), else None."""
         if urlparse(self.tracking_uri).scheme not in ("http", "https"):
             return None
+        return ui_url(self.tracking_uri, self.run_experiment_id(run_id, experiment_id), run_id)
+
+    def run_experiment_id(self, run_id: str, experiment_id: str | None = None) -> str:
+        """The id of the experiment holding `run_id` (`experiment_id` when given)."""
         exp = experiment_id or self._experiment_ids.get(run_id)
-        if exp is None:
-            exp = self.get_run(run_id).info.experiment_id
-        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+        return exp if exp is not None else self.get_run(run_id).info.experiment_id
 
     def get_run(self, run_id: str) -> Run:
         """`MlflowClient.get_run` (params, metrics, tags, status)."""
@@ -428,3 +437,20 @@ def _truncate(kind: str, key: str, value: str, limit: int) -> str:
         return value
     logger.warning("MLflow %s %r: value of %d characters cut to %d", kind, key, len(value), limit)
     return value[:limit]
+
+
+def ui_url(base: str, experiment_id: str, run_id: str | None = None) -> str:
+    """A page of the MLflow UI served at `base`, in its "Model training" mode (routes and
+    query parameters of MLflow 3.17's UI, checked in headless Chromium on a fresh profile).
+
+    Args:
+        base: the UI's address, e.g. `http://127.0.0.1:5000`.
+        experiment_id: the experiment's id (a number as a string with a SQLite store).
+        run_id: None: the experiment's runs beside their metric charts
+            (`compareRunsMode=CHART`); else that run's metric charts (its `model-metrics`
+            tab).
+    """
+    root = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    if run_id:
+        return f"{root}/{run_id}/model-metrics{UI_TRAINING_QUERY}"
+    return f"{root}{UI_TRAINING_QUERY}&compareRunsMode=CHART"

@@ -272,8 +272,8 @@ def test_from_config_and_run_url(uri):
     assert tracker.run_url("abc") is None  # no UI for a SQLite URI
     remote = MlflowTracker("http://127.0.0.1:5000/")  # no connection is made
     assert remote.run_url("abc", experiment_id="3") == (
-        "http://127.0.0.1:5000/#/experiments/3/runs/abc"
-    )
+        "http://127.0.0.1:5000/#/experiments/3/runs/abc/model-metrics"
+        "?workflowType=machine_learning")
 
 
 def test_import_is_cheap_and_telemetry_is_off_by_default(tmp_path):
@@ -360,3 +360,27 @@ def test_local_artifact_location_on_a_server_warns_once_new_experiments_go_throu
     new.log_dict(run_id, {"a": 1}, "probe/a.json")
     new.end_run(run_id)
     assert [p.name for p in served.rglob("a.json")] == ["a.json"]
+
+
+def test_summary_ui_lines_open_the_runs_table_in_training_mode():
+    """The UI links of the run summary: the experiment's runs and the run's charts with
+    `workflowType=machine_learning` (a fresh browser profile would otherwise open MLflow's
+    GenAI view), after the `mlflow ui` command for a SQLite store."""
+    from mlm_pipeline.tracking.runlog import ui_lines
+
+    local = {"mlflow_tracking_uri": "sqlite:////tmp/x/mlflow.db", "mlflow_experiment_id": "4",
+             "mlflow_run_id": "0123abcd"}
+    assert ui_lines(local) == [
+        "Open the UI:   mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db --port 5000",
+        "Runs, charts:  http://127.0.0.1:5000/#/experiments/4/runs"
+        "?workflowType=machine_learning&compareRunsMode=CHART",
+        "Run page:      http://127.0.0.1:5000/#/experiments/4/runs/0123abcd/model-metrics"
+        "?workflowType=machine_learning",
+    ]
+    served = {**local, "mlflow_tracking_uri": "https://mlflow.example.org/"}
+    assert ui_lines(served) == [
+        "Runs, charts:  https://mlflow.example.org/#/experiments/4/runs"
+        "?workflowType=machine_learning&compareRunsMode=CHART",
+        "Run page:      https://mlflow.example.org/#/experiments/4/runs/0123abcd/model-metrics"
+        "?workflowType=machine_learning",
+    ]
