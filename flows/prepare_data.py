@@ -110,10 +110,13 @@ def shards_task(
                         data_progress())
 
 
-def _fresh(stage_task, *args):
-    """Run a cached stage; recompute it if the cached manifest's files were deleted."""
+def _fresh(stage_task, cfg: PipelineConfig, *args):
+    """Run a cached stage; recompute it if the cached manifest's files were deleted. A
+    cached manifest whose `output_dir` is outside `cfg.work_dir` is refused (an error
+    naming both), whatever the result record says."""
+    args = (cfg, *args)
     manifest = stage_task(*args)
-    if not pipeline.outputs_exist(manifest):
+    if not pipeline.outputs_exist(manifest, cfg.work_dir):
         manifest = stage_task.with_options(refresh_cache=True)(*args)
     return manifest
 
@@ -151,7 +154,7 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
 
     def read(stage, digest, cls):
         try:  # in the work directory, or in a URL one's store
-            return find_manifest(stage_dir(cfg.work_dir, stage, digest), cls)
+            return find_manifest(stage_dir(cfg.work_dir, stage, digest), cls, cfg.work_dir)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{exc}: no {stage} output for this config in work_dir "
                                     f"{cfg.work_dir} (prepare-data did not make it there)"

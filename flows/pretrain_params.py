@@ -124,16 +124,17 @@ class ManifestRef(BaseModel):
         Raises:
             FileNotFoundError: the manifest, or a file it lists, is missing or changed
                 (a work directory other than the one `prepare-data` wrote, or cleaned).
-            ValueError: the file is not a valid `cls`, or its digest is not `digest`.
+            ValueError: the file is not a valid `cls`, or its digest is not `digest`;
+                with `work_dir`, a path outside it (`OutsideWorkDirError`, nothing read).
         """
         path = Path(self.path)
         if self.url and work_dir and self.url.startswith(work_id(work_dir) + "/"):
             path = work_root(work_dir) / self.url[len(work_id(work_dir)) + 1:]
-        manifest = find_manifest(path.parent, cls)
+        manifest = find_manifest(path.parent, cls, work_dir)
         if manifest.digest != self.digest:
             raise ValueError(f"{self.path}: digest {manifest.digest[:16]}, the prepared data "
                              f"names {self.digest[:16]}: the stage was rebuilt since")
-        if not pipeline.outputs_exist(manifest):
+        if not pipeline.outputs_exist(manifest, work_dir):
             raise FileNotFoundError(f"{self.path}: files it lists are missing or changed; "
                                     "run prepare-data again")
         return manifest

@@ -12,8 +12,10 @@ from mlm_pipeline.manifest.base import (
     M,
     Manifest,
     ManifestPathError,
+    OutsideWorkDirError,
     Stopwatch,
     atomic_write_text,
+    check_in_work_dir,
     canonical_json,
     compute_digest,
     file_entry,
@@ -38,8 +40,9 @@ from mlm_pipeline.manifest.stages import (
 
 __all__ = [
     "FORMAT_VERSION", "BadFile", "CorpusManifest", "EvalManifest", "FileEntry", "M",
-    "Manifest", "ManifestPathError", "ShardManifest", "ShardSplit", "SkippedFile",
-    "SourceEntry", "Stopwatch", "TokenizerManifest", "TrainManifest", "atomic_write_text",
-    "canonical_json", "compute_digest", "file_entry", "find_manifest", "load_if_complete",
-    "read_manifest", "sha256_file", "stage_dir", "write_manifest",
+    "Manifest", "ManifestPathError", "OutsideWorkDirError", "ShardManifest", "ShardSplit",
+    "SkippedFile", "SourceEntry", "Stopwatch", "TokenizerManifest", "TrainManifest",
+    "atomic_write_text", "canonical_json", "check_in_work_dir", "compute_digest",
+    "file_entry", "find_manifest", "load_if_complete", "read_manifest", "sha256_file",
+    "stage_dir", "write_manifest",
 ]

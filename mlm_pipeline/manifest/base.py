@@ -42,6 +42,31 @@ class ManifestPathError(ValueError):
     """A path in a manifest that is not inside its stage directory (the manifest is named)."""
 
 
+class OutsideWorkDirError(ValueError):
+    """A stage output (a manifest's `output_dir`, or the directory a manifest is read from)
+    outside the work directory: never read, never reused (the manifest is named)."""
+
+
+def check_in_work_dir(output_dir: str | os.PathLike[str], work_dir: str | os.PathLike[str],
+                      what: str = "stage output") -> Path:
+    """`output_dir`, resolved, once it is inside `work_dir` (resolved; a URL work
+    directory's local mirror, `store.work_root`): nothing outside the work directory is
+    ever a stage output, whatever a manifest, a result record or a parameter says.
+
+    Returns:
+        The resolved `output_dir`.
+
+    Raises:
+        OutsideWorkDirError: it is not (both directories and `what` are named).
+    """
+    out = Path(output_dir).expanduser().resolve()
+    root = store.work_root(work_dir).resolve()
+    if out != root and root not in out.parents:
+        raise OutsideWorkDirError(f"{what} {out} is outside the work directory {root} "
+                                  f"(work_dir {work_dir}): refused, nothing read from it")
+    return out
+
+
 class FileEntry(BaseModel):
     """One output file: path relative to the manifest's directory, size and checksum."""
 
@@ -224,16 +249,24 @@ def write_manifest(manifest: Manifest, changed_only: bool = False) -> Path:
     return manifest.path
 
 
-def find_manifest(out_dir: str | os.PathLike[str], cls: type[M]) -> M:
+def find_manifest(out_dir: str | os.PathLike[str], cls: type[M],
+                  work_dir: str | os.PathLike[str] | None = None) -> M:
     """The manifest of stage directory `out_dir`: its `manifest.json`, or the store's copy
     for the mirror of a URL work directory (then also written to the mirror); its
     `output_dir` is `out_dir`. Its files are not checked (`load_if_complete` does).
 
+    Args:
+        out_dir: the stage directory.
+        cls: the manifest class.
+        work_dir: when given, `out_dir` must be inside it (`check_in_work_dir`).
+
     Raises:
         FileNotFoundError: neither the directory nor the store holds a manifest.
+        OutsideWorkDirError: `out_dir` is outside `work_dir` (nothing is read).
         ValueError: it does not validate as `cls` (the path is named).
     """
-    out = Path(out_dir).resolve()
+    out = (check_in_work_dir(out_dir, work_dir, f"{cls.__name__} directory")
+           if work_dir is not None else Path(out_dir).resolve())
     path = out / "manifest.json"
     if path.is_file():
         m = read_manifest(path, cls)
@@ -281,7 +314,8 @@ def read_manifest(path: str | os.PathLike[str], cls: type[M]) -> M:
 
 
 def load_if_complete(out_dir: Path, cls: type[M], digest: str,
-                     sha256: Callable[[Path], str] | None = None) -> M | None:
+                     sha256: Callable[[Path], str] | None = None,
+                     work_dir: str | os.PathLike[str] | None = None) -> M | None:
     """Return the manifest in `out_dir` when it exists, has `digest`, and every file it
     lists still exists with the recorded size and, when `sha256` (path -> hex digest,
     e.g. `mlm_pipeline.ingest.hashing.HashMemo.file_sha256`) is given, the recorded
@@ -296,10 +330,16 @@ def load_if_complete(out_dir: Path, cls: type[M], digest: str,
     `digest` and one listing shows every file it lists with the recorded size (no file is
     downloaded: `Manifest.file` fetches each when it is read, checking its sha256).
 
+    With `work_dir`, `out_dir` must be inside it (`check_in_work_dir`), e.g. when it comes
+    from a manifest's `output_dir` or an orchestrator's result record.
+
     Raises:
         ManifestPathError: a listed path is not inside `out_dir` (`Manifest.file`).
+        OutsideWorkDirError: `out_dir` is outside `work_dir` (nothing is read).
         OSError: the store cannot be read or written.
     """
+    if work_dir is not None:
+        check_in_work_dir(out_dir, work_dir, f"{cls.__name__} directory")
     m = _load_local(out_dir, cls, digest, sha256)
     if store.remote_url(out_dir) is None:
         return m

@@ -27,6 +27,7 @@ from mlm_pipeline.manifest import (
     ShardManifest,
     TokenizerManifest,
     TrainManifest,
+    check_in_work_dir,
     load_if_complete,
 )
 from mlm_pipeline.tracking.lineage import shard_inputs
@@ -350,17 +351,22 @@ def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
     return p
 
 
-def outputs_exist(manifest: Manifest) -> bool:
+def outputs_exist(manifest: Manifest, work_dir: str | Path | None = None) -> bool:
     """True when every file a manifest lists is still on disk with its recorded size and
     sha256 (through the work directory's hash memo, `HashMemo.of_stage_dir`): a result
     cached by the orchestrator is only reused if its outputs were not deleted or changed
-    (a changed file is named in a warning).
+    (a changed file is named in a warning). With `work_dir`, the manifest's `output_dir`
+    must be inside it (`manifest.check_in_work_dir`): a result record or a parameter
+    naming a directory elsewhere is refused before anything is read.
 
     Raises:
         ManifestPathError: the stage's `manifest.json` lists a path outside its directory
             (a `ValueError` naming the manifest; nothing outside is read).
+        OutsideWorkDirError: (a `ValueError`) `output_dir` is outside `work_dir`.
     """
     out_dir = Path(manifest.output_dir)
+    if work_dir is not None:
+        check_in_work_dir(out_dir, work_dir, f"{manifest.stage} output_dir")
     memo = HashMemo.of_stage_dir(out_dir)
     return load_if_complete(out_dir, type(manifest), manifest.digest,
                             memo.file_sha256) is not None
