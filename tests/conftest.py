@@ -178,3 +178,165 @@ def reservoir_sample():
     """`reference_reservoir_sample(items, k, seed)`: the training-text sample, computed
     independently of the module."""
     return reference_reservoir_sample
+
+
+# --- Tiers: the slow suite's `full` tier runs one slice per landing ---------------------
+
+FULL_MARKER = "full"
+
+#: Estimated seconds of each module's `full` tests on two cores (their module fixtures
+#: included), which balance the slices; update them from the durations CI prints. A module
+#: not listed counts DEFAULT_FULL_COST_S.
+FULL_COST_S = {
+    "tests/deploy/test_deployments.py": 300,
+    "tests/flows/test_resume_cli.py": 270,
+    "tests/flows/test_s3_work_dir.py": 240,
+    "tests/flows/test_busy_machine.py": 180,
+    "tests/flows/test_concurrent_cli.py": 150,
+    "tests/integration/test_distributed.py": 150,
+    "tests/flows/test_distributed_flow.py": 120,
+    "tests/integration/test_train_features.py": 90,
+}
+DEFAULT_FULL_COST_S = 60
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slice", metavar="K/N", default=None,
+        help="keep slice K of N (1-based) of the selected tests marked `full` and deselect "
+             "the other full tests (tests without the mark are kept). A module's full tests "
+             "stay in one slice; modules are spread by estimated cost (tests/conftest.py).")
+
+
+def parse_slice(text: str) -> tuple[int, int]:
+    """`"K/N"` -> (K, N), 1 <= K <= N.
+
+    Raises:
+        pytest.UsageError: not two integers `K/N` with 1 <= K <= N.
+    """
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--slice: expected K/N (e.g. 2/3), got {text!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--slice: K must be in 1..N, got {text!r}")
+    return k, n
+
+
+def assign_slices(modules: list[str], n: int, cost_s: dict[str, float],
+                  default_s: float) -> dict[str, int]:
+    """Module path -> slice (1..n): the costliest module first (ties by path), each to the
+    slice with the least estimated seconds so far (ties to the lowest slice number).
+
+    A module stays whole, so its module-scoped fixtures (servers, reference runs) start in
+    one slice only. Depends only on the module paths and the costs: stable across runs.
+    """
+    load = [0.0] * n
+    out = {}
+    for module in sorted(modules, key=lambda m: (-cost_s.get(m, default_s), m)):
+        k = min(range(n), key=lambda i: (load[i], i))
+        load[k] += cost_s.get(module, default_s)
+        out[module] = k + 1
+    return out
+
+
+_SLICE_KEY = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected: slices of what is selected
+def pytest_collection_modifyitems(config, items):
+    text = config.getoption("--slice")
+    if text is None:
+        return
+    k, n = parse_slice(text)
+    full = [item for item in items if item.get_closest_marker(FULL_MARKER)]
+    if not full:
+        return
+    modules = sorted({item.nodeid.split("::", 1)[0] for item in full})
+    slices = assign_slices(modules, n, FULL_COST_S, DEFAULT_FULL_COST_S)
+    dropped = [item for item in full if slices[item.nodeid.split("::", 1)[0]] != k]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
+    kept = [m for m in modules if slices[m] == k]
+    config.stash[_SLICE_KEY] = (k, n, len(full) - len(dropped), len(full), kept)
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    if (found := config.stash.get(_SLICE_KEY, None)) is not None:
+        k, n, kept, total, modules = found
+        return f"full tier: slice {k}/{n}, {kept} of {total} full tests: {', '.join(modules)}"
+    return None
+
+
+# --- Start-ups paid once per session -------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(tmp_path_factory):
+    """`PREFECT_API_URL` of one `prefect server start` on loopback for the whole session.
+
+    For `mlm-pipeline run` processes in tests that are not about the local API the CLI
+    starts itself: with it set, a run skips that start (and its database migrations).
+    Started on first use; stopped at the end of the session, also on failure.
+    """
+    from tests.servers import start_prefect_server, stop
+
+    url, proc = start_prefect_server(tmp_path_factory.mktemp("prefect-server"))
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def fresh_mlflow_db(tmp_path_factory):
+    """`fresh_mlflow_db(path) -> tracking URI`: an empty MLflow SQLite store at `path`.
+
+    The store's migrations run once per session in a template that is copied to `path`,
+    so a test whose runs each need their own store does not pay them each time.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("mlflow-template")
+    template = folder / "mlflow.db"
+    # In a child whose working directory is the template's folder: the store records the
+    # Default experiment's artifact location under it (never under the checkout).
+    subprocess.run(
+        [sys.executable, "-c", "import sys; from mlflow.tracking import MlflowClient; "
+         "MlflowClient(tracking_uri=sys.argv[1]).search_experiments()",
+         f"sqlite:///{template}"], cwd=folder, check=True, capture_output=True, timeout=300)
+
+    def make(path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, path)
+        return f"sqlite:///{path}"
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def debian_tiny_data(tmp_path_factory):
+    """The `tiny` config's ingest (the real `debian:fr` corpus) and tokenizer (unigram
+    8,000) stages, run once per session: (work directory, CorpusManifest,
+    TokenizerManifest).
+
+    Tests read the manifests, or copy the work directory (`shutil.copytree`) and give the
+    copy as `work_dir` to a run, which then reuses both stages. Skipped off Debian (the
+    corpus comes from Debian packages).
+    """
+    import shutil
+
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        pytest.skip("not a Debian system: the default corpus comes from Debian packages")
+    from mlm_pipeline.config_files import load_config
+    from mlm_pipeline.ingest import ingest
+    from mlm_pipeline.tokenizer import train_tokenizer
+
+    cfg = load_config("tiny")
+    work = tmp_path_factory.mktemp("debian-tiny") / "work"
+    corpus = ingest(cfg.ingest, work)
+    return work, corpus, train_tokenizer(cfg.tokenizer, corpus, work)

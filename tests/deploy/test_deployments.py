@@ -1,6 +1,10 @@
 """Deployments from prefect.yaml on a real Prefect server, worker and MLflow server.
 
-Slow (servers start in about 20 s): run with `pytest -m slow`.
+Slow (servers start in about 20 s): run with `pytest -m slow`. On every push CI runs the
+first deployment run (model registered, cache reused) and the checks that only read the
+server (schedule, trigger, concurrency limits, a rejected parameter); the event-started
+retrain, five runs at once and the two-pool split are the `full` tier (one slice per push,
+all with CI_FULL=1).
 """
 
 from __future__ import annotations
@@ -193,6 +197,7 @@ def test_schedule_and_trigger_are_registered(deployed):
     assert "event.payload.corpus" in json.dumps(action.parameters)
 
 
+@pytest.mark.full
 def test_corpus_updated_event_starts_a_retrain(deployed):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.events import emit_event
@@ -219,12 +224,14 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
     assert not any(o.startswith("ingest.") for o in params["overrides"])
 
 
+@pytest.mark.full
 def test_five_deployment_runs_at_once_on_a_cold_cache_all_complete(deployed):
     """Issue 13, item 1: runs sharing a work directory each build a stage once, under its
     lock, and reuse it; none fails on another's temporary files."""
     work = deployed["tmp"] / "work-concurrent"  # cold: no stage built yet
     params = json.dumps({"config_file": deployed["config"],
-                         "overrides": [f"work_dir={work}", "train.max_steps=2"]})
+                         "overrides": [f"work_dir={work}", "train.max_steps=2",
+                                       "tracking.log_model=false"]})
     ids = [_flow_run_id(_prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",
                                  "--param", f"params={params}").stdout) for _ in range(5)]
     deadline, states = time.monotonic() + 600, {}
@@ -270,11 +277,13 @@ def test_retraining_and_gpu_deployments_queue_one_run_at_a_time(deployed):
             assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
 
 
+@pytest.mark.full
 def test_two_pool_deployment_runs_its_halves_as_deployments(deployed):
     """Issue 16, item 4: with `stages`, mlm-pretraining runs prepare-data and train-evaluate
     as deployments of their own (here both on the process pool), waits for each, and the
     MLflow run it opened is finished by the train-evaluate child on the prepared shards."""
-    params = json.dumps({"config_file": deployed["config"], "overrides": ["train.max_steps=2"]})
+    params = json.dumps({"config_file": deployed["config"],
+                         "overrides": ["train.max_steps=2", "tracking.log_model=false"]})
     stages = json.dumps({"prepare_data": "prepare-data/prepare-cpu",
                          "train_evaluate": "train-evaluate/train-cpu"})
     out = _prefect(deployed, "deployment", "run", "mlm-pretraining/local-cpu",

@@ -69,6 +69,7 @@ def _partition_states() -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings in CI; the fast test above runs on every push
 def test_prepare_data_flow_with_the_dask_executor_matches_the_local_one(tmp_path, tiny_paragraphs):
     """The `prepare-data` flow with `data.executor=dask` (what a user sets) returns the
     manifests of the local executor: same digests, byte-identical files."""

@@ -1,6 +1,10 @@
 """The mlm-pretraining flow with two training processes under torchrun (CPU, gloo): rank 0
 logs the metrics and the periodic evaluations to MLflow while training (once per logged
-step, also across a failure and its resume), and the checkpoint is a two-rank one."""
+step, also across a failure and its resume), and the checkpoint is a two-rank one.
+
+The first test is the torchrun pair CI runs on every push; the resumed two-rank run is the
+`full` tier (one slice per push, all with CI_FULL=1). Neither is about the exported model:
+`tracking.log_model=false`."""
 
 import json
 from pathlib import Path
@@ -27,7 +31,7 @@ def _records(train_dir: Path) -> list[dict]:
 def test_flow_trains_with_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    overrides = [*_overrides(tmp_path, uri), "train.device=cpu",
+    overrides = [*_overrides(tmp_path, uri), "train.device=cpu", "tracking.log_model=false",
                  "train.distributed.nproc_per_node=2", "eval.every_steps=2"]
     state = mlm_pretraining(PretrainParams(config="tiny", overrides=overrides),
                             return_state=True)
@@ -72,10 +76,11 @@ def test_flow_trains_with_two_ranks(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # three torchrun launches of two interpreters, the tiny pipeline twice
+@pytest.mark.full
 def test_resumed_two_rank_run_logs_each_step_once(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    overrides = [*_overrides(tmp_path, uri), "train.device=cpu",
+    overrides = [*_overrides(tmp_path, uri), "train.device=cpu", "tracking.log_model=false",
                  "train.distributed.nproc_per_node=2", "train.log_every=1",
                  "train.checkpoint_every=3", "eval.every_steps=2"]
     params = PretrainParams(config="tiny", overrides=overrides)

@@ -1,5 +1,6 @@
 """Under Prefect, each long data stage keeps a progress artifact (`<stage>-progress`) that
-ends at 100 %; without a terminal display the tasks log progress lines."""
+ends at 100 %; without a terminal display the tasks log progress lines. The `full` tier: CI
+runs it in one slice of the landings, every one with CI_FULL=1."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.flows.test_pretraining_flow import _overrides, run_tree
 
 
 @pytest.mark.slow  # a whole flow run: about a minute on two cores
+@pytest.mark.full
 def test_data_stages_publish_progress_artifacts(tmp_path, caplog):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -19,7 +21,8 @@ def test_data_stages_publish_progress_artifacts(tmp_path, caplog):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with caplog.at_level(logging.INFO, logger="mlm_pipeline.progress"):
         state = mlm_pretraining(
-            PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri)),
+            PretrainParams(config="tiny", overrides=[*_overrides(tmp_path, uri),
+                                                     "tracking.log_model=false"]),
             return_state=True)
     assert state.is_completed()
     with get_client(sync_client=True) as client:

@@ -1,13 +1,18 @@
 """Runs survive any kill: `mlm-pipeline run` killed at many points and run again, each time
 in a fresh process, continues the same MLflow run and ends bit for bit where an
-uninterrupted run ends (issue 12's resume matrix).
+uninterrupted run ends (the resume matrix).
 
 Every case compares with an uninterrupted reference run of the same config (own work
 directory and experiment): per-step `train/loss`, `train/lr` and `train/grad_norm` from
 MLflow, and every tensor of the final weights. The MLflow checks use `MlflowClient` on the
 SQLite store the runs wrote: one run, FINISHED, exactly one value per step for every key.
 
-Slow (two to three CLI runs per case, each starting its own Prefect API): `pytest -m slow`.
+Slow (two to three CLI runs per case): `pytest -m slow`. The kill cases run their CLI
+processes against one Prefect server for the session (`prefect_api_url`) and copy a migrated
+MLflow store (`fresh_mlflow_db`): what they prove is the resume, not the start-up. The two
+tests about the local Prefect API each `run` starts itself keep it. On every push CI runs the
+SIGKILL case between checkpoints in the second epoch; the other kill points and the local API
+tests are the `full` tier (one slice per push, all with CI_FULL=1).
 """
 
 from __future__ import annotations
@@ -127,17 +132,22 @@ def _outcome(tmp: Path, experiment: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """Uninterrupted runs, one per (preset, masking) the cases use."""
+def references(tmp_path_factory, prefect_api_url, fresh_mlflow_db):
+    """`references(preset, masking)`: the outcome of an uninterrupted run of that config,
+    run on first use (a slice of the cases needs only its own presets)."""
     out = {}
-    for preset, masking in (("modern", "dynamic"), ("bert", "dynamic"),
-                            ("modern", "precomputed")):
-        tmp = tmp_path_factory.mktemp(f"ref-{preset}-{masking}")
-        name = f"resume-{preset}-{masking}"
-        proc = _run(tmp, _config(tmp, name, preset, masking))
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        out[(preset, masking)] = _outcome(tmp, name)
-    return out
+
+    def reference(preset: str, masking: str) -> dict:
+        if (preset, masking) not in out:
+            tmp = tmp_path_factory.mktemp(f"ref-{preset}-{masking}")
+            name = f"resume-{preset}-{masking}"
+            fresh_mlflow_db(tmp / "mlflow.db")
+            proc = _run(tmp, _config(tmp, name, preset, masking), PREFECT_API_URL=prefect_api_url)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            out[(preset, masking)] = _outcome(tmp, name)
+        return out[(preset, masking)]
+
+    return reference
 
 
 def _kill_after_step(step: int, sig: int):
@@ -167,23 +177,32 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_killed_run_resumes_bit_for_bit_in_the_same_mlflow_run(case, references,
-                                                              tmp_path, record_property):
+#: The case CI runs on every push; the others are the `full` tier.
+PUSH_CASE = "sigkill-between-checkpoints-2nd-epoch"
+
+
+@pytest.mark.parametrize("case", [case if case == PUSH_CASE else pytest.param(
+    case, marks=pytest.mark.full) for case in CASES])
+def test_killed_run_resumes_bit_for_bit_in_the_same_mlflow_run(case, references, prefect_api_url,
+                                                              fresh_mlflow_db, tmp_path,
+                                                              record_property):
     preset, masking, kill, env, codes = CASES[case]
+    want = references(preset, masking)
     name = f"resume-{preset}-{masking}"
     config = _config(tmp_path, name, preset, masking)
-    proc = _start(tmp_path, config, **env)
+    fresh_mlflow_db(tmp_path / "mlflow.db")
+    api = {"PREFECT_API_URL": prefect_api_url}
+    proc = _start(tmp_path, config, **api, **env)
     if kill is not None:
         kill(tmp_path, proc)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode in codes, output[-3000:]
     if proc.returncode == 130:  # graceful: a checkpoint of the step reached, and how to go on
         assert "to continue, run the same command" in output
-    again = _run(tmp_path, config)
+    again = _run(tmp_path, config, **api)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
 
-    got, want = _outcome(tmp_path, name), references[(preset, masking)]
+    got = _outcome(tmp_path, name)
     (run,) = got["runs"]  # continued, not a second run
     assert run.info.status == "FINISHED"
     assert "mlm.resume.1" in run.data.tags
@@ -212,6 +231,7 @@ def test_killed_run_resumes_bit_for_bit_in_the_same_mlflow_run(case, references,
                                "values_per_step": 1, "mlflow_runs": len(got["runs"])})
 
 
+@pytest.mark.full
 def test_no_process_is_left_after_sigterm(tmp_path):
     config = _config(tmp_path, "resume-procs", "modern", "dynamic")
     proc = _start(tmp_path, config)
@@ -229,6 +249,7 @@ def test_no_process_is_left_after_sigterm(tmp_path):
             f"/proc/{pid}/status").read_text().lower(), f"process {pid} outlived the run"
 
 
+@pytest.mark.full
 def test_the_prefect_api_dies_with_a_sigkilled_run(tmp_path):
     config = _config(tmp_path, "resume-orphans", "modern", "dynamic")
     proc = _start(tmp_path, config)

@@ -17,6 +17,10 @@ What is checked, independently of the code under test:
   stage output to the store;
 * a run killed on one machine after a checkpoint resumes on another from that checkpoint,
   in the same MLflow run.
+
+The machines share one Prefect server (`prefect_api_url`, as a team's machines would) instead
+of each run starting its own local API. Both tests are the `full` tier: CI runs them in one
+slice of the landings, every one with CI_FULL=1.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
 pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "mlm-pipeline"
 BUCKET = "mlm"
@@ -97,7 +101,9 @@ def s3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlflow_server(s3, tmp_path_factory):
     """An MLflow server (SQLite backend) whose artifacts go to `s3://mlm/mlflow`."""
-    from tests.deploy.conftest import _stop, _wait_healthy, free_port
+    from tests.servers import free_port
+    from tests.servers import stop as _stop
+    from tests.servers import wait_healthy as _wait_healthy
 
     url, _, _ = s3
     tmp = tmp_path_factory.mktemp("mlflow-server")
@@ -147,10 +153,11 @@ def _env(machine: Path, endpoint: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _run(machine: Path, config: Path, endpoint: str) -> subprocess.CompletedProcess:
+def _run(machine: Path, config: Path, endpoint: str, api_url: str) -> subprocess.CompletedProcess:
     machine.mkdir(parents=True, exist_ok=True)
     out = subprocess.run([str(CLI), "run", str(config)], cwd=machine,
-                         env=_env(machine, endpoint), capture_output=True, text=True,
+                         env=_env(machine, endpoint, PREFECT_API_URL=api_url),
+                         capture_output=True, text=True,
                          timeout=900, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
@@ -196,12 +203,12 @@ def _listed(manifest: dict) -> list[tuple[str, int, str]]:
 
 
 def test_work_dir_and_artifacts_in_s3_and_a_second_machine_reads_no_corpus(
-        s3, mlflow_server, tmp_path):
+        s3, mlflow_server, prefect_api_url, tmp_path):
     from mlflow import MlflowClient
 
     endpoint, server, client = s3
     config = _config(tmp_path, mlflow_server, "s3-work")
-    _run(tmp_path / "machine-1", config, endpoint)
+    _run(tmp_path / "machine-1", config, endpoint, prefect_api_url)
 
     # Every data stage's output is in the store, byte for byte what its manifest records.
     for stage in ("ingest", "tokenizer", "shards"):
@@ -241,7 +248,7 @@ def test_work_dir_and_artifacts_in_s3_and_a_second_machine_reads_no_corpus(
     data_before = {s: _keys(client, f"work/{s}/") for s in ("ingest", "tokenizer", "shards")}
     since = len(server.requests)
     machine_2 = tmp_path / "machine-2"
-    out = _run(machine_2, config, endpoint)
+    out = _run(machine_2, config, endpoint, prefect_api_url)
     gets = server.object_gets(since)
     kinds = {"corpus": "/corpus/", "documents": ".parquet", "manifests": "/manifest.json",
              "tokenizer": "/spm.", "shards": ".arrow", "memo": "/.hash-memo/"}
@@ -260,7 +267,8 @@ def test_work_dir_and_artifacts_in_s3_and_a_second_machine_reads_no_corpus(
     assert str(machine_2) in out.stdout.split("Tokenizer:", 1)[1].split("\n", 1)[0]
 
 
-def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_path):
+def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, prefect_api_url,
+                                                        tmp_path):
     from mlflow import MlflowClient
 
     endpoint, _, client = s3
@@ -268,7 +276,8 @@ def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_p
     machine_1 = tmp_path / "machine-1"
     machine_1.mkdir()
     proc = subprocess.Popen([str(CLI), "run", str(config)], cwd=machine_1,
-                            env=_env(machine_1, endpoint), stdout=subprocess.PIPE,
+                            env=_env(machine_1, endpoint, PREFECT_API_URL=prefect_api_url),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 600
     done = []
@@ -283,7 +292,7 @@ def test_a_run_killed_on_one_machine_resumes_on_another(s3, mlflow_server, tmp_p
     [run_id] = {k.split("/")[2] for k in done}
 
     machine_2 = tmp_path / "machine-2"
-    out = _run(machine_2, config, endpoint)
+    out = _run(machine_2, config, endpoint, prefect_api_url)
     text = out.stdout + out.stderr
     assert "resuming at step" in text, text[-3000:]
     resumed_at = int(text.split("resuming at step", 1)[1].split()[0])

@@ -48,9 +48,11 @@ def test_missing_source_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_failure_inside_a_stage_is_one_line_and_logged(tmp_path):
-    """An unknown `debian:` corpus fails inside the ingest task (after Prefect started)."""
-    out = _cli("run", "tiny", *_small(tmp_path, "debian:nope"), cwd=tmp_path)
+def test_failure_inside_a_stage_is_one_line_and_logged(tmp_path, prefect_api_url):
+    """An unknown `debian:` corpus fails inside the ingest task (after the flow started, on
+    the session's Prefect server)."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    out = _cli("run", "tiny", *_small(tmp_path, "debian:nope"), cwd=tmp_path, env=env)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("mlm-pipeline:")]
@@ -61,7 +63,8 @@ def test_failure_inside_a_stage_is_one_line_and_logged(tmp_path):
     text = log.read_text()
     assert "Traceback" in text and "ValueError: unknown Debian corpus 'nope'" in text
 
-    verbose = _cli("--verbose", "run", "tiny", *_small(tmp_path, "debian:nope"), cwd=tmp_path)
+    verbose = _cli("--verbose", "run", "tiny", *_small(tmp_path, "debian:nope"), cwd=tmp_path,
+                   env=env)
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
     assert "stage 'ingest' failed" in verbose.stderr.splitlines()[-1]
 

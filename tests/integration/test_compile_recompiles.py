@@ -75,6 +75,7 @@ def test_nonzero_head_breaks_the_graph(tiny_model_config):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # inductor builds C++: one slice of the landings in CI
 def test_static_head_compiles_at_most_twice_inductor(tiny_model_config):
     graphs, breaks, losses = _run(tiny_model_config, "inductor", static=True)
     assert breaks == 0 and graphs <= 2

@@ -1,4 +1,7 @@
-"""Real Debian corpora: fetch, extract, cache (needs the Debian apt archive: slow)."""
+"""Real Debian corpora: fetch, extract, cache (needs the Debian apt archive: slow).
+
+The handbook (a few MB) is fetched on every push; the Littré (a 31 MB package) is the `full`
+tier: CI runs it in one slice of the landings, every one with CI_FULL=1."""
 
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ def test_ingest_debian_source(handbook, tmp_path):
     assert sorted(ids) == sorted(json.loads(line)["id"] for line in path.open(encoding="utf-8"))
 
 
+@pytest.mark.full
 def test_littre_is_general_domain_french(tmp_path):
     """The Littré (31 MB .deb) holds the guide's general-domain answers, without markup."""
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):

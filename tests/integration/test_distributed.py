@@ -31,8 +31,12 @@ from mlm_pipeline.train.launch import (
     write_launch_inputs,
 )
 
-#: every torchrun test starts two interpreters importing torch (about 20 s each launch)
-slow = pytest.mark.slow
+
+def slow(test):
+    """Every torchrun test starts two interpreters importing torch (about 20 s each
+    launch): `slow`, and the `full` tier (one slice of the landings in CI); the flow's
+    two-rank run (tests/flows/test_distributed_flow.py) is the pair run on every push."""
+    return pytest.mark.slow(pytest.mark.full(test))
 
 
 def _cfg(nproc: int, micro: int, **kw) -> TrainConfig:

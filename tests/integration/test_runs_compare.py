@@ -206,12 +206,13 @@ def test_loss_figure_places_eval_steps_on_the_tokens_axis():
 
 
 @pytest.mark.slow
-def test_runs_and_compare_on_two_pipeline_runs(tmp_path):
+@pytest.mark.full  # one slice of the landings in CI; the tests above run on every push
+def test_runs_and_compare_on_two_pipeline_runs(tmp_path, prefect_api_url, fresh_mlflow_db):
     """Two real `mlm-pipeline run`s of a tiny config differing in `train.lr` (each in a
-    fresh process, with its own Prefect API), then `runs` and `compare` on them."""
+    fresh process, on the session's Prefect server), then `runs` and `compare` on them."""
 
     assets = Path(__file__).resolve().parents[1] / "assets"
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_mlflow_db(tmp_path / "mlflow.db")
     cfg = {"name": "cmp", "work_dir": str(tmp_path / "work"),
            "ingest": {"sources": [str(assets / "tiny_fr.txt")], "validation_fraction": 0.1},
            "tokenizer": {"vocab_size": 128}, "shards": {"seq_len": 32, "rows_per_shard": 16},
@@ -227,7 +228,7 @@ def test_runs_and_compare_on_two_pipeline_runs(tmp_path):
     cli = Path(sys.executable).parent / "mlm-pipeline"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               MLFLOW_DISABLE_TELEMETRY="true")
+               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_API_URL=prefect_api_url)
     ids = []
     for lr in ("0.001", "0.003"):
         summary = tmp_path / f"summary-{lr}.json"

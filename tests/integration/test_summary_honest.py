@@ -89,9 +89,11 @@ def _manifest(cls: type[Manifest], stage: str, **fields) -> Manifest:
 
 
 @pytest.mark.slow
-def test_cli_summary_mean_after_an_interrupted_run_is_resumed(tmp_path):
-    """Through `mlm-pipeline run` in fresh processes: interrupted with SIGINT after step 12,
-    run again to the end with `--summary-json`."""
+@pytest.mark.full  # one slice of the landings in CI; the test above runs on every push
+def test_cli_summary_mean_after_an_interrupted_run_is_resumed(tmp_path, prefect_api_url,
+                                                              fresh_mlflow_db):
+    """Through `mlm-pipeline run` in fresh processes (on the session's Prefect server):
+    interrupted with SIGINT after step 12, run again to the end with `--summary-json`."""
     from tests.flows.test_resume_cli import (
         CLI,
         _config,
@@ -103,7 +105,9 @@ def test_cli_summary_mean_after_an_interrupted_run_is_resumed(tmp_path):
 
     config = _config(tmp_path, "honest-summary", "modern", "dynamic")
     cfg = yaml.safe_load(config.read_text())
-    proc = _start(tmp_path, config)
+    fresh_mlflow_db(tmp_path / "mlflow.db")
+    api = {"PREFECT_API_URL": prefect_api_url}
+    proc = _start(tmp_path, config, **api)
     _wait_for(proc, lambda: _logged_step(tmp_path) >= 12)
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=300)[0]
@@ -114,8 +118,8 @@ def test_cli_summary_mean_after_an_interrupted_run_is_resumed(tmp_path):
 
     summary_path = tmp_path / "summary.json"
     again = subprocess.run([str(CLI), "run", str(config), "--summary-json", str(summary_path)],
-                           check=False, cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                           text=True, timeout=600)
+                           check=False, cwd=tmp_path, env=_env(tmp_path, **api),
+                           capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     out = json.loads(summary_path.read_text())
     manifest = TrainManifest.model_validate_json(Path(out["manifests"]["train"]).read_text())

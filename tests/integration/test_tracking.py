@@ -334,6 +334,7 @@ def test_local_artifact_location_rule(uri, location, warns, caplog):
 
 # Starting the MLflow server takes ~10-25 s on 2 busy cores.
 @pytest.mark.slow
+@pytest.mark.full
 def test_local_artifact_location_on_a_server_warns_once_new_experiments_go_through_it(
         moved_to_server, caplog, tmp_path):
     uri, served = moved_to_server

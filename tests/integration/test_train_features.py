@@ -137,6 +137,7 @@ def test_compile_without_a_cxx_compiler_names_the_setting(
 
 
 @pytest.mark.slow
+@pytest.mark.full  # inductor builds C++: one slice of the landings in CI
 def test_compiled_training_matches_eager(tmp_path, tiny_model_config, tiny_shard_manifest,
                                          tiny_tokenizer_manifest):
     """torch.compile on CPU (inductor builds C++; about a minute on 2 cores)."""
@@ -158,6 +159,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny_model_config, tiny_shard
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_failing_inductor_build_names_the_setting(tmp_path, tiny_shard_manifest,
                                                     tiny_tokenizer_manifest):
     """A C++ compiler that exists but fails: the first step's build error is reported as
