@@ -166,13 +166,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
+    from mlm_pipeline.tracking.compare import resolve_run_id
     from mlm_pipeline.tracking.records import registry_lines, registry_summary
-    from mlm_pipeline.tracking.registry import RUN_ID, promote
+    from mlm_pipeline.tracking.registry import promote
 
-    if not RUN_ID.fullmatch(args.run_id):
-        raise ValueError(f"promote: {args.run_id!r} is not an MLflow run id (32 hex digits)")
-    for line in registry_lines(registry_summary(promote(_tracker(args), args.run_id,
-                                                        args.name))):
+    tracker = _tracker(args)
+    run_id = resolve_run_id(tracker, args.run_id).info.run_id  # an id prefix or a name too
+    for line in registry_lines(registry_summary(promote(tracker, run_id, args.name))):
         print(line)
     return 0
 
@@ -190,13 +190,14 @@ def _print_runs(table, title: str, as_json: bool) -> None:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.compare import find_runs, run_table
+    from mlm_pipeline.tracking.compare import find_runs, newest_run_experiment, run_table
 
     tracker = _tracker(args)
-    experiment = args.experiment or tracker.experiment_name
+    experiment = args.experiment or newest_run_experiment(tracker) or tracker.experiment_name
     runs = find_runs(tracker, experiment, args.filter, args.max)
+    which = "" if args.experiment else ", the newest run's; --experiment NAME for another"
     _print_runs(run_table(tracker, runs), f"{len(runs)} runs of experiment {experiment} "
-                f"({tracker.tracking_uri})", args.json)
+                f"({tracker.tracking_uri}{which})", args.json)
     return 0
 
 
@@ -369,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("promote", help="force the registry alias champion onto a run's "
                        "model version")
-    p.add_argument("run_id", help="MLflow run id whose registered version becomes champion")
+    p.add_argument("run_id", help="MLflow run (id, unique id prefix or name) whose "
+                   "registered version becomes champion")
     p.add_argument("--name", help="registered model name (default: the one the run "
                    "registered)")
     tracking_uri(p)
@@ -394,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("runs", help="list the runs of an experiment with the params that "
                        "differ, speed and final metrics")
-    p.add_argument("--experiment", metavar="NAME", help="MLflow experiment (default: "
-                   "mlm-pipeline, tracking.experiment_name's default)")
+    p.add_argument("--experiment", metavar="NAME", help="MLflow experiment (default: the "
+                   "experiment of the newest run in the store)")
     p.add_argument("--filter", default="", metavar="FILTER", help="MLflow search filter, "
                    "e.g. \"params.`train.lr` = '0.001'\" or \"metrics.`eval/loss` < 5\"")
     p.add_argument("--max", type=int, default=50, metavar="N", help="at most N runs, "
@@ -405,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="compare runs: the table of `runs` and a PNG of "
                        "eval loss against tokens seen")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run id or run name")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run id, unique id prefix "
+                   "(e.g. the 8 characters `runs` shows) or run name")
     p.add_argument("--out", default="compare.png", metavar="PATH",
                    help="PNG to write (default: compare.png)")
     p.add_argument("--experiment", metavar="NAME", help="look run names up in this "

@@ -13,13 +13,14 @@ imported lazily); nothing is written to it.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlm_pipeline.tracking.plots import compare_figure, metric_series, run_curve
+from mlm_pipeline.tracking.plots import compare_figure, metric_series, run_curves
 from mlm_pipeline.tracking.registry import RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
 
 __all__ = ["SPEED", "RunTable", "compare_runs", "find_runs", "loop_tokens_per_s",
-           "resolve_runs", "run_table"]
+           "newest_run_experiment", "resolve_run_id", "resolve_runs", "run_table"]
 
 #: Header of the speed column, saying what it is.
 SPEED = "tokens/s (seen / loop time)"
@@ -53,8 +54,14 @@ class RunTable:
         from rich.table import Table
 
         table = Table(title=title)
+        # Run names stay whole on one line (copyable into `compare`): the column is as wide
+        # as the longest name, and narrow terminals shrink the other columns instead.
+        longest = max((len(str(r.get("run") or "")) for r in self.rows), default=3)
         for col in self.columns:
-            table.add_column(col, justify="right" if col in _NUMERIC else "left")
+            if col == "run":
+                table.add_column(col, no_wrap=True, min_width=longest)
+            else:
+                table.add_column(col, justify="right" if col in _NUMERIC else "left")
         for row in self.rows:
             table.add_row(*(_cell(col, row.get(col)) for col in self.columns))
         return table
@@ -99,6 +106,22 @@ def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> l
     return [exp.experiment_id]
 
 
+def newest_run_experiment(tracker: MlflowTracker) -> str | None:
+    """The name of the experiment holding the store's most recently started run (active
+    runs of active experiments), None when the store holds no run: what `mlm-pipeline
+    runs` lists without `--experiment`.
+
+    Raises:
+        ValueError: the SQLite database does not exist.
+    """
+    _check_store(tracker)
+    client = tracker.client
+    ids = [e.experiment_id for e in client.search_experiments()]
+    newest = client.search_runs(ids, max_results=1,
+                                order_by=["attributes.start_time DESC"]) if ids else []
+    return client.get_experiment(newest[0].info.experiment_id).name if newest else None
+
+
 def find_runs(tracker: MlflowTracker, experiment: str | None = None,
               filter_string: str = "", max_results: int = 50) -> list[Run]:
     """The runs of an experiment, newest first (MLflow's `search_runs`, active runs only).
@@ -128,43 +151,65 @@ def find_runs(tracker: MlflowTracker, experiment: str | None = None,
         raise ValueError(f"runs: bad --filter {filter_string!r}: {exc.message}") from exc
 
 
-def resolve_runs(tracker: MlflowTracker, refs: Sequence[str],
-                 experiment: str | None = None) -> list[Run]:
-    """The runs named by `refs`, in that order: each a run id (32 hex digits) or a run
-    name, looked up in `experiment` (None: every active experiment of the store).
+#: A run-id prefix: hex digits, shorter than a full id (the table shows 8).
+ID_PREFIX = re.compile(r"[0-9a-f]{1,31}")
+#: Candidates listed when a prefix or a name is ambiguous.
+MAX_CANDIDATES = 10
+
+
+def resolve_run_id(tracker: MlflowTracker, ref: str, experiment: str | None = None) -> Run:
+    """The run `ref` names: a full run id (32 hex digits), a unique prefix of one (e.g.
+    the 8 characters `mlm-pipeline runs` shows), or a run name,
+    looked up in `experiment` (None: every active experiment of the store). A name is
+    tried before a prefix.
 
     Raises:
-        ValueError: the SQLite database does not exist, `refs` is empty, a run id does not
-            exist, no run has a given name, or several do (their ids are listed); the
-            message names the reference.
+        ValueError: the SQLite database does not exist, the experiment does not exist,
+            nothing matches, or several runs match (the message names `ref` and lists the
+            candidates' ids and names).
     """
     from mlflow.exceptions import MlflowException
 
-    if not refs:
-        raise ValueError("compare: give at least one run id or run name")
     _check_store(tracker)
     client = tracker.client
-    runs = []
-    for ref in refs:
-        if RUN_ID.fullmatch(ref):
-            try:
-                runs.append(client.get_run(ref))
-                continue
-            except MlflowException as exc:
-                raise ValueError(f"MLflow run {ref!r} not found at {tracker.tracking_uri}"
-                                 ) from exc
-        ids = _experiment_ids(client, experiment, tracker.tracking_uri)
-        quoted = ref.replace("'", "\\'")
-        found = client.search_runs(ids, f"attributes.run_name = '{quoted}'", max_results=10)
-        if not found:
-            raise ValueError(f"no MLflow run with id or name {ref!r} at "
-                             f"{tracker.tracking_uri}" + (f" in experiment {experiment!r}"
-                                                          if experiment else ""))
-        if len(found) > 1:
-            raise ValueError(f"several MLflow runs are named {ref!r} ("
-                             + ", ".join(r.info.run_id for r in found) + "); give the id")
-        runs.append(found[0])
-    return runs
+    if RUN_ID.fullmatch(ref):
+        try:
+            return client.get_run(ref)
+        except MlflowException as exc:
+            raise ValueError(f"MLflow run {ref!r} not found at {tracker.tracking_uri}"
+                             ) from exc
+    ids = _experiment_ids(client, experiment, tracker.tracking_uri)
+    quoted = ref.replace("'", "\\'")
+    where = f" at {tracker.tracking_uri}" + (f" in experiment {experiment!r}" if experiment
+                                              else "")
+    found = client.search_runs(ids, f"attributes.run_name = '{quoted}'",
+                               max_results=MAX_CANDIDATES)
+    what = f"several MLflow runs are named {ref!r}"
+    if not found and ID_PREFIX.fullmatch(ref):
+        found = client.search_runs(ids, f"attributes.run_id LIKE '{ref}%'",
+                                   max_results=MAX_CANDIDATES)
+        what = f"the prefix {ref!r} matches several MLflow run ids"
+    if not found:
+        raise ValueError(f"no MLflow run with id, id prefix or name {ref!r}{where}")
+    if len(found) > 1:
+        listed = ", ".join(f"{r.info.run_id} ({r.info.run_name})" for r in found)
+        raise ValueError(f"{what}{where}: {listed}"
+                         + (" and more" if len(found) >= MAX_CANDIDATES else "")
+                         + "; give more of the id")
+    return found[0]
+
+
+def resolve_runs(tracker: MlflowTracker, refs: Sequence[str],
+                 experiment: str | None = None) -> list[Run]:
+    """The runs named by `refs`, in that order (each as in `resolve_run_id`: a run id, a
+    unique id prefix or a run name).
+
+    Raises:
+        ValueError: `refs` is empty, or as `resolve_run_id` for a reference.
+    """
+    if not refs:
+        raise ValueError("compare: give at least one run id or run name")
+    return [resolve_run_id(tracker, ref, experiment) for ref in refs]
 
 
 def loop_tokens_per_s(tokens_seen: list[tuple[int, float]],
@@ -250,12 +295,12 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
 
 def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | None = None,
                  experiment: str | None = None) -> tuple[RunTable, Figure]:
-    """The table and the loss-against-tokens figure of the runs `refs` (ids or names; see
-    `resolve_runs`), the figure written as a PNG to `out` when given.
+    """The table and the loss-against-tokens figure of the runs `refs` (ids, unique id
+    prefixes or names; see `resolve_runs`), the figure written as a PNG to `out` when given.
 
-    The figure has one line per run (`plots.run_curve`: `eval/loss`, else `train/loss`
-    said in the label), labelled with the run name (`name (id[:8])` when two runs share a
-    name), 800 x 500 pixels (`plots.FIGSIZE_IN` at `plots.DPI`).
+    The figure has two panels, `train/loss` and `eval/loss` (`plots.compare_figure`), one
+    line per run in each, labelled with the run name (`name (id[:8])` when two runs share
+    a name), 1200 x 500 pixels (`plots.COMPARE_FIGSIZE_IN` at `plots.DPI`).
 
     Raises:
         ValueError: see `resolve_runs`; a run logged no loss or no `train/tokens_seen`.
@@ -267,8 +312,8 @@ def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | 
     names = [r.info.run_name or r.info.run_id for r in runs]
     labels = [n if names.count(n) == 1 else f"{n} ({r.info.run_id[:SHORT]})"
               for n, r in zip(names, runs)]
-    fig = compare_figure([run_curve(tracker.client, r, label) for r, label in
-                          zip(runs, labels)])
+    fig = compare_figure([c for r, label in zip(runs, labels)
+                          for c in run_curves(tracker.client, r, label)])
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=DPI, format="png")

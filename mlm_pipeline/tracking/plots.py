@@ -1,6 +1,6 @@
 """Pictures of runs, drawn from the metric histories MLflow holds: the loss plot a run logs
 at the end of training (`plots/loss.png`, `log_loss_plot`) and the eval-loss comparison of
-`mlm-pipeline compare` (`compare_figure`).
+`mlm-pipeline compare` (`compare_figure`: train loss and eval loss in two panels).
 
 Figures use matplotlib's object API on the Agg canvas (`matplotlib.figure.Figure`), never
 `pyplot`: pyplot keeps every figure in a process-wide registry until it is closed, which
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mlm_pipeline.tracking.tracker import MlflowTracker
 
 __all__ = ["DPI", "FIGSIZE_IN", "LOSS_PLOT", "Curve", "compare_figure", "log_loss_plot",
-           "loss_figure", "metric_series", "run_curve", "tokens_at"]
+           "loss_figure", "metric_series", "run_curves", "tokens_at"]
 
 #: Size of every figure here: 8 x 5 inches at 100 dots per inch, i.e. 800 x 500 pixels.
 FIGSIZE_IN = (8.0, 5.0)
@@ -175,61 +175,67 @@ def log_loss_plot(tracker_or_client: MlflowTracker | MlflowClient, run_id: str) 
     return LOSS_PLOT
 
 
-def run_curve(client: MlflowClient, run: Run, label: str | None = None) -> Curve:
-    """The comparison curve of a run: `eval/loss` against tokens seen, or `train/loss`
-    when the run has no eval curve (fewer than two `eval/loss` points), which the label
-    then says.
+def run_curves(client: MlflowClient, run: Run, label: str | None = None) -> list[Curve]:
+    """The comparison curves of a run against tokens seen: `train/loss`, then `eval/loss`
+    when the run logged it (the eval curve is absent otherwise).
 
     Args:
         client: the run's store.
         run: the run (`MlflowClient.get_run` or `search_runs`).
-        label: legend label; None uses the run name.
+        label: legend label of both curves; None uses the run name.
 
     Raises:
-        ValueError: the run logged neither curve, or no `train/tokens_seen`.
+        ValueError: the run logged neither loss, or no `train/tokens_seen`.
     """
     run_id = run.info.run_id
     label = label or run.info.run_name or run_id
-    metric = "eval/loss"
-    series = metric_series(client, run_id, metric)
-    if len(series) < 2:
-        metric = "train/loss"
-        series = metric_series(client, run_id, metric)
-        label = f"{label} (train loss: no eval curve)"
-    if not series:
-        raise ValueError(f"run {run_id} ({run.info.run_name}) logged neither eval/loss nor "
-                         "train/loss")
+    series = {m: metric_series(client, run_id, m) for m in COMPARED}
+    if not any(series.values()):
+        raise ValueError(f"run {run_id} ({run.info.run_name}) logged neither train/loss nor "
+                         "eval/loss")
     tokens = metric_series(client, run_id, "train/tokens_seen")
     if not tokens:
         raise ValueError(f"run {run_id} ({run.info.run_name}) logged no train/tokens_seen")
-    return Curve(label, tokens_at([s for s, _ in series], tokens),
-                 np.array([v for _, v in series], dtype=np.float64), metric)
+    return [Curve(label, tokens_at([s for s, _ in points], tokens),
+                  np.array([v for _, v in points], dtype=np.float64), metric)
+            for metric, points in series.items() if points]
+
+
+#: The panels of `compare_figure`, left to right: metric and panel title.
+COMPARED = {"train/loss": "train/loss (training batches)",
+            "eval/loss": "eval/loss (held out, fixed masks)"}
+#: Size of the comparison figure: two panels side by side, 1200 x 500 pixels at `DPI`.
+COMPARE_FIGSIZE_IN = (12.0, 5.0)
 
 
 def compare_figure(curves: Sequence[Curve], title: str | None = None) -> Figure:
-    """One line (with markers) per run: loss against tokens seen, legend with the labels.
+    """Two panels, train loss left and eval loss right, one line (with markers) per run in
+    each against tokens seen: train and eval loss are never drawn on one axis.
 
     Args:
-        curves: the lines, in legend order.
-        title: figure title; None says which metric the lines are (`Curve.metric`).
+        curves: the lines (`run_curves`), in legend order; a run without an `eval/loss`
+            curve is named in the eval panel's note instead.
+        title: figure title (suptitle); None: none.
 
     Returns:
-        An 800 x 500 pixel figure (`FIGSIZE_IN` at `DPI`) on the Agg canvas; its axes hold
-        exactly one `Line2D` per curve, labelled with `Curve.label`.
+        A 1200 x 500 pixel figure (`COMPARE_FIGSIZE_IN` at `DPI`) on the Agg canvas with
+        two axes, `train/loss` then `eval/loss`; each holds exactly one `Line2D` per curve
+        of its metric, labelled with `Curve.label`.
     """
-    metrics = {c.metric for c in curves}
-    if title is None and metrics == {"train/loss"}:
-        title = "train/loss against tokens seen (no run has an eval curve)"
-    elif title is None and len(metrics) > 1:
-        title = "eval/loss (held out) against tokens seen; train/loss where the legend says"
     fig = _new_figure()
-    ax = fig.add_subplot()
-    for curve in curves:
-        ax.plot(curve.tokens, curve.values, marker="o", ms=3, lw=1.2, label=curve.label)
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("loss (nats per masked token)")
-    ax.set_title(title or "eval/loss (held out) against tokens seen")
-    ax.grid(alpha=0.3)
-    if curves:
-        ax.legend(loc="best")  # clear of the lines (upper right hid their ends)
+    fig.set_size_inches(*COMPARE_FIGSIZE_IN)
+    labels = list(dict.fromkeys(c.label for c in curves))
+    for ax, (metric, panel) in zip(fig.subplots(1, 2), COMPARED.items()):
+        mine = [c for c in curves if c.metric == metric]
+        for curve in mine:
+            ax.plot(curve.tokens, curve.values, marker="o", ms=3, lw=1.2, label=curve.label)
+        missing = [lab for lab in labels if lab not in {c.label for c in mine}]
+        ax.set_title(panel + (f"\nnot logged by: {', '.join(missing)}" if missing else ""))
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel(f"{metric} (nats per masked token)")
+        ax.grid(alpha=0.3)
+        if mine:
+            ax.legend(loc="best")  # clear of the lines (upper right hid their ends)
+    if title:
+        fig.suptitle(title)
     return fig

@@ -39,6 +39,7 @@ RUNS = {
               "eval": (8.0, 6.9, 6.2), "acc": 0.25, "probe": None, "digest": "b2" * 32},
 }
 WIDTH_PX, HEIGHT_PX = 800, 500
+COMPARE_WIDTH_PX = 1200  # two panels side by side
 
 
 def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = True) -> str:
@@ -141,14 +142,22 @@ def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged):
     assert "run-a" in out.stdout and "run-b" in out.stdout and "train.lr" in out.stdout
     with Image.open(png) as img:
         img.load()
-        assert img.format == "PNG" and img.size == (WIDTH_PX, HEIGHT_PX)
+        assert img.format == "PNG" and img.size == (COMPARE_WIDTH_PX, HEIGHT_PX)
 
     from mlm_pipeline.tracking.compare import compare_runs
 
     table, fig = compare_runs(tracker, ["run-a", ids["run-b"]])
-    lines = fig.axes[0].get_lines()
-    assert [line.get_label() for line in lines] == ["run-a", "run-b"]
-    for line, spec in zip(lines, RUNS.values()):
+    train_ax, eval_ax = fig.axes  # one panel per loss, never both on one axis
+    assert train_ax.get_ylabel().startswith("train/loss")
+    assert train_ax.get_title().startswith("train/loss")
+    assert eval_ax.get_ylabel().startswith("eval/loss")
+    assert eval_ax.get_title().startswith("eval/loss")
+    assert [line.get_label() for line in train_ax.get_lines()] == ["run-a", "run-b"]
+    assert [line.get_label() for line in eval_ax.get_lines()] == ["run-a", "run-b"]
+    for line, spec in zip(train_ax.get_lines(), RUNS.values()):
+        assert list(line.get_xdata()) == [s * TOKENS_PER_STEP for s in STEPS]
+        assert list(line.get_ydata()) == list(spec["loss"])
+    for line, spec in zip(eval_ax.get_lines(), RUNS.values()):
         assert list(line.get_xdata()) == [s * TOKENS_PER_STEP for s in EVAL_STEPS]
         assert list(line.get_ydata()) == list(spec["eval"])
     assert [r["run"] for r in table.rows] == ["run-a", "run-b"]
@@ -161,10 +170,11 @@ def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logg
     from mlm_pipeline.tracking.compare import compare_runs
 
     _, fig = compare_runs(tracker, [ids["run-a"], no_eval])
-    labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    assert labels == ["run-a", "run-c (train loss: no eval curve)"]
-    assert "train/loss where the legend says" in fig.axes[0].get_title()
-    assert list(fig.axes[0].get_lines()[1].get_ydata()) == list(RUNS["run-a"]["loss"])
+    train_ax, eval_ax = fig.axes
+    assert [line.get_label() for line in train_ax.get_lines()] == ["run-a", "run-c"]
+    assert list(train_ax.get_lines()[1].get_ydata()) == list(RUNS["run-a"]["loss"])
+    assert [line.get_label() for line in eval_ax.get_lines()] == ["run-a"]
+    assert "not logged by: run-c" in eval_ax.get_title()
 
     missing = "0" * 32
     out = _cli(tmp_path, "compare", ids["run-a"], missing, "--tracking-uri",
@@ -173,6 +183,39 @@ def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logg
     assert not (tmp_path / "y.png").exists()
     out = _cli(tmp_path, "compare", "no-such-run", "--tracking-uri", tracker.tracking_uri)
     assert out.returncode == 1 and "'no-such-run'" in out.stderr
+
+
+def test_compare_and_promote_take_the_id_prefix_that_runs_prints(tmp_path, logged):
+    """`runs` shows 8 characters of each id: `compare` and `promote` accept any unique
+    prefix; an ambiguous one is refused with the candidates listed."""
+    tracker, ids = logged
+    shown = {name: ids[name][:8] for name in RUNS}  # as the table shows them (test above)
+    out = _cli(tmp_path, "compare", shown["run-b"], shown["run-a"], "--json",
+               "--out", str(tmp_path / "p.png"), "--tracking-uri", tracker.tracking_uri)
+    assert out.returncode == 0, out.stderr
+    assert [r["id"] for r in json.loads(out.stdout)] == [ids["run-b"], ids["run-a"]]
+
+    from mlm_pipeline.tracking.compare import resolve_run_id
+
+    # 17 more runs: with 16 hex digits, two of the 19 ids share their first character.
+    other = MlflowTracker(tracker.tracking_uri, "prefix-experiment")
+    made = [other.start_run({}) for _ in range(17)]
+    for run_id in made:
+        other.end_run(run_id)
+    every = made + list(ids.values())
+    shared = next(c for c in "0123456789abcdef" if sum(r[0] == c for r in every) > 1)
+    with pytest.raises(ValueError, match=f"the prefix '{shared}' matches several MLflow "
+                                         "run ids") as err:
+        resolve_run_id(tracker, shared)
+    assert all(r in str(err.value) for r in every if r.startswith(shared))
+    assert resolve_run_id(tracker, made[0][:12]).info.run_id == made[0]
+
+    promoted = _cli(tmp_path, "promote", shown["run-a"], "--tracking-uri",
+                    tracker.tracking_uri)
+    assert promoted.returncode == 0, promoted.stderr
+    assert "not an MLflow run id" not in promoted.stderr
+    with pytest.raises(ValueError, match="no MLflow run with id, id prefix or name 'xyz0'"):
+        resolve_run_id(tracker, "xyz0")
 
 
 def test_log_loss_plot_logs_a_png_artifact(tmp_path, logged):
@@ -250,4 +293,32 @@ def test_runs_and_compare_on_two_pipeline_runs(tmp_path, prefect_api_url, fresh_
     assert out.returncode == 0, out.stderr
     with Image.open(png) as img:
         img.load()
-        assert img.size == (WIDTH_PX, HEIGHT_PX)
+        assert img.size == (COMPARE_WIDTH_PX, HEIGHT_PX)
+
+
+def test_runs_without_experiment_lists_the_newest_runs_experiment_names_whole(tmp_path):
+    """Right after a run logged to `mlm-pipeline-tiny`, `runs` with no `--experiment`
+    lists that experiment (and says so); in a 160-column terminal, with many differing
+    params, each run name stays whole on one line."""
+    import re
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowTracker(uri, "older-experiment").start_run({})
+    tiny = MlflowTracker(uri, "mlm-pipeline-tiny")
+    names = ["tiny-modern-1000-" + "x" * 60 + "-3fa2c1", "tiny-modern-60-" + "y" * 60]
+    for i, name in enumerate(names):
+        tiny.run_name = name
+        params = {f"train.option_{k:02d}": f"value-{i}-{k}-" + "z" * 12 for k in range(12)}
+        tiny.end_run(tiny.start_run(params))
+    env = {**os.environ, "COLUMNS": "160", "FORCE_COLOR": "1"}
+    out = subprocess.run([sys.executable, "-m", "mlm_pipeline.cli", "runs",
+                          "--tracking-uri", uri], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, check=False, env=env)
+    assert out.returncode == 0, out.stderr
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)
+    assert "experiment mlm-pipeline-tiny" in text and "the newest run's" in text
+    assert "older-experiment" not in text
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 160
+    for name in names:
+        assert any(name in line for line in lines), name
