@@ -42,6 +42,8 @@ CI_RUN = ROOT / ".ci" / "run"
 #: gives two decimals, measured with bf16 autocast (CPUs with native bf16); a CPU without
 #: it trains in fp32, whose rounding differs (the run reports `precision`).
 ACCURACY_TOLERANCE = 0.03
+#: Seconds command 1 may take (install and run; about 10 minutes on 2 idle cores).
+RUN_TIMEOUT_S = 3300
 #: Environment variables a fresh machine does not have: the project's and its tools'
 #: settings (a tracking server, a Prefect API, a work directory, credentials) and the outer
 #: interpreter's. The opt-outs of telemetry are kept (they change no result).
@@ -141,8 +143,15 @@ def quickstart(tmp_path_factory) -> dict:
     command = quickstart_command(1, clone / "README.md")  # the committed README's
     env = fresh_environment(home, venv, tmp)
     started = time.time()
-    proc = subprocess.run(["bash", "-x", "-c", command], cwd=clone, env=env,
-                          capture_output=True, text=True, timeout=3300, check=False)
+    argv = ["bash", "-x", "-c", command]
+    try:
+        proc = subprocess.run(argv, cwd=clone, env=env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:  # keep what it printed: how far it got
+        def text(out: str | bytes | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+        proc = subprocess.CompletedProcess(argv, f"killed after {RUN_TIMEOUT_S} s",
+                                           text(exc.stdout), text(exc.stderr))
     ended = time.time()
     # bash's trace line of the `mlm-pipeline` command marks the end of the installs.
     traced = re.search(r"^\+\[(\d+\.\d+)\] mlm-pipeline ", proc.stderr, re.MULTILINE)
