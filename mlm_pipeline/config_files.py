@@ -70,7 +70,8 @@ def load_config(
 
     Raises:
         ConfigError: the file is missing or not a YAML mapping, an override is malformed,
-            or validation fails (every failing field is listed with its dotted path).
+            or validation fails (every failing field is listed with its dotted path, after
+            `--set KEY=VALUE: ` when an override set it).
     """
     tree: dict[str, Any] = {}
     source = "<defaults>"
@@ -86,18 +87,34 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: top level must be a mapping, got {type(loaded).__name__}")
         tree = loaded
+    origin: dict[tuple[str, ...], str] = {}  # dotted key -> the override that set it last
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
+        origin[tuple(key.split("."))] = item
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        lines = []
+        lines, from_file = [], False
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
             hint = _nearest_key(err["loc"]) if err["type"] == "extra_forbidden" else None
-            lines.append(f"  {loc}: {err['msg']}" + (f" (did you mean {hint}?)" if hint else ""))
-        raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None
+            item = _override_of(err["loc"], origin)
+            from_file |= item is None
+            lines.append("  " + (f"--set {item}: " if item else "") + f"{loc}: {err['msg']}"
+                         + (f" (did you mean {hint}?)" if hint else ""))
+        where = f"{source}: invalid config" if from_file else (
+            f"invalid --set override (config {source})")
+        raise ConfigError(where + "\n" + "\n".join(lines)) from None
+
+
+def _override_of(loc: tuple, origin: dict[tuple[str, ...], str]) -> str | None:
+    """The override that set the value at `loc` (or a section holding it), if any."""
+    parts = tuple(str(p) for p in loc)
+    for n in range(len(parts), 0, -1):
+        if parts[:n] in origin:
+            return origin[parts[:n]]
+    return None
 
 
 def _nearest_key(loc: tuple) -> str | None:

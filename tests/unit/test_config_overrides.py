@@ -36,3 +36,24 @@ def test_no_suggestion_when_nothing_is_close():
     with pytest.raises(ConfigError) as err:
         load_config("tiny", ["train.zzzz=1"])
     assert "did you mean" not in str(err.value)
+
+
+def test_a_bad_override_is_named_not_the_config_file():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["train.max_steps=20", "train.lr=abc"])
+    message = str(err.value)
+    assert "--set train.lr=abc: train.lr: " in message
+    assert "invalid --set override" in message and "tiny.yaml: invalid config" not in message
+    assert "max_steps" not in message  # the good override is not blamed
+
+
+def test_file_and_override_errors_are_told_apart(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("train:\n  micro_batch_size: many\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["model.num_layers=two"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{path}: invalid config"
+    assert any(line.startswith("  --set model.num_layers=two: model.num_layers: ")
+               for line in lines)
+    assert any(line.startswith("  train.micro_batch_size: ") for line in lines)
