@@ -20,8 +20,9 @@ all-[UNK] tokenizer). Its parts, in SentencePiece's order:
   `add_dummy_prefix`, once for every piece of text between special tokens (as
   `Tokenizer.encode_with_mask` encodes each part on its own); no split at spaces, so the
   model segments a whole text at once, as SentencePiece does. For a Unigram model, a
-  `Split` also cuts the text inside every occurrence of a control or byte piece's name
-  (see `_reserved_cuts`);
+  `Split` also cuts the text inside every occurrence of a control or byte piece's name,
+  or the normalizer breaks it with an unknown character where no cut is safe (see
+  `_reserved_cuts`);
 - model: `Unigram` with the same pieces and scores, or `BPE` with merges ranked by the
   merged piece's score; `[UNK]` fused over runs of unknown characters; byte fallback
   when the model has it;
@@ -185,8 +186,8 @@ def _regex_char(c: str) -> str:
     return c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):X}}}"
 
 
-def _reserved_cuts(proto) -> str | None:
-    """Regex of the cuts that keep a Unigram model from matching reserved pieces in text.
+def _reserved_cuts(proto) -> tuple[str | None, list[tuple[str, str]]]:
+    """What keeps a Unigram model from matching reserved pieces in text: cuts, and breaks.
 
     SentencePiece never matches the name of a control, unknown or byte piece ("[MASK]",
     "<0x41>") in text; `tokenizers`' Unigram matches every vocabulary entry (a score cannot
@@ -196,32 +197,58 @@ def _reserved_cuts(proto) -> str | None:
     would fuse into one [UNK]), changes no segmentation SentencePiece can make and rules
     out the name. The pattern matches the part before each cut (`merged_with_previous`).
 
+    A name with no such cut (a corpus without capitals or brackets: every pair of "[MASK]"
+    is two unknown characters) gets a break instead, without byte fallback: an unknown
+    character (`_break_char`) inserted by the normalizer between two of its characters
+    that are both unknown. They and it fall in one run of unknown characters, one [UNK]
+    either way, and every segmentation pays the same for it, so the ids are
+    SentencePiece's while the name can no longer be matched. A name with neither is
+    named in a warning.
+
     Returns:
-        The pattern, or None when there is nothing to cut.
+        (the cut pattern, or None when there is nothing to cut; the breaks, as
+        `(name, name with the break)` pairs).
     """
     normal = [p.piece for p in proto.pieces if p.type == _NORMAL]
     pairs = {piece[i:i + 2] for piece in normal for i in range(len(piece) - 1)}
     known = {piece for piece in normal if len(piece) == 1}
     fuse = not proto.trainer_spec.byte_fallback
     cuts: dict[str, list[str]] = {}
-    for p in proto.pieces:
+    breaks: list[tuple[str, str]] = []
+    # (enumerate: a protobuf repeated field has no `.index` in every protobuf release)
+    for index, p in enumerate(proto.pieces):
         if p.type not in (_UNKNOWN, _CONTROL, _BYTE):
             continue
         name = p.piece
+        unknown_pair = None
         for k in range(1, len(name)):
             a, b = name[k - 1], name[k]
-            if a + b not in pairs and not (fuse and a not in known and b not in known):
+            both_unknown = a not in known and b not in known
+            if a + b not in pairs and not (fuse and both_unknown):
                 cuts.setdefault(name[:k], []).append(name[k:])
                 break
+            if fuse and both_unknown and unknown_pair is None:
+                unknown_pair = k
         else:
-            logger.warning("piece %r (id %d) has no safe cut: a text holding it may encode "
-                           "to its id instead of SentencePiece's pieces", name,
-                           proto.pieces.index(p))
+            if unknown_pair is not None:
+                k = unknown_pair
+                breaks.append((name, name[:k] + _break_char(normal) + name[k:]))
+            else:
+                logger.warning("piece %r (id %d) has no safe cut: a text holding it may "
+                               "encode to its id instead of SentencePiece's pieces", name,
+                               index)
     if not cuts:
-        return None
+        return None, breaks
     return "|".join("".join(map(_regex_char, head))
                     + "(?=" + "|".join("".join(map(_regex_char, t)) for t in tails) + ")"
-                    for head, tails in sorted(cuts.items()))
+                    for head, tails in sorted(cuts.items())), breaks
+
+
+def _break_char(normal: list[str]) -> str:
+    """A character of no normal piece (so unknown to the model, and spanned by no piece):
+    the first free one of the Private Use Area."""
+    used = set("".join(normal))
+    return next(c for c in map(chr, range(0xE000, 0xF900)) if c not in used)
 
 
 def _bpe_merges(proto) -> list[tuple[str, str]]:
@@ -267,9 +294,12 @@ def build_hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
     if trainer.model_type == _UNIGRAM:
         vocab = [(p.piece, p.score) for p in proto.pieces]
         hf = tk.Tokenizer(tk.models.Unigram(vocab, unk_id=UNK_ID, byte_fallback=byte_fallback))
-        if (cuts := _reserved_cuts(proto)) is not None:
+        cuts, breaks = _reserved_cuts(proto)
+        if cuts is not None:
             pre.append(pre_tokenizers.Split(tk.Regex(cuts), behavior="merged_with_previous"))
     else:
+        breaks = []
+    if trainer.model_type != _UNIGRAM:
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
         hf = tk.Tokenizer(tk.models.BPE(vocab, _bpe_merges(proto), unk_token=trainer.unk_piece,
                                         fuse_unk=True, byte_fallback=byte_fallback))
@@ -285,6 +315,7 @@ def build_hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
     steps.append(normalizers.Replace(" ", SPACE_SYMBOL))
     if spec.remove_extra_whitespaces:  # after escaping: a text's own trailing "▁" too
         steps.append(normalizers.Replace(tk.Regex(rf"{SPACE_SYMBOL}+\z"), ""))
+    steps += [normalizers.Replace(name, broken) for name, broken in breaks]
     if spec.add_dummy_prefix:
         # SentencePiece adds the dummy prefix before a text's own leading "▁" too;
         # Metaspace adds none to a text that starts with one.
