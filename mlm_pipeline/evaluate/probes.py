@@ -3,8 +3,8 @@
 A probe (`config.FillMaskProbe`) is a sentence with one `[MASK]` and the words accepted
 there. `fill_mask` (evaluate.stage) gives the top-k pieces at each mask; a probe is a hit
 at rank k when one of its first k pieces, without SentencePiece's word-start marker "▁"
-and case-folded, equals one of its answers. `answer_problems` finds answers that can never
-be hit because they are not one in-vocabulary piece: the guide's "chat"/"poil" sentences
+and case-folded, equals one of its answers. `unreachable_answers` finds answers that can
+never be hit because they are not one in-vocabulary piece: the guide's "chat"/"poil" sentences
 on a vocabulary trained on software documentation, for instance.
 """
 
@@ -32,38 +32,57 @@ def _answer_set(probe: FillMaskProbe) -> set[str]:
     return {unicodedata.normalize("NFC", a.strip()).casefold() for a in probe.answers}
 
 
-def answer_problems(tokenizer: Tokenizer, probes: list[FillMaskProbe]) -> list[str]:
-    """One message per expected answer that is not a single in-vocabulary piece.
+def unreachable_answers(tokenizer: Tokenizer, probes: list[FillMaskProbe]
+                        ) -> list[tuple[str, str, str]]:
+    """The expected answers that are not a single in-vocabulary piece.
 
     A fill-mask probe predicts one piece per `[MASK]`, so an answer that the tokenizer
     splits into several pieces, or maps to `[UNK]`, can never be a hit.
 
     Returns:
-        Messages naming the probe, the answer and the pieces it encodes to (empty when
-        every answer is one piece).
+        `(probe text, answer, the pieces it encodes to)` per such answer, in probe order
+        (empty when every answer is one piece).
     """
-    problems = []
+    found = []
     for probe in probes:
         for answer in probe.answers:
             ids = tokenizer.encode([answer])[0]
             if len(ids) == 1 and ids[0] != UNK_ID:
                 continue
             pieces = " ".join(tokenizer.id_to_piece(i) for i in ids)
-            problems.append(
-                f"fill-mask probe {probe.text!r}: expected answer {answer!r} is not one "
-                f"in-vocabulary token (it encodes to {pieces or 'nothing'}), so the probe "
-                "can never be answered; choose a probe whose answer the corpus holds, or a "
-                "larger vocabulary"
-            )
-    return problems
+            found.append((probe.text, answer, pieces or "nothing"))
+    return found
+
+
+def answer_problems(tokenizer: Tokenizer, probes: list[FillMaskProbe]) -> list[str]:
+    """One message per expected answer that is not a single in-vocabulary piece
+    (`unreachable_answers`), naming the probe, the answer and its pieces."""
+    return [f"fill-mask probe {text!r}: expected answer {answer!r} is not one in-vocabulary "
+            f"token (it encodes to {pieces}), so it can never be a hit"
+            for text, answer, pieces in unreachable_answers(tokenizer, probes)]
+
+
+#: The unreachable-answer sets already warned about in this process: the periodic
+#: evaluator and the final evaluation of one run check the same probes, and the warning
+#: is said once.
+_WARNED: set[tuple[tuple[str, str, str], ...]] = set()
 
 
 def warn_answer_problems(tokenizer: Tokenizer, probes: list[FillMaskProbe]) -> int:
-    """Log each of `answer_problems` as a warning; returns how many there were."""
-    problems = answer_problems(tokenizer, probes)
-    for message in problems:
-        logger.warning("%s", message)
-    return len(problems)
+    """Log one warning line summing up `unreachable_answers` (once per process for a
+    given set; the details go to the debug log); returns how many answers there were."""
+    found = tuple(unreachable_answers(tokenizer, probes))
+    if found and found not in _WARNED:
+        _WARNED.add(found)
+        texts = {text for text, _, _ in found}
+        logger.warning(
+            "fill-mask probes: %d expected answer(s) of %d probe(s) are not one token of the "
+            "vocabulary and can never be hit: %s (a larger vocabulary or probes from the "
+            "corpus's domain fix it)", len(found), len(texts),
+            ", ".join(f"{answer!r} ({pieces})" for _, answer, pieces in found))
+        for message in answer_problems(tokenizer, probes):
+            logger.debug("%s", message)
+    return len(found)
 
 
 def probe_metrics(results: list[dict[str, Any]], probes: list[FillMaskProbe],
