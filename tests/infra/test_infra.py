@@ -451,6 +451,8 @@ def test_weekly_schedule_ships_paused_and_the_readme_says_how_to_run_and_stop_it
     readme = (ROOT / "README.md").read_text()
     recipe = readme.split("## Deploy, schedule and scale out", 1)[1].split("\n### ", 1)[0]
     for needed in ("prefect deployment schedule resume 'mlm-pretraining/scheduled-retrain'",
-                   "PREFECT_UI_API_URL=", "pkill -KILL -f 'prefect worker start",
-                   "active: true"):
+                   "PREFECT_UI_API_URL=", "echo $! > prefect-worker.pid",
+                   "kill -KILL \"$(cat prefect-worker.pid)\"", "active: true"):
         assert needed in recipe, needed
+    # pkill patterns match other users' processes: the recipe stops by PID
+    assert not [line for line in recipe.splitlines() if line.lstrip().startswith("pkill")]
