@@ -1,6 +1,7 @@
 """Checkpoint size and save time of the base recipes, through the real `Checkpointer`.
 
     python benchmarks/bench_checkpoint.py [--recipes bert-base,modern-base] [--dir DIR]
+    python benchmarks/bench_checkpoint.py --smoke     # the tiny recipe at a toy size, seconds
 
 Each recipe's model is instantiated on the CPU (fp32 weights, the recipe's init), AdamW is
 given its state by one step on zero gradients (exp_avg and exp_avg_sq: two more fp32 copies
@@ -31,9 +32,15 @@ from mlm_pipeline.train.perf import adamw_impl
 from mlm_pipeline.train.schedule import build_lr_scheduler
 
 
-def save_once(name: str, root: Path) -> dict:
-    """Instantiate recipe `name` on the CPU and save it once; return sizes and time."""
-    cfg = load_config(name)
+#: `--smoke`: the `tiny` recipe shrunk to a toy model (same code path, seconds).
+SMOKE_OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+                   "model.intermediate_size=64", "tokenizer.vocab_size=128"]
+
+
+def save_once(name: str, root: Path, overrides: list[str] | None = None) -> dict:
+    """Instantiate recipe `name` (with dotted `overrides`) on the CPU and save it once;
+    return sizes and time."""
+    cfg = load_config(name, overrides or [])
     torch.manual_seed(0)
     start = time.perf_counter()
     model = BertMLM(cfg.model, cfg.tokenizer.vocab_size, cfg.shards.seq_len)
@@ -64,10 +71,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="bert-base,modern-base")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary dir)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tiny recipe at a toy size (hidden 32, vocab 128): seconds")
     args = ap.parse_args()
+    recipes = "tiny" if args.smoke else args.recipes
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for name in args.recipes.split(","):
-            r = save_once(name, Path(tmp))
+        for name in recipes.split(","):
+            r = save_once(name, Path(tmp), SMOKE_OVERRIDES if args.smoke else None)
             sizes = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in r["files"].items())
             print(f"{name}: {r['parameters']:,} parameters, init {r['init_s']:.1f} s; "
                   f"checkpoint {r['total_bytes'] / 2**20:,.1f} MiB ({sizes} MiB), "

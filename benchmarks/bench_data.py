@@ -1,6 +1,10 @@
 """Data stages against Hugging Face `datasets` and `tokenizers`, on the real French corpus.
 
     python benchmarks/bench_data.py [--scales 1,4,16] [--work DIR]
+    python benchmarks/bench_data.py --smoke      # tests/assets/tiny_fr.txt, vocab 128, seconds
+
+`--smoke` runs every part on the test corpus (offline) at 1x, vocabulary 128; a peer whose
+package is missing (`datasets` outside the `bench` extra) is skipped with a note.
 
 Needs the `bench` extra (`pip install -e ".[bench]"`: datasets, tokenizers, psutil).
 Every measured job runs in a fresh child process; its wall time and the peak resident
@@ -35,6 +39,10 @@ from pathlib import Path
 
 SEQ_LEN = 128
 VOCAB = 8000
+ROOT = Path(__file__).resolve().parents[1]
+#: `--smoke`: the test corpus (paragraphs are documents) and a vocabulary it can fill.
+SMOKE_CORPUS = ROOT / "tests" / "assets" / "tiny_fr.txt"
+SMOKE_VOCAB = 128
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -206,7 +214,8 @@ def measure(job: str, *args: str) -> dict:
 
     cpu0 = tree_cpu()
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--job", job, *args],
+    proc = subprocess.Popen([sys.executable, __file__, "--vocab", str(VOCAB), "--job", job,
+                             *args],
                             stdout=subprocess.PIPE, text=True)
     root, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
@@ -230,26 +239,37 @@ def measure(job: str, *args: str) -> dict:
 SMALL_SHARD = 8192
 
 
-def make_corpus(work: Path, scale: int) -> Path:
-    """The default French corpus, `scale` times, each copy's documents made distinct."""
+def _documents(smoke: bool):
+    """Texts of the corpus: the default French one (fetched once), or with `smoke` the
+    paragraphs of `tests/assets/tiny_fr.txt`."""
+    if smoke:
+        text = SMOKE_CORPUS.read_text(encoding="utf-8")
+        yield from (p.strip() for p in text.split("\n\n") if p.strip())
+        return
     from mlm_pipeline.ingest.corpora import default_cache_dir, fetch_debian_corpus
 
+    for f in fetch_debian_corpus("fr", default_cache_dir()):
+        for line in f.open(encoding="utf-8"):
+            yield json.loads(line)["text"]
+
+
+def make_corpus(work: Path, scale: int, smoke: bool = False) -> Path:
+    """The default French corpus (`smoke`: the test corpus), `scale` times, each copy's
+    documents made distinct."""
     path = work / f"corpus-{scale}x.jsonl"
     if path.exists():
         return path
-    files = fetch_debian_corpus("fr", default_cache_dir())
     with path.open("w", encoding="utf-8") as out:
         for copy in range(scale):
-            for f in files:
-                for line in f.open(encoding="utf-8"):
-                    doc = json.loads(line)
-                    if copy:
-                        doc["text"] += f"\n\n(copie {copy})"
-                    out.write(json.dumps({"text": doc["text"]}, ensure_ascii=False) + "\n")
+            for text in _documents(smoke):
+                if copy:
+                    text += f"\n\n(copie {copy})"
+                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
     return path
 
 
 def main() -> None:
+    global VOCAB
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", choices=JOBS)
     ap.add_argument("--scales", default="1,4,16")
@@ -259,14 +279,33 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     ap.add_argument("--skip-tokenizer-peer", action="store_true",
                     help="train our tokenizer but skip timing HF tokenizers against it")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the test corpus at 1x, vocabulary 128, missing peers skipped: seconds")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
+    VOCAB = a.vocab  # the jobs (child processes) get it from the parent's command line
     if a.job:
         JOBS[a.job](*a.args)
         return
+    if a.smoke:
+        a.scales, a.compare_scale, VOCAB = "1", 1, SMOKE_VOCAB
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
-    corpus = make_corpus(work, 1)
+    try:
+        compare(a, work)
+    finally:
+        if a.smoke and not a.work:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(a: argparse.Namespace, work: Path) -> None:
+    """Every part of the benchmark (module docstring) in `work`."""
+    import importlib.util
+
+    corpus = make_corpus(work, 1, a.smoke)
     chars = sum(len(json.loads(line)["text"]) for line in corpus.open(encoding="utf-8"))
     print(f"corpus: {corpus} ({chars / 1e6:.1f} M characters), seq_len {SEQ_LEN}, "
           f"vocab {VOCAB}, {os.cpu_count()} CPUs")
@@ -291,37 +330,60 @@ def main() -> None:
     model_file = str(Path(model_manifest).parent / "spm.model")
 
     # encode + pack + write
-    big = make_corpus(work, a.compare_scale)
+    big = make_corpus(work, a.compare_scale, a.smoke)
     measure("ours", str(big), str(work / "o"), model_manifest, "warm")
     ours = measure("ours", str(big), str(work / "o"), model_manifest, "shards")
     ours_all = measure("ours", str(big), str(work / "o"), model_manifest, "all")
-    hf = measure("hf", str(big), str(work / "hf"), model_file)
+    hf = None
+    if not a.smoke or importlib.util.find_spec("datasets") is not None:
+        hf = measure("hf", str(big), str(work / "hf"), model_file)
     pre = glob.glob(str(work / "o" / "pre" / "ingest" / "*" / "manifest.json"))[0]
     floor = measure("floor", pre, model_file, "2")
+    hf_rows = "HF skipped" if hf is None else f"{hf['rows']:,} rows HF"
     print(f"\nencode + pack + write, {a.compare_scale}x corpus, seq_len {SEQ_LEN} "
-          f"({ours['rows']:,} rows ours, {hf['rows']:,} HF); process wall (start-up and "
+          f"({ours['rows']:,} rows ours, {hf_rows}); process wall (start-up and "
           "imports included) / in-process time / CPU of the process tree / peak RSS of "
           "the tree:")
     for label, r in (("ours, shards stage      ", ours), ("ours, ingest + shards   ", ours_all),
                      ("HF datasets (num_proc=2)", hf)):
+        if r is None:
+            print(f"  {label} skipped: `datasets` is not installed (the `bench` extra)")
+            continue
         print(f"  {label} {r['wall_s']:6.2f} s {r['inner_s']:6.2f} s {r['cpu_s_tree']:6.2f} "
               f"cpu-s {r['peak_mib']:6.0f} MiB")
+    ideal = max(floor["cpu_s"] / 2, 1e-6)  # a tiny corpus can measure 0 cpu-s
+    if hf is not None:
+        print_speed_up(ours, ours_all, hf, floor, ideal)
+    print_floor(ours, hf, floor, ideal)
+    scaling(a, work, model_manifest)
+
+
+def print_speed_up(ours: dict, ours_all: dict, hf: dict, floor: dict, ideal: float) -> None:
+    """The ratios of the encode + pack + write comparison, against the HF peer."""
     print(f"  speed-up: {hf['wall_s'] / ours['wall_s']:.2f}x process wall, "
           f"{hf['inner_s'] / ours['inner_s']:.2f}x in-process, "
           f"{hf['cpu_s_tree'] / ours['cpu_s_tree']:.2f}x CPU (with our ingest "
           f"{hf['wall_s'] / ours_all['wall_s']:.2f}x wall); peak RSS ratio "
           f"{ours['peak_mib'] / hf['peak_mib']:.2f} (with ingest "
           f"{ours_all['peak_mib'] / hf['peak_mib']:.2f}); target >= 5x at <= 0.6x RSS")
-    ideal = floor["cpu_s"] / 2
+
+
+def print_floor(ours: dict, hf: dict | None, floor: dict, ideal: float) -> None:
+    """The encode-only floor and how close each side gets to it."""
     print(f"  encode-only floor (SentencePiece alone, texts in memory): "
           f"{floor['spm_threads_s']:.2f} s with num_threads=2, {floor['py_threads_s']:.2f} s "
           f"with 2 Python threads; {floor['cpu_s']:.2f} cpu-s, so >= {ideal:.2f} s on 2 cores")
+    if hf is None:
+        print(f"  in-process time / ideal floor: ours {ours['inner_s'] / ideal:.2f}")
+        return
     print(f"  in-process time / ideal floor: ours {ours['inner_s'] / ideal:.2f}, HF "
           f"{hf['inner_s'] / ideal:.2f}; an encode-only job would beat HF by at most "
           f"{hf['inner_s'] / ideal:.2f}x in-process, "
           f"{hf['wall_s'] / (ideal + ours['wall_s'] - ours['inner_s']):.2f}x process wall")
 
-    # scaling
+
+def scaling(a: argparse.Namespace, work: Path, model_manifest: str) -> None:
+    """Part 3: the shards stage alone and ingest + shards at each of `a.scales`."""
     print("\nscaling (in-process time; peak RSS of the process tree, its ru_maxrss in "
           "brackets; 'marginal' = extra seconds per 1x corpus since the previous scale, "
           "relative to the first step, so fixed costs do not count as non-linearity); "
@@ -331,7 +393,7 @@ def main() -> None:
     last: dict[str, tuple[int, float]] = {}
     first_step: dict[str, float] = {}
     for scale in [int(s) for s in a.scales.split(",")]:
-        c = make_corpus(work, scale)
+        c = make_corpus(work, scale, a.smoke)
         d = str(work / f"s{scale}")
         measure("ours", str(c), d, model_manifest, "warm")
         for mode, label, rows in (("shards", "shards stage   ", "0"),

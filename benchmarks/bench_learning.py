@@ -3,7 +3,9 @@
     python benchmarks/bench_learning.py [--budget-s 300] [--threads 2] [--config tiny]
                                         [--work DIR] [--eval-rows 1000] [--out FILE]
 
-Smoke test: `--budget-s 20`. Needs `transformers` (the `bench` extra).
+Smoke test: `--smoke` (seconds, offline: the test corpus `tests/assets/tiny_fr.txt`,
+vocabulary 128, seq_len 32, a toy shape, a 1 s budget, one thread, in a temporary work
+directory unless `--work`). Needs `transformers` (the `bench` extra).
 
 Data: the real French corpus of `configs/tiny.yaml`, run through our ingest, tokenizer and
 shard stages (`ingest`, `train_tokenizer`, `write_shards`, cached by digest under the
@@ -31,8 +33,8 @@ model ends its LR decay when its time is up; `--budget-s` is also a hard stop
 construction or calibration).
 
 Evaluation: one path for all four, `mlm_pipeline.evaluate.stage.masked_lm_metrics` (fp32), on
-the first `--eval-rows` validation rows masked by `mask_tokens` with the config's
-`eval.seed` at mlm_probability 0.15 (80/10/10): the same positions and the same corrupted
+the first `--eval-rows` validation rows masked by `KeyedMasking` (Bernoulli selection) with
+the config's `eval.seed` at mlm_probability 0.15 (80/10/10): the same positions and the same corrupted
 inputs for every model. Hugging Face models are wrapped to return logits at the masked
 positions. Reported per model: masked-token accuracy and loss, perplexity, steps, tokens
 seen, tokens/s, plus the most-frequent-token baseline. Timings are noisy when other jobs
@@ -57,6 +59,7 @@ import torch
 from mlm_pipeline.config import (
     NUM_SPECIAL,
     SPECIAL_TOKENS,
+    MaskingConfig,
     ModelConfig,
     PipelineConfig,
     TrainConfig,
@@ -65,6 +68,7 @@ from mlm_pipeline.config_files import load_config
 from mlm_pipeline.evaluate.stage import masked_lm_metrics, most_frequent_token
 from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
+from mlm_pipeline.masking.maskers import KeyedMasking
 from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer.stage import train_tokenizer
 from mlm_pipeline.train import train
@@ -78,6 +82,12 @@ MODELS = ("ours-bert", "ours-modern", "hf-bert", "hf-modernbert")
 HF_MLM_PROBABILITY = 0.15
 EVAL_MLM_PROBABILITY = 0.15
 CALIBRATION_STEPS = 8  # the first half warms up (allocator, caches); the second is timed
+ROOT = Path(__file__).resolve().parents[1]
+#: `--smoke`: the test corpus, a small vocabulary and rows, and a toy shape.
+SMOKE_OVERRIDES = [f"ingest.sources=[{ROOT / 'tests' / 'assets' / 'tiny_fr.txt'}]",
+                   "ingest.validation_fraction=0.1", "tokenizer.vocab_size=128",
+                   "shards.seq_len=32", "eval.batch_size=16"]
+SMOKE_SHAPE = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
 
 class Result(NamedTuple):
@@ -294,10 +304,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--out", default=None,
                         help="JSON results (default: WORK/bench_learning/bench_learning.json)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds, offline: test corpus, toy shape, 1 s budget (see above)")
     args = parser.parse_args(argv)
+    if not args.smoke:
+        return run(args, parser)
+    SHAPE.update(SMOKE_SHAPE)
+    args.budget_s, args.threads, args.eval_rows = 1.0, 1, 32
+    if args.work:
+        return run(args, parser, SMOKE_OVERRIDES)
+    with tempfile.TemporaryDirectory(prefix="bench-learning-smoke-") as tmp:
+        args.work = tmp
+        return run(args, parser, SMOKE_OVERRIDES)
 
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
+        extra_overrides: list[str] | None = None) -> int:
+    """The comparison of `main` with its parsed `args` (and config overrides)."""
     torch.set_num_threads(args.threads)
-    overrides = [f"work_dir={args.work}"] if args.work else []
+    overrides = ([f"work_dir={args.work}"] if args.work else []) + (extra_overrides or [])
     cfg = load_config(args.config, overrides)
     work = Path(cfg.work_dir).expanduser().resolve() / "bench_learning"
     work.mkdir(parents=True, exist_ok=True)
@@ -310,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {args.budget_s:g} s per model", flush=True)
 
     validation = ShardDataset(shards, "validation")
-    eval_kw = dict(vocab_size=shards.vocab_size, seed=cfg.eval.seed,
-                   mlm_probability=EVAL_MLM_PROBABILITY, mask_replace_prob=0.8,
-                   random_replace_prob=0.1, batch_size=cfg.eval.batch_size,
+    eval_masking = KeyedMasking(
+        MaskingConfig(mlm_probability=EVAL_MLM_PROBABILITY, mask_replace_prob=0.8,
+                      random_replace_prob=0.1, selection="bernoulli"),
+        shards.vocab_size, seed=cfg.eval.seed)
+    eval_kw = dict(masking=eval_masking, batch_size=cfg.eval.batch_size,
                    max_rows=args.eval_rows, baseline_token=most_frequent_token(shards))
     results: dict[str, dict[str, float]] = {}
     for name in args.models.split(","):

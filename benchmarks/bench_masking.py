@@ -1,6 +1,7 @@
 """MLM masking throughput against Hugging Face `DataCollatorForLanguageModeling`.
 
     python benchmarks/bench_masking.py [--work DIR] [--batch-sizes 32,256] [--repeats 9]
+    python benchmarks/bench_masking.py --smoke      # batch 4, one round of 2 calls, seconds
 
 Both sides corrupt the same batches of token ids on the CPU with one thread
 (`torch.set_num_threads(1)`), at mlm_probability 0.15 and 80/10/10:
@@ -133,7 +134,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--calls", type=int, default=0,
                         help="calls per round (default: about 2**20 tokens per round)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="batch size 4, one round of 2 calls: the table in seconds")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch_sizes, args.repeats, args.calls = "4", 1, 2
 
     torch.set_num_threads(1)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

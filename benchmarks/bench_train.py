@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py [--rounds 5] [--steps 3] [--pairs modern-fp32,...]
                                      [--fused] [--profile modern-bf16]
+    python benchmarks/bench_train.py --smoke     # every pair at a toy shape, one step, seconds
 
 Shape (the same for every model): hidden 256, 4 layers, 4 heads, FFN 1024, vocab 16,000,
 seq_len 128, batch 32, 2 CPU threads. A step is forward + backward + AdamW step (lr 1e-4,
@@ -42,6 +43,10 @@ from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import measure_cpu_matmul_flops
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB, SEQ_LEN, BATCH = 256, 4, 4, 1024, 16000, 128, 32
+#: `--smoke`: the same pairs at a toy shape (hidden 32, 1 layer, vocab 512, seq_len 16,
+#: batch 4), one round of one step, one thread, a 128 x 128 peak matmul.
+SMOKE_SHAPE = {"HIDDEN": 32, "LAYERS": 1, "HEADS": 2, "FFN": 64, "VOCAB": 512, "SEQ_LEN": 16,
+               "BATCH": 4}
 MLM_PROBABILITY = 0.15
 PAIRS = ("modern-fp32", "modern-bf16", "bert-fp32")
 
@@ -166,14 +171,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
     parser.add_argument("--profile", choices=PAIRS, help="profile this pair, exit")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every pair at a toy shape, one step, one thread: seconds")
     args = parser.parse_args()
+    peak_n = 1024
+    if args.smoke:
+        globals().update(SMOKE_SHAPE)
+        args.rounds, args.steps, args.threads, peak_n = 1, 1, 1, 128
     torch.set_num_threads(args.threads)
     if args.profile:
         profile(args.profile, args.fused)
         return
 
-    peak = {"fp32": measure_cpu_matmul_flops(torch.float32),
-            "bf16": measure_cpu_matmul_flops(torch.bfloat16)}
+    peak = {"fp32": measure_cpu_matmul_flops(torch.float32, n=peak_n),
+            "bf16": measure_cpu_matmul_flops(torch.bfloat16, n=peak_n)}
     flops_per_token = {p: ours(p).flops_per_token(SEQ_LEN, MLM_PROBABILITY)
                        for p in ("modern", "bert")}
     print(f"threads {torch.get_num_threads()}, AdamW fused={args.fused}; matmul peak "

@@ -6,6 +6,11 @@ one is missing (marks, `raises`, `approx`, `importorskip`, `fixture`, `skip`: wh
 modules use at import time and the GPU tests use in their bodies), then calls every
 function marked `gpu`, once per `parametrize` combination, skipping those whose `skipif`
 condition holds and those that need a fixture other than `tmp_path`.
+
+On its own it prints a table of the outcomes:
+
+    python benchmarks/gpu_tests.py [--runner auto|pytest|plain] [--out DIR]
+    python benchmarks/gpu_tests.py --smoke     # the plain runner (no pytest process): seconds
 """
 
 from __future__ import annotations
@@ -192,3 +197,28 @@ def run_gpu_tests(out: Path, runner: str = "auto") -> tuple[str, list[dict]]:
     if runner == "auto":
         runner = "pytest" if importlib.util.find_spec("pytest") is not None else "plain"
     return runner, run_pytest(files, out) if runner == "pytest" else run_plain(files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `gpu` tests and print one table row per test case; exit 1 if one failed."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Run the gpu-marked tests (see gpu_check.py).")
+    ap.add_argument("--runner", choices=["auto", "pytest", "plain"], default="auto")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where pytest writes its JUnit XML (default: a temporary dir)")
+    ap.add_argument("--smoke", action="store_true", help="the plain runner: seconds")
+    args = ap.parse_args(argv)
+    runner = "plain" if args.smoke else args.runner
+    with tempfile.TemporaryDirectory() as tmp:
+        used, results = run_gpu_tests(args.out or Path(tmp), runner)
+    print(f"gpu tests ({used}):\n")
+    print("| test | outcome |")
+    print("|---|---|")
+    for r in results:
+        print(f"| {r['test']} | {r['outcome']} |")
+    return 1 if any(r["outcome"] == "failed" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
