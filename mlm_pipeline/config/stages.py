@@ -57,7 +57,8 @@ class IngestConfig(StrictModel):
     `event_sources`): absolute directory roots (a source must resolve inside one), URL
     prefixes (`s3://bucket/corpus/`) or exact `debian:NAME` names; any other event source is
     refused before a file is read. None: events may name no source. Sources of the config
-    itself are not checked."""
+    itself are not checked, but every file a source inside an allowed root expands to must
+    resolve inside one (a file symlink leading out is skipped, `outside_allowed_sources`)."""
 
     @field_validator("allowed_sources")
     @classmethod
