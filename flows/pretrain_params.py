@@ -197,10 +197,21 @@ class StageDeployments(BaseModel):
 
 
 def flow_run_name() -> str:
-    """A flow run's name, shared with its MLflow run: `tracking.run_name` when the config
-    sets it, else `records.run_name` (config name, model preset, steps and a short random
-    suffix), e.g. `tiny-modern-1000-3fa2c1`; `mlm-pretraining-<suffix>` when the
-    parameters do not load (the flow run then fails on them, with the error)."""
+    """A flow run's name, shared with its MLflow run: a child flow run's (a subflow, or a
+    deployment run started by `mlm-pretraining`) is its parent's, so that the whole tree
+    carries the MLflow run's name; else `tracking.run_name` when the config sets it, else
+    `records.run_name` (config name, model preset, steps and a short random suffix), e.g.
+    `tiny-modern-1000-3fa2c1`; `mlm-pretraining-<suffix>` when the parameters do not load
+    (the flow run then fails on them, with the error)."""
+    try:
+        parent = flow_run.parent_flow_run_id
+        if parent:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                return client.read_flow_run(parent).name
+    except Exception:  # noqa: BLE001 - no parent to read: name it from the config
+        pass
     try:
         params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
         cfg = load_config(*params.resolved())

@@ -51,12 +51,19 @@ def _newest_checkpoint(cfg: PipelineConfig):
 
 def keep_name(tracker: MlflowTracker, run_id: str) -> str:
     """The current flow run takes the MLflow run's name (one name for both: a continued
-    run keeps its own, a child flow run its parent's); returns `run_id`."""
+    run keeps its own, a child flow run its parent's), on the server and in this
+    process's flow-run context (what `prefect.runtime.flow_run.name` reads later), and the
+    run's tag `prefect.flow_run_name` says so; returns `run_id`."""
     if flow_run.id:
         from prefect.client.orchestration import get_client
+        from prefect.context import FlowRunContext
 
+        name = tracker.get_run(run_id).info.run_name
         with get_client(sync_client=True) as client:
-            client.set_flow_run_name(flow_run.id, tracker.get_run(run_id).info.run_name)
+            client.set_flow_run_name(flow_run.id, name)
+        if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
+            context.flow_run.name = name
+        tracker.set_tags(run_id, {"prefect.flow_run_name": name})
     return run_id
 
 

@@ -13,6 +13,9 @@ import flows
 from flows.pretraining import PretrainParams, mlm_pretraining
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+#: For the tests not about the model: no export, MLflow model or registry (which cost a
+#: `transformers` pipeline and `mlflow.transformers.log_model` per run).
+NO_MODEL = "tracking.log_model=false"
 
 
 @pytest.mark.parametrize("name", [m.name for m in pkgutil.iter_modules(flows.__path__)])
@@ -144,7 +147,7 @@ def test_data_stages_are_cached_by_content(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ASSETS / "tiny_fr.txt").read_bytes())
     base = _overrides(tmp_path, uri) + [f"ingest.sources=[{corpus}]", "train.max_steps=2",
-                                        "train.warmup_steps=1", "eval.probes=[]"]
+                                        "train.warmup_steps=1", "eval.probes=[]", NO_MODEL]
 
     def run(*extra):
         state = mlm_pretraining(PretrainParams(config="tiny", overrides=base + list(extra)),
@@ -185,7 +188,8 @@ def test_flow_run_publishes_prefect_artifacts(tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    state = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri)),
+    state = mlm_pretraining(PretrainParams(config="tiny",
+                                           overrides=_overrides(tmp_path, uri) + [NO_MODEL]),
                             return_state=True)
     summary = state.result()
     with get_client(sync_client=True) as client:
@@ -206,7 +210,7 @@ def test_flow_run_publishes_prefect_artifacts(tmp_path):
 
 def test_resume_a_crashed_run(tmp_path, caplog):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = _overrides(tmp_path, uri) + ["train.checkpoint_every=2", "eval.probes=[]"]
+    base = _overrides(tmp_path, uri) + ["train.checkpoint_every=2", "eval.probes=[]", NO_MODEL]
     first = mlm_pretraining(PretrainParams(config="tiny", overrides=base), return_state=True)
     run_id = first.result()["mlflow_run_id"]
     # What a crash after step 4's checkpoint leaves: no final checkpoint, a FAILED run.
@@ -227,6 +231,10 @@ def test_resume_a_crashed_run(tmp_path, caplog):
     # The continued run keeps its name, which the continuing flow run takes.
     assert client.get_run(run_id).info.run_name == _flow_run_name(
         first.state_details.flow_run_id) == _flow_run_name(second.state_details.flow_run_id)
+    # ... and so do its subflows, and the run's tag naming the flow run
+    name = client.get_run(run_id).info.run_name
+    assert {_flow_run_name(i) for i in run_tree(second.state_details.flow_run_id)} == {name}
+    assert client.get_run(run_id).data.tags["prefect.flow_run_name"] == name
     assert client.get_run(run_id).info.status == "FINISHED"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6]
@@ -234,7 +242,7 @@ def test_resume_a_crashed_run(tmp_path, caplog):
 
 def test_resume_refuses_a_changed_config(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = _overrides(tmp_path, uri) + ["eval.probes=[]"]
+    base = _overrides(tmp_path, uri) + ["eval.probes=[]", NO_MODEL]
     run_id = mlm_pretraining(PretrainParams(config="tiny", overrides=base)).get("mlflow_run_id")
     state = mlm_pretraining(
         PretrainParams(config="tiny", overrides=base + ["train.lr=0.5",
@@ -288,7 +296,8 @@ def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path):
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    state = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri)),
+    state = mlm_pretraining(PretrainParams(config="tiny",
+                                           overrides=_overrides(tmp_path, uri) + [NO_MODEL]),
                             return_state=True)
     summary = state.result()
     client = MlflowClient(tracking_uri=uri)
@@ -338,8 +347,10 @@ def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path):
 
     # tracking.run_name names both runs (a new run: the first one is FINISHED).
     named = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri) + [
-        "tracking.run_name=my-named-run", "train.max_steps=2", "train.warmup_steps=1"]),
+        "tracking.run_name=my-named-run", "train.max_steps=2", "train.warmup_steps=1",
+        NO_MODEL]),
         return_state=True)
     run = client.get_run(named.result()["mlflow_run_id"])
     assert run.info.run_name == "my-named-run"
-    assert _flow_run_name(named.state_details.flow_run_id) == "my-named-run"
+    assert {_flow_run_name(i) for i in run_tree(named.state_details.flow_run_id)} == {
+        "my-named-run"}  # the subflows too
