@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,32 +46,45 @@ def test_stale_temporaries_go_and_this_process_s_own_stay(tmp_path):
 
 
 _HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
+    from pathlib import Path
     from mlm_pipeline.locks import stage_lock
     with stage_lock(sys.argv[1]):
         print("held", flush=True)
-        time.sleep(float(sys.argv[2]))
+        sys.stdin.readline()  # hold until told (or killed)
+        Path(sys.argv[2]).write_text("released")  # written while still holding the lock
 """)
 
 
 def test_a_second_process_waits_for_the_lock_and_a_killed_holder_frees_it(tmp_path):
-    stage = tmp_path / "ingest" / "abc"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(stage), "1.5"],
-                              stdout=subprocess.PIPE, text=True)
+    # Exact whatever the machine's speed: the holder writes its marker while it still
+    # holds the lock, so whoever gets the lock next must find the marker.
+    stage, marker = tmp_path / "ingest" / "abc", tmp_path / "released"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(stage), str(marker)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    start = time.monotonic()
-    with stage_lock(stage):
-        waited = time.monotonic() - start
-    holder.wait(timeout=30)
-    assert waited > 0.5  # it waited for the holder to finish
-    killed = subprocess.Popen([sys.executable, "-c", _HOLDER, str(stage), "600"],
-                              stdout=subprocess.PIPE, text=True)
+    seen: list[bool] = []
+    waiter = threading.Thread(target=lambda: _take(stage, marker, seen))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not seen  # blocked while the holder holds the lock
+    holder.stdin.write("release\n")
+    holder.stdin.flush()
+    waiter.join(timeout=60)
+    holder.wait(timeout=60)
+    assert seen == [True]  # it got the lock only after the holder let go
+    killed = subprocess.Popen([sys.executable, "-c", _HOLDER, str(stage), str(marker)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert killed.stdout.readline().strip() == "held"
     killed.kill()  # SIGKILL: no cleanup runs, the kernel releases the lock
     killed.wait(timeout=30)
-    start = time.monotonic()
+    with stage_lock(stage):  # would block for ever if the dead holder still held it
+        pass
+
+
+def _take(stage: Path, marker: Path, seen: list[bool]) -> None:
     with stage_lock(stage):
-        assert time.monotonic() - start < 10
+        seen.append(marker.is_file())
 
 
 def test_event_sources_must_resolve_inside_an_allowed_root(tmp_path):
