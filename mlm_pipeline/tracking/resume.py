@@ -16,15 +16,16 @@ threads, evaluation and tracking settings) are recorded as tags; any other diffe
 
 The budget (`train.max_steps`, `plan`): continuing never goes back. A run whose training
 stopped before its budget B (killed, failed, a time cap) at checkpoint step N continues
-with `train.max_steps` B or more (a larger budget is recorded in `mlm.resume.<n>`; MLflow
-params are immutable, so the param keeps the first value, and the run summary shows the
-budget used); `train.max_steps` at or below N, or below B, is refused
-(`ResumeRefusedError`, naming `--fresh` and `tracking.resume_run_id`). A run whose training reached its budget and that
-failed after it (evaluation, model logging, registration) is *finished* by a rerun with the
-same `train.max_steps`: training is not run again and only what is missing is done (no
-second final evaluation point, logged model or model version). A rerun with another
-`train.max_steps` leaves it alone and starts a new run (its training is complete: another
-budget is another run); naming it with `tracking.resume_run_id` is refused.
+with `train.max_steps` B or more (a larger budget is recorded in `mlm.resume.<n>` and the
+tag `mlm.max_steps`: MLflow params are immutable, so the param keeps the first value; the
+run summary shows the budget used); `train.max_steps` at or below N, or below B, is
+refused (`ResumeRefusedError`, naming `--fresh` and `tracking.resume_run_id`). A run whose
+training reached its budget and that failed after it (evaluation, model logging,
+registration) is *finished* by a rerun with the same `train.max_steps`: training is not
+run again and only what is missing is done (no second final evaluation point, logged
+model or model version). A rerun with another `train.max_steps` leaves it alone and
+starts a new run (its training is complete: another budget is another run); naming it
+with `tracking.resume_run_id` is refused.
 
 A run whose process is alive is never touched: runs record `mlm.host` and `mlm.pid`, and a
 RUNNING run of this host whose process still exists is left alone (two runs at once start
@@ -54,6 +55,8 @@ from mlm_pipeline.tracking.tracker import MlflowTracker
 logger = logging.getLogger(__name__)
 
 JOB_KEY_TAG = "mlm.job_key"
+#: Set when a continued run's budget differs from its (immutable) param `train.max_steps`.
+MAX_STEPS_TAG = "mlm.max_steps"
 HOST_TAG, PID_TAG = "mlm.host", "mlm.pid"
 #: Flattened params that a continued run may change: they do not alter what a step computes.
 COMPATIBLE = frozenset({
@@ -294,7 +297,8 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
     Params the run lacks are logged; params whose value changed (compatible ones, and
     settings outside `train`/`model`/`masking`) keep their first value (MLflow params are
     immutable) and are recorded, with the step and time, in a tag `mlm.resume.<n>`
-    (n = 1, 2, ... per resume); `tags` are set.
+    (n = 1, 2, ... per resume); a changed `train.max_steps` is also the tag
+    `mlm.max_steps` (the budget in effect, which the param cannot show); `tags` are set.
 
     Raises:
         ValueError: the run is FINISHED (a finished run is never continued) or unknown.
@@ -317,7 +321,9 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
               "changed": {k: {"from": a, "to": b} for k, (a, b) in sorted(changed.items())}}
     tracker.client.update_run(run_id, status="RUNNING")
     tracker.log_params(run_id, {k: v for k, v in params.items() if k not in old})
-    tracker.set_tags(run_id, {**tags, f"mlm.resume.{number}": json.dumps(record)})
+    budget = ({MAX_STEPS_TAG: changed["train.max_steps"][1]}
+              if "train.max_steps" in changed else {})
+    tracker.set_tags(run_id, {**tags, **budget, f"mlm.resume.{number}": json.dumps(record)})
     if finish:
         logger.info("finishing MLflow run %s: its training reached step %d, only what is "
                     "missing after training is done (resume %d; --fresh starts a new run "

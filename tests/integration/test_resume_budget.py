@@ -88,6 +88,15 @@ def test_a_larger_budget_continues_the_training(tmp_path):
     assert json.loads(run.data.tags["mlm.resume.1"])["changed"]["train.max_steps"] == {
         "from": "200", "to": "300"}
     assert resume.run_budget(run.data.params, run.data.tags) == 300
+    assert run.data.tags["mlm.max_steps"] == "300"  # the param stays "200" (immutable)
+
+
+def test_the_summary_names_the_budget_trained_to():
+    from mlm_pipeline.tracking.records import training_lines
+
+    lines = training_lines({"steps": 300, "max_steps": 300, "tokens_seen": 9600,
+                            "stop_reason": "max_steps"})
+    assert "Stop reason: max_steps (all 300 train.max_steps trained)" in lines
 
 
 def test_a_run_that_trained_its_budget_is_finished_by_the_same_budget(tmp_path, caplog):
