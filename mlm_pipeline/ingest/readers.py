@@ -39,9 +39,9 @@ decides whether the run goes on). Every record's text is then screened
 (`cleaning.screen`): binary content (a share of U+FFFD and C0 control characters above
 `cleaning.BINARY_SHARE`) is dropped as `binary`; a run of C0 separators (vertical tab,
 form feed, U+001C-U+001F) becomes one space (repair `control_space`), other C0 control
-characters than tab, line feed and carriage return are removed (repair `control`). Drops and repairs are
-logged at WARNING once per file and reason, with the count and the first positions
-(line, element or row, as in the ids).
+characters than tab, line feed and carriage return are removed (repair `control`). Drops
+and repairs are logged at WARNING once per file and reason, with the count and the first
+positions (line, element or row, as in the ids).
 
 This module imports neither torch nor prefect.
 """
