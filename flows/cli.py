@@ -197,10 +197,39 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
                                 *(a for o in overrides for a in ("--set", o))])
             where = f" at step {exc.step}, checkpoint {exc.checkpoint}" if hasattr(
                 exc, "checkpoint") else ""
-            print(f"mlm-pipeline: interrupted{where}; to continue, run the same command: "
-                  f"{again}", file=sys.stderr)
+            _tell_after_interrupt(f"mlm-pipeline: interrupted{where}; to continue, run the "
+                                  f"same command: {again}")
             raise SystemExit(130) from None
         raise
+
+
+def _tell_after_interrupt(line: str) -> None:
+    """Print `line` on stderr after Ctrl-C, also behind `| tee` or `2>&1 | tee`.
+
+    The terminal's SIGINT reaches the pipe's reader too, which exits: writing to the pipe
+    then raises BrokenPipeError, and flushing it at exit turns the exit status into 120.
+    So a stream whose reader is gone is pointed at /dev/null (the recipe of the Python
+    docs, "Note on SIGPIPE"), and a line that cannot go to stderr goes to the controlling
+    terminal, where the user pressed Ctrl-C.
+    """
+    def broken(stream) -> bool:
+        try:
+            stream.flush()
+            return False
+        except (BrokenPipeError, ValueError):  # ValueError: already closed
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            return True
+
+    broken(sys.stdout)
+    if not broken(sys.stderr):
+        try:
+            print(line, file=sys.stderr, flush=True)
+            return
+        except BrokenPipeError:
+            broken(sys.stderr)
+    with contextlib.suppress(OSError), open("/dev/tty", "w", encoding="utf-8") as tty:
+        tty.write(line + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
