@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_runs)
 
     p = sub.add_parser("compare", help="compare runs: the table of `runs` and a PNG of "
-                       "eval loss against tokens seen")
+                       "train loss and eval loss (two panels) against tokens seen")
     p.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run id, unique id prefix "
                    "(e.g. the 8 characters `runs` shows) or run name")
     p.add_argument("--out", default="compare.png", metavar="PATH",
