@@ -16,6 +16,7 @@ import math
 import os
 import posixpath
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -192,25 +193,31 @@ class MultiSink:
             raise first
 
 
-
-
 class AfterStepSink:
-    """Pass on only records of steps after `step`: a resumed run re-trains the steps between
-    its checkpoint and the kill, and a sink that already holds them must not get them twice
-    (the recomputed values are bit-identical; only the timings would differ).
+    """Pass on only the metrics of steps after those a sink already holds, key by key: a
+    resumed run re-trains the steps between its checkpoint and the kill, and a sink that
+    already holds them must not get them twice (the recomputed values are bit-identical;
+    only the timings would differ). Per key, so that a point the sink lacks at a held step
+    (a periodic evaluation the kill interrupted, after that step's `train/loss` had been
+    sent) still arrives: every key keeps exactly one value per step.
 
     Args:
         sink: the sink to forward to.
-        step: the last step the sink already holds; records at or before it are dropped.
+        step: the last step the sink holds, per metric key (`{"train/loss": 40,
+            "eval/loss": 30}`; a key not listed holds nothing), or one step for every key.
     """
 
-    def __init__(self, sink: MetricsSink, step: int) -> None:
-        self.sink, self.step = sink, step
+    def __init__(self, sink: MetricsSink, step: int | Mapping[str, int]) -> None:
+        self.sink = sink
+        self.held: dict[str, int] = dict(step) if isinstance(step, Mapping) else {}
+        self.default = 0 if isinstance(step, Mapping) else int(step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Forward the record when `step` is after the held ones."""
-        if step > self.step:
-            self.sink.log(metrics, step)
+        """Forward the metrics of `metrics` whose key the sink does not hold at `step`
+        (nothing when none is left)."""
+        fresh = {k: v for k, v in metrics.items() if step > self.held.get(k, self.default)}
+        if fresh:
+            self.sink.log(fresh, step)
 
     def flush(self) -> None:
         """Flush the wrapped sink."""

@@ -287,6 +287,15 @@ def last_logged_step(tracker: MlflowTracker, run_id: str, key: str = "train/loss
     return max((m.step for m in history), default=0)
 
 
+def logged_steps(tracker: MlflowTracker, run_id: str) -> dict[str, int]:
+    """The highest step at which each metric key was logged on the run (keys the run never
+    logged are absent): a continued run sends, key by key, only later steps
+    (`sinks.AfterStepSink`), so an evaluation point a kill interrupted still arrives."""
+    keys = tracker.client.get_run(run_id).data.metrics
+    return {key: max((m.step for m in tracker.client.get_metric_history(run_id, key)),
+                     default=0) for key in keys}
+
+
 def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, object],
                  tags: Mapping[str, str], step: int,
                  changes: Mapping[str, tuple[str, str]] | None = None,

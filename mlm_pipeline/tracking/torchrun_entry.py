@@ -7,9 +7,9 @@ flow's train task gets:
 
 - `StdoutSink` (its lines reach the launcher, `launch.sink_line_step`) and, from
   `live_tracking` (which the one-process path uses too), the run's `MlflowSink`, behind
-  `AfterStepSink` when the run already holds steps (`resume.last_logged_step`), so a
-  resumed run never sends MLflow a step twice, and the periodic evaluator
-  (`periodic.periodic_evaluator`, `eval.every_steps`), refused before the launch with FSDP2
+  `AfterStepSink` when the run already holds steps (`resume.logged_steps`, per key), so a
+  resumed run never sends MLflow a step of a key twice nor loses one, and the periodic
+  evaluator (`periodic.periodic_evaluator`, `eval.every_steps`), refused before the launch with FSDP2
   (`stage.refuse_fsdp2_evaluation`);
 - the run's system metrics (`MlflowTracker.system_metrics`) while training.
 
@@ -60,17 +60,21 @@ def live_tracking(cfg: PipelineConfig, shards: ShardManifest, tokenizer: Tokeniz
                   ) -> tuple[MetricsSink, PeriodicEvaluator | None]:
     """What the process that trains (one process, or rank 0 of a launch) logs to MLflow
     through: the run's `MlflowSink`, wrapped in `AfterStepSink` past the last step the run
-    already holds (`resume.last_logged_step`: a resumed run sends no step twice), and the
+    already holds of each key (`resume.logged_steps`: a resumed run sends no step of a key
+    twice, and misses none, evaluation points included), and the
     periodic evaluator (`periodic_evaluator`, None without `eval.every_steps`), whose
     fill-mask rows of held steps are not appended again either.
 
     Raises:
         mlflow.exceptions.MlflowException: the run cannot be read (unknown id, store down).
     """
-    held = resume.last_logged_step(tracker, run_id)
+    held = resume.logged_steps(tracker, run_id)
     mlflow_sink = tracker.sink(run_id)
+    # the fill-mask rows go with the evaluation points: those of a step whose point the
+    # run lacks (a kill during that evaluation) are appended when it runs again
+    held_eval = max((s for k, s in held.items() if k.startswith("eval/")), default=0)
     return (AfterStepSink(mlflow_sink, held) if held else mlflow_sink,
-            periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held))
+            periodic_evaluator(cfg, shards, tokenizer, tracker, run_id, held_eval))
 
 
 def _main(argv: list[str] | None = None) -> None:
