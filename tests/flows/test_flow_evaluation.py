@@ -44,6 +44,7 @@ def run(tmp_path_factory, reviews_csv):
         "eval.every_steps=2", "eval.periodic_rows=6", f"eval.probes=[{', '.join(PROBES)}]",
         f"linear_probe.data_path={reviews_csv}", "linear_probe.at_each_eval=true",
         f"tracking.tracking_uri={uri}", "tracking.experiment_name=flow-eval",
+        "tracking.log_model=false",  # these tests are about the evaluations, not the model
     ]
     state = mlm_pretraining(PretrainParams(config="tiny", overrides=overrides),
                             return_state=True)

@@ -15,7 +15,7 @@ from flows.pretraining import (
     prepare_data_flow,
     train_evaluate_flow,
 )
-from tests.flows.test_pretraining_flow import _overrides, _stage_states
+from tests.flows.test_pretraining_flow import NO_MODEL, _overrides, _stage_states
 
 
 def _task_names(flow_run_id) -> list[str]:
@@ -31,7 +31,7 @@ def _task_names(flow_run_id) -> list[str]:
 def test_one_preparation_serves_a_sweep_of_two_learning_rates(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     base = _overrides(tmp_path, uri) + ["train.max_steps=2", "train.warmup_steps=1",
-                                        "eval.probes=[]"]
+                                        "eval.probes=[]", NO_MODEL]
     prepared = prepare_data_flow(PretrainParams(config="tiny", overrides=base),
                                  return_state=True)
     assert prepared.is_completed()

@@ -30,7 +30,7 @@ def _overrides(tmp_path: Path, *extra: str) -> list[str]:
         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
         "model.intermediate_size=64", "train.micro_batch_size=4", "train.max_steps=2",
         "train.warmup_steps=1", "train.log_every=1", "eval.max_rows=8", "eval.probes=[]",
-        "linear_probe.enabled=false",
+        "linear_probe.enabled=false", "tracking.log_model=false",
         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         "tracking.experiment_name=untrusted", *extra,
     ]
