@@ -20,6 +20,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    # 60 s timed out on a loaded two-core machine (the CLI's own local API allows 180 s).
+    with prefect_test_harness(server_startup_timeout=180):
         yield
     shutil.rmtree(_HOME, ignore_errors=True)
