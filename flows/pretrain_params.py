@@ -12,6 +12,7 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -60,12 +61,23 @@ class PretrainParams(BaseModel):
     event_sources: list[str] | None = Field(
         None, max_length=1000, description="Corpus sources named by an event (the "
         "corpus.updated trigger): they replace ingest.sources, and each must match the "
-        "config's ingest.allowed_sources, or the run stops before reading anything.")
+        "ingest.allowed_sources of the deployment's config (`config_file` or `config`), "
+        "or the run stops before reading anything.")
+    event_config: ShippedConfig | None = Field(
+        None, description="Shipped config an event picked (the corpus.updated trigger): "
+        "replaces `config`; the allow-list stays the deployment config's.")
+    event_config_file: str | None = Field(
+        None, description="Path of a YAML config an event named: refused unless it lies "
+        "(symlinks followed) in one of `config_dirs`; replaces `config`, never the "
+        "allow-list; its errors never quote it.")
+    config_dirs: list[str] = Field(
+        default_factory=list, max_length=100, description="Directories (absolute) an "
+        "event's `event_config_file` may lie in; empty: events name no config file.")
 
-    @field_validator("config_file", mode="before")
+    @field_validator("config_file", "event_config", "event_config_file", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
-        """An event template renders a missing `config_file` as an empty string."""
+        """An event template renders a missing payload field as an empty string."""
         return None if value == "" else value
 
     @field_validator("event_sources", mode="before")
@@ -76,24 +88,70 @@ class PretrainParams(BaseModel):
             return None
         return value
 
-    def resolved(self) -> tuple[str, list[str]]:
-        """(config name or path, overrides): the typed fields become overrides, applied
-        before the free-form ones."""
+    def _typed_overrides(self) -> list[str]:
         typed = {"train.max_steps": self.max_steps, "train.lr": self.lr,
                  "model.preset": self.preset, "tokenizer.vocab_size": self.vocab_size,
                  "shards.seq_len": self.seq_len}
-        extra = [f"{k}={v}" for k, v in typed.items() if v is not None]
-        return self.config_file or self.config, extra + list(self.overrides)
+        return [f"{k}={v}" for k, v in typed.items() if v is not None]
 
-    def load(self) -> PipelineConfig:
-        """The config these parameters name, with `event_sources` applied (checked against
-        `ingest.allowed_sources` first).
+    def event_file(self) -> Path | None:
+        """The config file an event named, resolved (symlinks followed), once it is found
+        inside one of `config_dirs`; None when the event named none. Nothing is read.
 
         Raises:
-            The errors of `load_config` and `with_event_sources` (a bad override, a source
-            the config does not allow).
+            ValueError: it lies outside every `config_dirs` (or none is declared), or a
+                `config_dirs` entry is not absolute; the message names the path only.
         """
-        cfg = load_config(*self.resolved())
+        if self.event_config_file is None:
+            return None
+        for d in self.config_dirs:
+            if not Path(d).is_absolute():
+                raise ValueError(f"config_dirs entry {d!r} is not an absolute directory")
+        real = Path(os.path.realpath(self.event_config_file))
+        roots = [Path(os.path.realpath(d)) for d in self.config_dirs]
+        if not any(real.is_relative_to(r) for r in roots):
+            where = (f"config_dirs = {self.config_dirs}" if self.config_dirs else
+                     "the deployment declares no config_dirs, so events may name no config "
+                     "file")
+            raise ValueError(f"config file {self.event_config_file!r} named by an event "
+                             f"refused, nothing read: it does not lie in a directory the "
+                             f"deployment allows ({where})")
+        return real
+
+    def resolved(self) -> tuple[str, list[str]]:
+        """(config name or path, overrides): the typed fields become overrides, applied
+        before the free-form ones. The config is the event's choice when it made one
+        (`event_config_file`, checked by `event_file`, else `event_config`), else
+        `config_file` or `config`.
+
+        Raises:
+            ValueError: the event's config file is refused (`event_file`).
+        """
+        extra = self._typed_overrides() + list(self.overrides)
+        event_file = self.event_file()
+        if event_file is not None:
+            return str(event_file), extra
+        return self.event_config or self.config_file or self.config, extra
+
+    def load(self) -> PipelineConfig:
+        """The config these parameters name (`resolved`), with `event_sources` applied.
+        When an event chose the config, its `ingest.allowed_sources` is replaced by the
+        deployment config's (`config_file` or `config`, with the overrides): the allow-list
+        never comes from a file an event names. Sources are checked against it first.
+
+        Raises:
+            ValueError: the event's config file is refused (`event_file`).
+            The errors of `load_config` (a file an event named is never quoted) and
+            `with_event_sources` (a bad override, a source the config does not allow).
+        """
+        path, overrides = self.resolved()
+        chosen = self.event_config_file is not None or self.event_config is not None
+        cfg = load_config(path, overrides, quote=self.event_config_file is None)
+        if chosen:
+            own = load_config(self.config_file or self.config, overrides)
+            ingest = cfg.ingest.model_copy(
+                update={"allowed_sources": own.ingest.allowed_sources})
+            cfg = cfg.model_copy(update={"ingest": ingest})
         if self.event_sources is not None:
             from mlm_pipeline.ingest.allowed import with_event_sources
 
@@ -214,7 +272,7 @@ def flow_run_name() -> str:
         pass
     try:
         params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
-        cfg = load_config(*params.resolved())
+        cfg = params.load()
     except Exception:  # noqa: BLE001 - the flow itself reports bad parameters
         return pipeline.run_name(None)
     return cfg.tracking.run_name or pipeline.run_name(cfg)

@@ -22,7 +22,6 @@ from prefect.runtime import deployment, flow_run
 from prefect.utilities.urls import url_for
 
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.config_files import load_config
 from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
@@ -165,7 +164,7 @@ def close_mlflow_run(status: str, what: str):
     def hook(flow, flow_run, state) -> None:
         try:
             params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
-            tracker = MlflowTracker.from_config(load_config(*params.resolved()).tracking)
+            tracker = MlflowTracker.from_config(params.load().tracking)
             note = (f"Prefect flow run {flow_run.name} was {what}; run the same deployment "
                     "again to continue from the newest checkpoint.")
             closed = resume.close_runs_of_flow_run(tracker, str(flow_run.id), status, note)

@@ -55,7 +55,8 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
+    quote: bool = True,
 ) -> PipelineConfig:
     """Load a YAML pipeline config and apply dotted overrides (`train.lr=3e-4`).
 
@@ -64,6 +65,9 @@ def load_config(
             up as `configs/tiny.yaml` under the current directory, then among the shipped
             configs (`resolve_config_path`).
         overrides: `key.path=value` strings applied in order after the file.
+        quote: False for a file nobody vouches for (one an event named): its errors name
+            the file, the kind of problem and a line number, never its content (no YAML
+            snippet, no key or value of the file).
 
     Returns:
         The validated, frozen `PipelineConfig`.
@@ -81,7 +85,13 @@ def load_config(
         try:
             loaded = yaml.safe_load(resolved.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+            if quote:
+                raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            at = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"{source}: not valid YAML{at}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: not a UTF-8 text file") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -95,6 +105,10 @@ def load_config(
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
+        if not quote:
+            raise ConfigError(f"{source}: not a valid config ({exc.error_count()} invalid "
+                              "or unknown fields; not listed: the file is not trusted)"
+                              ) from None
         lines, from_file = [], False
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
