@@ -165,7 +165,9 @@ class Meter:
                     "peak with MLM_PIPELINE_PEAK_TFLOPS", step, achieved / 1e12,
                     self.peak_source, self.peak_flops / 1e12)
                 self.peak_flops, self.peak_source = achieved, "achieved"
-            metrics["train/mfu_pct"] = 100.0 * achieved / self.peak_flops
+            # The ratio first: achieved <= peak makes it <= 1 exactly, so the percentage is
+            # never above 100 (100 * a / a can round to 100.00000000000001).
+            metrics["train/mfu_pct"] = 100.0 * (achieved / self.peak_flops)
             metrics["train/peak_tflops"] = self.peak_flops / 1e12
         metrics["train/memory_mb"] = peak_memory_mb(self.device)
         if self.device.type == "cuda":
