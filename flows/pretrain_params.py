@@ -63,9 +63,11 @@ class PretrainParams(BaseModel):
         "corpus.updated trigger): they replace ingest.sources, and each must match the "
         "ingest.allowed_sources of the deployment's config (`config_file` or `config`), "
         "or the run stops before reading anything.")
-    event_config: ShippedConfig | None = Field(
-        None, description="Shipped config an event picked (the corpus.updated trigger): "
-        "replaces `config`; the allow-list stays the deployment config's.")
+    # a plain string in the schema: the trigger renders an absent payload field as "",
+    # which the server checks against the schema before any validator runs
+    event_config: str | None = Field(
+        None, description="Shipped config an event picked by name (the corpus.updated "
+        "trigger): replaces `config`; the allow-list stays the deployment config's.")
     event_config_file: str | None = Field(
         None, description="Path of a YAML config an event named: refused unless it lies "
         "(symlinks followed) in one of `config_dirs`; replaces `config`, never the "
@@ -79,6 +81,15 @@ class PretrainParams(BaseModel):
     def _empty_is_none(cls, value: Any) -> Any:
         """An event template renders a missing payload field as an empty string."""
         return None if value == "" else value
+
+    @field_validator("event_config")
+    @classmethod
+    def _shipped_only(cls, value: str | None) -> str | None:
+        """An event picks a shipped config by name, never a path."""
+        if value is not None and value not in shipped_configs():
+            raise ValueError(f"event_config {value!r} is not a shipped config (shipped: "
+                             f"{', '.join(sorted(shipped_configs()))})")
+        return value
 
     @field_validator("event_sources", mode="before")
     @classmethod

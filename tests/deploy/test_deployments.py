@@ -199,15 +199,24 @@ def test_schedule_and_trigger_are_registered(deployed):
 
 @pytest.mark.full
 def test_corpus_updated_event_starts_a_retrain(deployed):
+    """The event's corpus arrives as a typed parameter; the config file it names (planted
+    beside the corpus, allowing everything) is refused before it is read: the run fails
+    on it, and its state message names the file, never its content."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.events import emit_event
 
+    secret = "planted-s3cr3t-never-quoted"
+    planted = deployed["tmp"] / "incoming" / "wide-open.yaml"
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_text(yaml.safe_dump({"name": "planted", "ingest": {
+        "sources": [str(ASSETS / "tiny_fr.txt")], "allowed_sources": ["/"]}})
+        + f"{secret}: [unclosed\n")
     with _client(deployed) as client:
         dep = client.read_deployment_by_name("mlm-pretraining/scheduled-retrain")
         emit_event(event="corpus.updated",
                    resource={"prefect.resource.id": "mlm-pipeline.corpus.test"},
                    payload={"corpus": str(ASSETS / "tiny_fr.txt"),
-                            "config_file": deployed["config"]})
+                            "config_file": str(planted)})
         deadline = time.monotonic() + 90
         runs = []
         while time.monotonic() < deadline and not runs:
@@ -216,12 +225,21 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
             # the cron schedule's future runs are not the event's
             runs = [r for r in runs if "weekly-retrain" not in str(r.parameters)]
             time.sleep(1)
-    assert runs, "no flow run was created by the corpus.updated event"
-    params = runs[0].parameters["params"]
-    assert params["config_file"] == deployed["config"]
-    # the corpus arrives as a typed parameter, checked against ingest.allowed_sources
-    assert params["event_sources"] == [str(ASSETS / "tiny_fr.txt")]
-    assert not any(o.startswith("ingest.") for o in params["overrides"])
+        assert runs, "no flow run was created by the corpus.updated event"
+        params = runs[0].parameters["params"]
+        # the event's file is a choice to vet, not the deployment's config
+        assert params["event_config_file"] == str(planted)
+        assert params["config"] == "tiny" and params["config_dirs"] == []
+        # the corpus arrives as a typed parameter, checked against ingest.allowed_sources
+        assert params["event_sources"] == [str(ASSETS / "tiny_fr.txt")]
+        assert not any(o.startswith("ingest.") for o in params["overrides"])
+        deadline, run = time.monotonic() + 300, runs[0]
+        while time.monotonic() < deadline and not run.state.is_final():
+            time.sleep(2)
+            run = client.read_flow_run(run.id)
+    assert run.state.is_failed(), (run.state.name, run.state.message)
+    assert str(planted) in run.state.message and "refused" in run.state.message
+    assert secret not in run.state.message and "unclosed" not in run.state.message
 
 
 @pytest.mark.full

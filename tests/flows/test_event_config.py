@@ -106,3 +106,21 @@ def test_a_config_file_the_deployment_sets_is_quoted_as_before(tmp_path):
     bad.write_text("train:\n  max_stepz: 3\n")
     with pytest.raises(ConfigError, match="train.max_stepz"):
         PretrainParams(config_file=str(bad)).load()
+
+
+def test_the_trigger_parameters_of_an_event_without_a_config_pass_the_schema():
+    """The server checks the rendered parameters against the schema before any validator
+    runs: an absent payload field renders as "", which the schema must accept."""
+    import re
+
+    import jsonschema
+
+    root = Path(__file__).resolve().parents[2]
+    deployments = yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]
+    retrain = next(d for d in deployments if d["name"] == "scheduled-retrain")
+    rendered = yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "", yaml.safe_dump(
+        retrain["triggers"][0]["parameters"])))["params"]
+    assert rendered["event_config"] == "" and rendered["event_config_file"] == ""
+    jsonschema.validate(rendered, PretrainParams.model_json_schema())
+    params = PretrainParams.model_validate(rendered)
+    assert params.resolved()[0] == "tiny" and params.config_dirs == []
