@@ -72,7 +72,8 @@ def test_train_time_spans_both_segments_of_a_resumed_run(
     assert second < both
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    out = summary(tracker, "run1", _manifest(Manifest, "ingest"), tiny_tokenizer_manifest,
+    run_id = tracker.client.create_run(tracker.client.create_experiment("summary")).info.run_id
+    out = summary(tracker, run_id, _manifest(Manifest, "ingest"), tiny_tokenizer_manifest,
                   _manifest(Manifest, "shards"), manifest,
                   _manifest(EvalManifest, "evaluate", metrics={"eval/loss": 4.0}, probes=[]))
     assert out["train_tokens_per_s_mean"] == pytest.approx(manifest.tokens_seen / both,
