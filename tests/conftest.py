@@ -196,6 +196,9 @@ FULL_COST_S = {
     "tests/integration/test_distributed.py": 150,
     "tests/flows/test_distributed_flow.py": 120,
     "tests/integration/test_train_features.py": 90,
+    "tests/integration/test_registry_walkthrough.py": 300,
+    "tests/integration/test_debian_fetch.py": 120,
+    "tests/flows/test_interrupt_pipe.py": 120,
 }
 DEFAULT_FULL_COST_S = 60
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+# a variant of the signal proofs: one slice of the landings in CI (the SIGKILL resume case
+# and the in-process stop tests run on every push)
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "mlm-pipeline"

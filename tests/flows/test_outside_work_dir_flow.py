@@ -29,6 +29,7 @@ def test_a_prepared_data_reference_outside_the_work_dir_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings in CI; the fast refusal tests run on every push
 def test_a_cached_manifest_naming_a_directory_outside_the_work_dir_fails_the_run(tmp_path):
     params = PretrainParams(config="tiny", overrides=_overrides(tmp_path))
     cfg = load_config(*params.resolved())

@@ -126,6 +126,7 @@ def _one_step_later(state):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings in CI; the same checks run in-process on every push
 def test_fresh_processes_refuse_a_flipped_tensor_and_an_edited_state(
         run, spm, tmp_path, tiny_tokenizer_manifest):
     weights = _flip_a_tensor_byte(_step(run, 4))

@@ -17,7 +17,9 @@ from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import corpora
 from mlm_pipeline.ingest.stage import ingest, read_documents
 
-pytestmark = pytest.mark.slow
+# The Quickstart test fetches debian:fr on every push; these checks run on one slice of the
+# landings in CI.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 # Independent language checks (not the module's filter): common French function words,
 # and English ones that French prose does not use.
@@ -93,7 +95,6 @@ def test_ingest_debian_source(handbook, tmp_path):
     assert sorted(ids) == sorted(json.loads(line)["id"] for line in path.open(encoding="utf-8"))
 
 
-@pytest.mark.full
 def test_littre_is_general_domain_french(tmp_path):
     """The Littré (31 MB .deb) holds the guide's general-domain answers, without markup."""
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):

@@ -79,6 +79,7 @@ def test_the_block_is_found_and_read():
     assert "@champion" in fill and export.endswith("my-model")
 
 
+@pytest.mark.full  # one slice of the landings in CI; the Quickstart test runs on every push
 @pytest.mark.slow  # three runs of the tiny pipeline (60, 10 and 200 steps) in fresh processes
 @pytest.mark.timeout(2700)  # about 15 minutes on 2 busy cores
 def test_the_registry_walkthrough_works_as_printed(tmp_path, prefect_api_url):
