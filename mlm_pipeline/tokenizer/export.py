@@ -172,7 +172,8 @@ def _rule_steps(tk, blob: bytes) -> list:
 
     rules = charsmap_rules(blob)
     if rules is None or any(len(key) != 1 for key in rules):
-        # Longest-match multi-character rules: only `Precompiled` has them (issue 2334).
+        # Longest-match multi-character rules: only `Precompiled` has them
+        # (https://github.com/huggingface/tokenizers/issues/2334).
         return [normalizers.Precompiled(blob)]
     by_target: dict[str, list[str]] = {}
     for key, target in sorted(rules.items()):

@@ -244,7 +244,7 @@ def test_corpus_updated_event_starts_a_retrain(deployed):
 
 @pytest.mark.full
 def test_five_deployment_runs_at_once_on_a_cold_cache_all_complete(deployed):
-    """Issue 13, item 1: runs sharing a work directory each build a stage once, under its
+    """Runs sharing a work directory each build a stage once, under its
     lock, and reuse it; none fails on another's temporary files."""
     work = deployed["tmp"] / "work-concurrent"  # cold: no stage built yet
     params = json.dumps({"config_file": deployed["config"],
@@ -297,7 +297,7 @@ def test_retraining_and_gpu_deployments_queue_one_run_at_a_time(deployed):
 
 @pytest.mark.full
 def test_two_pool_deployment_runs_its_halves_as_deployments(deployed):
-    """Issue 16, item 4: with `stages`, mlm-pretraining runs prepare-data and train-evaluate
+    """With `stages`, mlm-pretraining runs prepare-data and train-evaluate
     as deployments of their own (here both on the process pool), waits for each, and the
     MLflow run it opened is finished by the train-evaluate child on the prepared shards."""
     params = json.dumps({"config_file": deployed["config"],

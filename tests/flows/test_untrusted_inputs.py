@@ -1,4 +1,4 @@
-"""What an attacker can plant or send never runs or reads anything (issue 13, items 2 and 3):
+"""What an attacker can plant or send never runs or reads anything:
 a pickle planted in Prefect's result storage under the cache key of a data stage is never
 unpickled, and corpus sources sent by an event are read only inside
 `ingest.allowed_sources`."""

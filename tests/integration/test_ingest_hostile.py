@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 13, item 5): the bad-file policy, CR-only JSONL, resynchronised
+"""Hostile inputs: the bad-file policy, CR-only JSONL, resynchronised
 JSON arrays, binary content, control characters and special directory entries.
 
 Every fixture is written here, in tmp_path; expected counts are worked out by hand from

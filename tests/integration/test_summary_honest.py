@@ -1,5 +1,5 @@
 """The run summary's mean tokens/s is tokens seen over the training loop's time of every
-segment of a resumed run, not over the last segment's time (issue 17, part 2).
+segment of a resumed run, not over the last segment's time.
 
 The training time each test expects is computed from the loop's own log, `metrics.jsonl`:
 an interval of n steps that logged `train/tokens_per_s` = r took n * tokens_per_step / r
