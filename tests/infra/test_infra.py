@@ -402,7 +402,7 @@ def test_worker_images_install_torch_first_then_the_project(dockerfile):
     runs = [args for ins, args in steps if ins == "RUN"]
     torch_step = next(i for i, r in enumerate(runs) if re.search(r"pip install .*\storch$", r))
     project_step = next(i for i, r in enumerate(runs)
-                        if re.search(r"pip install .*\s\"?\.(\[\w+\])?\"?(\s|$)", r))
+                        if re.search(r"pip install .*\s\"?\.(\[[\w,-]+\])?\"?(\s|$)", r))
     assert torch_step < project_step
     assert "--index-url" in runs[torch_step].split()
     args = dict(a.split("=", 1) for ins, a in steps if ins == "ARG" and "=" in a)

@@ -79,7 +79,8 @@ def test_other_command_errors_are_one_line_unless_verbose(tmp_path):
     args = ("promote", "not-a-run-id", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}")
     out = _cli(*args, cwd=tmp_path)
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
-        "mlm-pipeline: error: promote: 'not-a-run-id' is not an MLflow run id (32 hex digits)"]
+        f"mlm-pipeline: error: no MLflow database at {tmp_path / 'm.db'} "
+        "(give --tracking-uri or set MLFLOW_TRACKING_URI)"]
     verbose = _cli(*args, "--verbose", cwd=tmp_path)  # accepted after the command too
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 

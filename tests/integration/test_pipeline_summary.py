@@ -20,6 +20,11 @@ def _stage(stage: str, created_at: float, wall: float) -> Manifest:
     return Manifest(**_base(stage, created_at, wall))
 
 
+def _run(tracker: MlflowTracker) -> str:
+    """A run in the tracker's store: the summary reads its experiment for the UI links."""
+    return tracker.client.create_run(tracker.client.create_experiment("summary")).info.run_id
+
+
 def test_reused_stages_and_mean_speed(tmp_path, tiny_tokenizer_manifest):
     run_start = 1_000.0
     trained = TrainManifest(**_base("train", 1_010.0, 40.0), checkpoint_dir="ckpt/step-10",
@@ -29,9 +34,10 @@ def test_reused_stages_and_mean_speed(tmp_path, tiny_tokenizer_manifest):
     evaluated = EvalManifest(**_base("evaluate", 1_060.0, 3.0), metrics={"eval/accuracy": 0.25},
                              probes=[])
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run1 = _run(tracker)
     tokenizer = tiny_tokenizer_manifest.model_copy(update={"created_at": 950.0,
                                                            "wall_time_s": 4.0})
-    out = summary(tracker, "run1", _stage("ingest", 900.0, 7.5), tokenizer,
+    out = summary(tracker, run1, _stage("ingest", 900.0, 7.5), tokenizer,
                   _stage("shards", 1_001.0, 2.0), trained, evaluated, started_at=run_start)
     # ingest and tokenizer were made before this run started; shards, train, evaluate in it.
     assert out["reused_stages"] == ["ingest", "tokenizer"]
@@ -44,7 +50,7 @@ def test_reused_stages_and_mean_speed(tmp_path, tiny_tokenizer_manifest):
     assert "| shards | 2.0 |" in md
     assert "mean 512 tokens/s over the run" in md
     # Without a start time nothing is called reused.
-    assert summary(tracker, "run1", _stage("ingest", 900.0, 7.5), tokenizer,
+    assert summary(tracker, run1, _stage("ingest", 900.0, 7.5), tokenizer,
                    _stage("shards", 1_001.0, 2.0), trained, evaluated)["reused_stages"] == []
 
 
@@ -62,7 +68,8 @@ def test_summary_speeds_stop_reason_device_and_versions(tmp_path, tiny_tokenizer
                             train_time_s=32.0, peak_tflops=0.25, peak_source="measured")
     evaluated = EvalManifest(**_base("evaluate", 1_060.0, 3.0), metrics={}, probes=[])
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    out = summary(tracker, "run1", _stage("ingest", 900.0, 7.5), tiny_tokenizer_manifest,
+    run1 = _run(tracker)
+    out = summary(tracker, run1, _stage("ingest", 900.0, 7.5), tiny_tokenizer_manifest,
                   _stage("shards", 1_001.0, 2.0), trained, evaluated)
     # Over the training loop's 32 s (both segments), not the stage's 40 s of wall time.
     assert out["train_tokens_per_s_mean"] == 640.0 and out["train_time_s"] == 32.0

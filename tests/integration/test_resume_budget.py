@@ -106,7 +106,8 @@ def test_a_run_that_trained_its_budget_is_finished_by_the_same_budget(tmp_path, 
     cfg = _config(tmp_path, 60)
     with caplog.at_level(logging.INFO, logger="mlm_pipeline.tracking.resume"):
         resume.continue_run(tracker, run_id, run_params(cfg), {}, 60, finish=True)
-    (line,) = [r.getMessage() for r in caplog.records if run_id in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records
+                 if r.name == "mlm_pipeline.tracking.resume" and run_id in r.getMessage()]
     assert line.startswith(f"finishing MLflow run {run_id}") and "--fresh" in line
 
 
@@ -127,7 +128,8 @@ def test_every_continuing_line_names_fresh(tmp_path, caplog):
     cfg = _config(tmp_path, 200)
     with caplog.at_level(logging.INFO, logger="mlm_pipeline.tracking.resume"):
         resume.continue_run(tracker, run_id, run_params(cfg), {}, 100)
-    (line,) = [r.getMessage() for r in caplog.records if run_id in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records
+                 if r.name == "mlm_pipeline.tracking.resume" and run_id in r.getMessage()]
     assert line.startswith(f"continuing MLflow run {run_id} from step 100") and "--fresh" in line
 
 
