@@ -197,6 +197,7 @@ FULL_COST_S = {
     "tests/flows/test_distributed_flow.py": 120,
     "tests/integration/test_train_features.py": 90,
     "tests/integration/test_registry_walkthrough.py": 300,
+    "tests/packaging/test_wheel.py": 180,
     "tests/integration/test_debian_fetch.py": 120,
     "tests/flows/test_interrupt_pipe.py": 120,
 }

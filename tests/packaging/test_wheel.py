@@ -72,6 +72,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings; the Quickstart test installs plainly on every push
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert not [n for n in names if n.startswith("flows/")], "generic top-level `flows`"
@@ -115,6 +116,7 @@ def installed(wheel, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings; the Quickstart test installs plainly on every push
 def test_installed_modules_are_the_wheels(installed):
     code = ("import json, mlm_pipeline, mlm_pipeline_flows, torch; print(json.dumps("
             "[mlm_pipeline.__file__, mlm_pipeline_flows.__file__, torch.__file__]))")
@@ -128,6 +130,7 @@ def test_installed_modules_are_the_wheels(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings; the Quickstart test installs plainly on every push
 def test_installed_default_flow_runs_and_registers_its_model(installed):
     """The shipped `tiny` config on the test corpus with tiny shapes, a few steps, the model
     exported and logged (`tracking.log_model`, the default): the run finishes, from the
@@ -168,6 +171,7 @@ def test_installed_default_flow_runs_and_registers_its_model(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings; the Quickstart test installs plainly on every push
 def test_installed_command_prints_the_shipped_config(installed, monkeypatch):
     out = _run([str(installed["bin"] / "mlm-pipeline"), "config", "tiny"], timeout=120,
                env=installed["env"], cwd=installed["cwd"]).stdout
@@ -180,6 +184,7 @@ def test_installed_command_prints_the_shipped_config(installed, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one slice of the landings; the Quickstart test installs plainly on every push
 def test_installed_flows_import_without_the_checkout(installed):
     python = str(installed["bin"] / "python")
     code = ("import importlib.util, sys; import mlm_pipeline_flows.pretraining as p, "
