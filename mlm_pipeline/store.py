@@ -292,7 +292,7 @@ def _local_files(local_dir: Path) -> list[str]:
 
 
 def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST,
-            changed_only: bool = False) -> int:
+            changed_only: bool = False, exclude: tuple[str, ...] = ()) -> int:
     """Upload the files of a mirrored directory, `last` (its manifest) after all the
     others; returns the files uploaded (0 without a store). Names starting with `.` (locks,
     temporary files) are not uploaded.
@@ -304,6 +304,8 @@ def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST,
             (checkpoints, which never change once written, and the growing metrics log);
             False (a stage just built or republished) uploads every file, so an object
             damaged in the store is replaced.
+        exclude: names directly under `local_dir` (files or directories) not uploaded
+            (a run's `checkpoints/`, which `sync_children` uploads in its own order).
 
     Raises:
         OSError: the store refused a write (what was uploaded stays; the manifest, last, is
@@ -317,6 +319,8 @@ def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST,
     have = remote_sizes(root) if changed_only else {}
     sent = 0
     for name in sorted(_local_files(root), key=lambda n: (n == last, n)):
+        if name.split("/", 1)[0] in exclude:
+            continue
         if changed_only and have.get(name) == (root / name).stat().st_size:
             continue
         fs.put_file(str(root / name), f"{rpath.rstrip('/')}/{name}")

@@ -256,10 +256,12 @@ class Checkpointer:
         _fsync(self.root)
         for old in list_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        # A URL work directory: the checkpoints to the store, then the run directory's
-        # other files (metrics.jsonl), so another machine resumes with the log up to here.
+        # A URL work directory: the run directory's other files (metrics.jsonl) first, then
+        # the checkpoints (each `state.json` last). A kill in between leaves the store with
+        # a log reaching past its newest complete checkpoint (cut back on resume), never a
+        # checkpoint whose log lacks the steps up to it (another machine would lose them).
+        store.publish(self.root.parent, changed_only=True, exclude=(self.root.name,))
         store.sync_children(self.root, last=_JSON)
-        store.publish(self.root.parent, changed_only=True)
         logger.info("checkpoint saved: %s", final)
 
     def load(self, checkpoint: Path, map_location: str | torch.device = "cpu") -> None:

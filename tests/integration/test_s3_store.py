@@ -241,3 +241,69 @@ def test_gc_removes_a_finished_runs_checkpoints_from_the_store_too(
     assert (item.run_id, item.action, item.bytes) == (run_id, "remove", stored)
     assert apply_gc([item]) == stored
     assert "Contents" not in bucket.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+
+
+class _Killed(BaseException):
+    """The machine is lost in the middle of an upload (not an `Exception`: nothing in the
+    code under test may catch it)."""
+
+
+def test_a_store_never_holds_a_checkpoint_whose_metrics_log_lacks_its_steps(
+        bucket, work, monkeypatch, tmp_path):
+    """Killed after any upload of a checkpoint save, the store's newest complete checkpoint
+    at step N comes with a metrics log holding every step up to N, so a run resumed on
+    another machine has its whole log (the log read here with boto3)."""
+    from mlm_pipeline.train.checkpoint import Checkpointer, latest_intact_checkpoint
+    from tests.unit.test_train_parts import _parts
+
+    def saves(kill_after: int | None) -> int:
+        """Two checkpoint saves (steps 5 and 10, a metrics line per step) on a fresh machine
+        `a` in a fresh run directory; killed after the `kill_after`-th upload of the second
+        save. Returns the uploads the second save made."""
+        real_fs = store._fs
+        puts = [0]
+
+        class Dying:
+            def __init__(self, fs):
+                self.fs = fs
+
+            def put_file(self, *args, **kwargs):
+                if kill_after is not None and puts[0] == kill_after:
+                    raise _Killed
+                self.fs.put_file(*args, **kwargs)
+                puts[0] += 1
+
+            def __getattr__(self, name):
+                return getattr(self.fs, name)
+
+        _machine(monkeypatch, tmp_path, "a", work)
+        run = store.work_root(work) / "train" / f"run-{kill_after}"
+        log = run / "metrics.jsonl"
+        log.parent.mkdir(parents=True)
+        ckpt = Checkpointer(run / "checkpoints", _parts(0), {})
+        with log.open("a") as f:
+            f.writelines(json.dumps({"step": s}) + "\n" for s in range(1, 6))
+        ckpt.save(5)
+        with log.open("a") as f:
+            f.writelines(json.dumps({"step": s}) + "\n" for s in range(6, 11))
+        monkeypatch.setattr(store, "_fs", lambda url: (Dying(real_fs(url)[0]), real_fs(url)[1]))
+        try:
+            ckpt.save(10)
+        except _Killed:
+            pass
+        finally:
+            monkeypatch.setattr(store, "_fs", real_fs)
+        return puts[0]
+
+    uploads = saves(None)
+    assert uploads >= 3  # the log, the checkpoint's files, its state.json
+    for kill_after in range(uploads + 1):
+        saves(kill_after)
+        machine_b = _machine(monkeypatch, tmp_path, "b", work)
+        run = store.work_root(work) / "train" / f"run-{kill_after}"
+        newest = latest_intact_checkpoint(run / "checkpoints")
+        step = int(newest.name.split("-")[1])
+        key = f"{work.split('/', 3)[3]}/train/run-{kill_after}/metrics.jsonl"
+        logged = [json.loads(line)["step"] for line in _object(bucket, key).decode().splitlines()]
+        assert logged[:step] == list(range(1, step + 1)), (kill_after, step, logged)
+        assert str(run).startswith(str(machine_b))
