@@ -92,39 +92,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_reference() -> str:
-    """Markdown tables of every config field: dotted key, type, default and description
-    (taken from the field docstrings in `mlm_pipeline.config`)."""
-    from mlm_pipeline.config import PipelineConfig, StrictModel
-
-    lines = []
-    sections = []
-    top = []
-    for name, field in PipelineConfig.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, StrictModel):
-            sections.append((name, ann))
-        else:
-            top.append((name, field))
-    lines += ["| key | default | meaning |", "|---|---|---|"]
-    for name, field in top:
-        lines.append(f"| `{name}` | `{field.default!r}` | {field.description or ''} |")
-    for section, model in sections:
-        lines += ["", f"**`{section}`**: {(model.__doc__ or '').strip().splitlines()[0]}", "",
-                  "| key | default | meaning |", "|---|---|---|"]
-        defaults = model().model_dump(mode="json")
-        for name, field in model.model_fields.items():
-            doc = " ".join((field.description or "").split())
-            shown = repr(defaults[name])
-            if len(shown) > 100:  # e.g. the default probes: the docstring describes them
-                shown = f"[{len(defaults[name])} items]" if isinstance(defaults[name], list) \
-                    else shown[:97] + "..."
-            lines.append(f"| `{section}.{name}` | `{shown}` | {doc} |")
-    return "\n".join(lines) + "\n"
-
-
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    sys.stdout.write(config_reference())
+    from mlm_pipeline.config.reference import config_reference, write_config_reference
+
+    if args.out:
+        print(write_config_reference(args.out))
+    else:
+        sys.stdout.write(config_reference())
     return 0
 
 
@@ -324,7 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(p)
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("config-reference", help="print every config field as Markdown")
+    p = sub.add_parser("config-reference", help="print every config key as Markdown (the "
+                       "page docs/configuration.md)")
+    p.add_argument("--out", metavar="PATH", help="write the page to PATH instead of stdout "
+                   "(refresh the docs: --out docs/configuration.md)")
     p.set_defaults(func=_cmd_config_reference)
 
     p = sub.add_parser("fetch-corpus", help="fetch a built-in Debian corpus into the cache")
