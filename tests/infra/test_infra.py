@@ -437,7 +437,7 @@ def test_dockerignore_sends_only_what_the_images_copy():
 
 
 # ------------------------------------------------------------------------ deployment recipe
-def test_weekly_schedule_ships_paused_and_the_readme_says_how_to_run_and_stop_it():
+def test_weekly_schedule_ships_paused_and_the_docs_say_how_to_run_and_stop_it():
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import CronSchedule
 
@@ -448,8 +448,8 @@ def test_weekly_schedule_ships_paused_and_the_readme_says_how_to_run_and_stop_it
         schedule=CronSchedule(cron=spec["cron"], timezone=spec["timezone"]),
         active=spec["active"], parameters=spec["parameters"])
     assert schedule.active is False  # `prefect deploy` must not start weekly runs unasked
-    readme = (ROOT / "README.md").read_text()
-    recipe = readme.split("## Deploy, schedule and scale out", 1)[1].split("\n### ", 1)[0]
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    recipe = page.split("# Deploy and schedule", 1)[1].split("\n## ", 1)[0]
     for needed in ("prefect deployment schedule resume 'mlm-pretraining/scheduled-retrain'",
                    "PREFECT_UI_API_URL=", "echo $! > prefect-worker.pid",
                    "kill -KILL \"$(cat prefect-worker.pid)\"", "active: true"):

@@ -1,5 +1,5 @@
-"""The README's registry walk-through ("From MLflow: the run's model and the registry") as a
-user runs it: the commands are read from README.md (the ```bash block after "Three runs of
+"""The manual's registry walk-through ("From MLflow: the run's model and the registry") as a
+user runs it: the commands are read from docs/models.md (the ```bash block after "Three runs of
 the tiny config on the test corpus") and run in order, each with `bash -c` in a fresh
 process, from one temporary directory holding the test corpus at the path the block names.
 
@@ -8,8 +8,8 @@ command, the three `mlm-pipeline run` lines with the `#   Decision: ...` comment
 `fill-mask` and `export` on `models:/mlm-pipeline-tiny@champion`. The runs use the
 session's Prefect server (`prefect_api_url`).
 
-Checked: each run prints the decision word of its README comment (`first`, `kept`,
-`promoted`) in a sentence of the README's shape; three versions exist and the champion is
+Checked: each run prints the decision word of its comment in the page (`first`, `kept`,
+`promoted`) in a sentence of the page's shape; three versions exist and the champion is
 version 3; `fill-mask` and `export` exit 0, and the exported directory loads with
 transformers' `AutoModelForMaskedLM`.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "models.md"
 BIN = Path(sys.executable).parent
 #: A `Decision:` sentence of each kind, numbers as patterns (`registry.decide`).
 SHAPES = {
@@ -40,16 +40,16 @@ SHAPES = {
 
 def walkthrough_block() -> str:
     """The ```bash block after "Three runs of the tiny config on the test corpus"."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### From MLflow: the run's model and the registry", 1)[1]
+    text = PAGE.read_text(encoding="utf-8")
+    section = text.split("## From MLflow: the run's model and the registry", 1)[1]
     after = section.split("Three runs of the tiny config on the test corpus", 1)[1]
     match = re.search(r"```bash\n(.*?)```", after, re.DOTALL)
-    assert match, "README.md: no ```bash block after the registry walk-through's intro"
+    assert match, "docs/models.md: no ```bash block after the registry walk-through's intro"
     return match.group(1)
 
 
 def walkthrough() -> tuple[str, list[tuple[str, str]], str, str]:
-    """(the setup lines, [(run command, its README decision comment)], the fill-mask
+    """(the setup lines, [(run command, its decision comment in the page)], the fill-mask
     command, the export command), as written in the block."""
     lines = walkthrough_block().splitlines()
     joined, current = [], ""
