@@ -6,9 +6,16 @@ records) between tasks, never tensors or corpora. All ML logic lives in `mlm_pip
 `pretraining.py` (`mlm-pretraining`, chaining them) are the entry points; `pretrain_params`,
 `task_support`, `tracking_tasks` and `result_store` are what they share.
 
-In a checkout this folder is the package `flows` (prefect.yaml's entrypoints load
-`flows/<module>.py`); the wheel installs it as `mlm_pipeline_flows`, so no module here
-imports another as `flows.x`: each imports its neighbours relatively, else (Prefect loads an
-entry point as a plain script, with this folder on `sys.path` meanwhile) as top-level
-modules, so their names must not clash with an installed package.
+One name: this folder is installed (pyproject.toml, editable or wheel) as the package
+`mlm_pipeline_flows`, and every module here imports its neighbours absolutely under that
+name. prefect.yaml's entry points name the files (`flows/pretraining.py:mlm_pretraining`);
+Prefect runs such a file as a script, whose absolute imports then reach the installed
+package, so one process never holds two copies of a module (two `PretrainParams` classes
+that pydantic would tell apart). Importing the folder as `flows` would make that second
+copy, so it is refused here.
 """
+
+if __name__ != "mlm_pipeline_flows":
+    raise ImportError(
+        f"the flows package is imported as `mlm_pipeline_flows`, not `{__name__}`: "
+        "install the project (pip install -e .) and import mlm_pipeline_flows.<module>")

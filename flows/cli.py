@@ -3,8 +3,8 @@ command goes to `mlm_pipeline.cli.main` as it is.
 
 The library never imports the flows, so the flow is handed to it here
 (`mlm_pipeline.cli.main(argv, run_flow=run_pretraining)`). Installed, this module is
-`mlm_pipeline_flows.cli` (the console script's target); in a checkout it is also
-`python -m flows.cli`. Prefect is imported only when `run` starts the flow, so the other
+`mlm_pipeline_flows.cli` (the console script's target, also `python -m
+mlm_pipeline_flows.cli`). Prefect is imported only when `run` starts the flow, so the other
 commands start as fast as the library does.
 
 `run` executes the flow in this process. With `PREFECT_API_URL` set, the run is recorded
@@ -14,12 +14,12 @@ Ctrl-C reaches only this process (the flow can then checkpoint and close its MLf
 while the API is still there), with a parent-death signal, so it never outlives this process
 (not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine.
 
-Progress: in a terminal, one live `rich` line per stage (`flows.progress_display.display`);
+Progress: in a terminal, one live `rich` line per stage (`mlm_pipeline_flows.progress_display.display`);
 otherwise log lines at a bounded rate (`mlm_pipeline.progress.LogProgress`).
 
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
 is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
-handler is the train task's, `flows.train_evaluate.stop_gracefully`). A second signal, or one
+handler is the train task's, `mlm_pipeline_flows.train_evaluate.stop_gracefully`). A second signal, or one
 outside training, stops at once.
 """
 
@@ -183,8 +183,8 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
         # handlers have delivered the last logs and events to the API (atexit is LIFO).
         atexit.register(api.stop)
     try:
-        from .pretraining import PretrainParams, mlm_pretraining
-        from .progress_display import display
+        from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
+        from mlm_pipeline_flows.progress_display import display
 
         logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
         params = PretrainParams.model_validate(

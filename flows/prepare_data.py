@@ -35,14 +35,11 @@ from mlm_pipeline.manifest import (
 from mlm_pipeline.store import work_root
 from mlm_pipeline.tracking import records as pipeline
 
-try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
-    from .pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from .result_store import MANIFEST_RESULTS
-    from .task_support import IO_RETRIES, data_progress
-except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
-    from pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from result_store import MANIFEST_RESULTS
-    from task_support import IO_RETRIES, data_progress
+# Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
+# this file as the script of prefect.yaml's entry point.
+from mlm_pipeline_flows.pretrain_params import PreparedData, PretrainParams, flow_run_name
+from mlm_pipeline_flows.result_store import MANIFEST_RESULTS
+from mlm_pipeline_flows.task_support import IO_RETRIES, data_progress
 
 #: The flow's entry point (`prefect.yaml`).
 ENTRYPOINT = "flows/prepare_data.py:prepare_data_flow"
@@ -127,10 +124,7 @@ def prepare(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest, Sha
     encoding documents) fans out on a Dask cluster (`dask_prep.prepare_partitioned`): the
     same digests and byte-identical files."""
     if cfg.data.executor == "dask":
-        try:
-            from .dask_prep import prepare_partitioned
-        except ImportError:  # loaded as a script by Prefect
-            from dask_prep import prepare_partitioned
+        from mlm_pipeline_flows.dask_prep import prepare_partitioned
         return prepare_partitioned(cfg)
     corpus = _fresh(ingest_task, cfg)
     tokenizer = _fresh(tokenizer_task, cfg, corpus)

@@ -18,10 +18,10 @@ The MLflow run is opened here first (a failure in a data stage leaves a FAILED r
 config) and handed to `train-evaluate` by id, which records the data, trains, evaluates,
 registers and closes it; if the child could not close it (it never started), this flow does.
 
-This module imports only modules of `flows/` next to it (relatively, else as top-level
-modules from its own folder, which Prefect puts on `sys.path` while loading it as the
-script `flows/pretraining.py:mlm_pretraining`; the wheel installs the folder as
-`mlm_pipeline_flows`).
+This module imports its neighbours in `flows/` absolutely, as `mlm_pipeline_flows.*` (the
+one name the folder is installed under), so that when Prefect runs this file as the script
+of the entry point `flows/pretraining.py:mlm_pretraining` the process still holds one copy
+of each neighbour (one `PretrainParams` class).
 """
 
 from __future__ import annotations
@@ -34,34 +34,29 @@ from prefect import flow
 
 from mlm_pipeline.tracking import resume
 
-try:  # a package: flows.pretraining (checkout) or mlm_pipeline_flows.pretraining (wheel)
-    from .prepare_data import (  # noqa: F401 - the tasks, re-exported for tests and users
-        _ingest_key,
-        _shards_key,
-        _tokenizer_key,
-        ingest_task,
-        locate_prepared,
-        prepare_data_flow,
-        shards_task,
-        tokenizer_task,
-    )
-    from .pretrain_params import (
-        PreparedData,  # noqa: F401 - re-exported for tests and users
-        PretrainParams,
-        StageDeployments,
-        flow_run_name,
-    )
-    from .tracking_tasks import CLOSING_HOOKS, end_tracking, start_tracking
-    from .train_evaluate import stop_gracefully, train_evaluate_flow  # noqa: F401
-except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
-    from prepare_data import locate_prepared, prepare_data_flow
-    from pretrain_params import (
-        PretrainParams,
-        StageDeployments,
-        flow_run_name,
-    )
-    from tracking_tasks import CLOSING_HOOKS, end_tracking, start_tracking
-    from train_evaluate import train_evaluate_flow
+# Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
+# this file as the script of prefect.yaml's entry point.
+from mlm_pipeline_flows.prepare_data import (  # noqa: F401 - the tasks, re-exported
+    _ingest_key,
+    _shards_key,
+    _tokenizer_key,
+    ingest_task,
+    locate_prepared,
+    prepare_data_flow,
+    shards_task,
+    tokenizer_task,
+)
+from mlm_pipeline_flows.pretrain_params import (
+    PreparedData,  # noqa: F401 - re-exported for tests and users
+    PretrainParams,
+    StageDeployments,
+    flow_run_name,
+)
+from mlm_pipeline_flows.tracking_tasks import CLOSING_HOOKS, end_tracking, start_tracking
+from mlm_pipeline_flows.train_evaluate import (  # noqa: F401 - re-exported
+    stop_gracefully,
+    train_evaluate_flow,
+)
 
 #: The flow's entry point (`prefect.yaml`), recorded as the MLflow run's `mlflow.source.name`.
 ENTRYPOINT = "flows/pretraining.py:mlm_pretraining"

@@ -2,8 +2,8 @@
 reporter, and the task options for retries (`IO_RETRIES`, `retry_condition`) and no
 caching (`NOT_CACHED`).
 
-Imported by the flow modules next to it (relatively, or as a top-level module when Prefect
-loads a flow file as a script; see `flows/__init__.py`).
+Imported by the flow modules next to it, as `mlm_pipeline_flows.task_support` (see
+`flows/__init__.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from mlm_pipeline.progress import LogProgress, MultiProgress, Progress
 from mlm_pipeline.tracking.failures import retry_cures
 
-try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
-    from .progress_display import current as current_progress
-except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
-    from progress_display import current as current_progress
+from mlm_pipeline_flows.progress_display import current as current_progress
 
 
 class PrefectProgressSink:

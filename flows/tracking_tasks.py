@@ -26,12 +26,8 @@ from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManife
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
-try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
-    from .pretrain_params import PretrainParams
-    from .task_support import IO_RETRIES, NOT_CACHED
-except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
-    from pretrain_params import PretrainParams
-    from task_support import IO_RETRIES, NOT_CACHED
+from mlm_pipeline_flows.pretrain_params import PretrainParams
+from mlm_pipeline_flows.task_support import IO_RETRIES, NOT_CACHED
 
 
 def train_dir(cfg: PipelineConfig, run_id: str) -> Path:

@@ -39,26 +39,17 @@ from mlm_pipeline.sinks import MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
-try:  # a package: flows.* (checkout) or mlm_pipeline_flows.* (wheel)
-    from . import tracking_tasks as tracking
-    from .pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from .task_support import (
-        IO_RETRIES,
-        NOT_CACHED,
-        PrefectProgressSink,
-        data_progress,
-        retry_condition,
-    )
-except ImportError:  # loaded as a script by Prefect, with this folder on sys.path meanwhile
-    import tracking_tasks as tracking
-    from pretrain_params import PreparedData, PretrainParams, flow_run_name
-    from task_support import (
-        IO_RETRIES,
-        NOT_CACHED,
-        PrefectProgressSink,
-        data_progress,
-        retry_condition,
-    )
+# Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
+# this file as the script of prefect.yaml's entry point.
+from mlm_pipeline_flows import tracking_tasks as tracking
+from mlm_pipeline_flows.pretrain_params import PreparedData, PretrainParams, flow_run_name
+from mlm_pipeline_flows.task_support import (
+    IO_RETRIES,
+    NOT_CACHED,
+    PrefectProgressSink,
+    data_progress,
+    retry_condition,
+)
 
 #: The flow's entry point (`prefect.yaml`), recorded as `mlflow.source.name` of the runs it
 #: opens itself.

@@ -52,7 +52,7 @@ See `mlm-pipeline config tiny` for every key and `mlm-pipeline config-reference`
 NO_FLOW = (
     "`run` needs the Prefect flow, which this entry point does not provide: use the "
     "`mlm-pipeline` command (entry point mlm_pipeline_flows.cli:main), "
-    "`python -m mlm_pipeline_flows.cli run ...`, or in a checkout `python -m flows.cli run ...`"
+    "or `python -m mlm_pipeline_flows.cli run ...`"
 )
 
 

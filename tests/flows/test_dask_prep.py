@@ -25,7 +25,7 @@ pytest.importorskip("prefect_dask")
 
 
 def test_dask_prep_equals_single_process(tmp_path, tiny_paragraphs):
-    from flows.dask_prep import prepare_partitioned
+    from mlm_pipeline_flows.dask_prep import prepare_partitioned
 
     src = _write_inputs(tmp_path, tiny_paragraphs)
     cfg = PipelineConfig(
@@ -73,8 +73,8 @@ def _partition_states() -> dict[str, list[str]]:
 def test_prepare_data_flow_with_the_dask_executor_matches_the_local_one(tmp_path, tiny_paragraphs):
     """The `prepare-data` flow with `data.executor=dask` (what a user sets) returns the
     manifests of the local executor: same digests, byte-identical files."""
-    from flows.prepare_data import prepare_data_flow
-    from flows.pretraining import PretrainParams
+    from mlm_pipeline_flows.prepare_data import prepare_data_flow
+    from mlm_pipeline_flows.pretraining import PretrainParams
 
     src = _write_inputs(tmp_path, tiny_paragraphs)
     base = [f"ingest.sources=[{src}]", "ingest.validation_fraction=0.1",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.pretraining import PretrainParams, mlm_pretraining
-from flows.train_evaluate import train_task
+from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
+from mlm_pipeline_flows.train_evaluate import train_task
 from mlm_pipeline.train.distributed import FAIL_RANK_ENV
 from tests.flows.test_pretraining_flow import _overrides, run_tree
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from flows.pretrain_params import PretrainParams
+from mlm_pipeline_flows.pretrain_params import PretrainParams
 from mlm_pipeline.errors import ConfigError
 
 SECRET = "s3cr3t-token-do-not-leak"

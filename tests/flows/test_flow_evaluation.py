@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from flows.pretraining import PretrainParams, mlm_pretraining
+from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 PROBES = ['{"text": "Le [MASK] est là.", "answers": ["chat"]}', '"Une [MASK] de plus."']

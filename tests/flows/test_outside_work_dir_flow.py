@@ -11,9 +11,9 @@ import pytest
 from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
 from prefect.settings import get_current_settings
 
-from flows.pretrain_params import ManifestRef
-from flows.pretraining import PretrainParams, _ingest_key, mlm_pretraining
-from flows.result_store import ManifestSerializer
+from mlm_pipeline_flows.pretrain_params import ManifestRef
+from mlm_pipeline_flows.pretraining import PretrainParams, _ingest_key, mlm_pretraining
+from mlm_pipeline_flows.result_store import ManifestSerializer
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.ingest import ingest
 from mlm_pipeline.manifest import CorpusManifest, OutsideWorkDirError

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-import flows
-from flows.pretraining import PretrainParams, mlm_pretraining
+import mlm_pipeline_flows
+from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 #: For the tests not about the model: no export, MLflow model or registry (which cost a
@@ -18,9 +18,10 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 NO_MODEL = "tracking.log_model=false"
 
 
-@pytest.mark.parametrize("name", [m.name for m in pkgutil.iter_modules(flows.__path__)])
+@pytest.mark.parametrize(
+    "name", [m.name for m in pkgutil.iter_modules(mlm_pipeline_flows.__path__)])
 def test_every_flow_module_imports(name):
-    importlib.import_module(f"flows.{name}")
+    importlib.import_module(f"mlm_pipeline_flows.{name}")
 
 
 def _overrides(tmp_path, uri):

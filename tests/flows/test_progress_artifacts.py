@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from flows.pretraining import PretrainParams, mlm_pretraining
+from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 from tests.flows.test_pretraining_flow import _overrides, run_tree
 
 

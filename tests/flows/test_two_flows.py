@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.pretraining import (
+from mlm_pipeline_flows.pretraining import (
     PreparedData,
     PretrainParams,
     prepare_data_flow,

@@ -15,8 +15,8 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from pydantic import ValidationError
 
-from flows.pretraining import PretrainParams, _ingest_key, _tokenizer_key, mlm_pretraining
-from flows.result_store import SERIALIZER_TYPE
+from mlm_pipeline_flows.pretraining import PretrainParams, _ingest_key, _tokenizer_key, mlm_pretraining
+from mlm_pipeline_flows.result_store import SERIALIZER_TYPE
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.ingest import ingest
 
@@ -133,8 +133,8 @@ def test_a_failed_data_stage_keeps_its_error_without_any_class_by_name(tmp_path,
     """A failing cached stage: Prefect persists the exception with the stage's serializer
     (no "Failed to write result" warning), as its type and message only; read back, it is a
     plain RuntimeError with that text, and the failure reaches the caller unchanged."""
-    from flows.result_store import ManifestSerializer
-    from flows.pretraining import PretrainParams, mlm_pretraining
+    from mlm_pipeline_flows.result_store import ManifestSerializer
+    from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 
     missing = tmp_path / "nowhere.txt"
     with caplog.at_level("WARNING"):

@@ -56,8 +56,8 @@ def finished(tmp_path_factory, tiny_shard_manifest, tiny_tokenizer_manifest,
 
 def test_a_finished_training_is_not_run_again(finished, tiny_shard_manifest,
                                               tiny_tokenizer_manifest):
-    from flows.tracking_tasks import train_dir
-    from flows.train_evaluate import train_task
+    from mlm_pipeline_flows.tracking_tasks import train_dir
+    from mlm_pipeline_flows.train_evaluate import train_task
 
     cfg, _, run_id, trained, _ = finished
     out = train_dir(cfg, run_id)

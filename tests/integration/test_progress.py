@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from pyarrow import ipc
 
-from flows.progress_display import RichProgress, SinkRecordHandler
+from mlm_pipeline_flows.progress_display import RichProgress, SinkRecordHandler
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.progress import LogProgress, MultiProgress
 from mlm_pipeline.sinks import StdoutSink

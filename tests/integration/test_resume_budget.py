@@ -137,12 +137,12 @@ def test_run_refuses_in_one_line_with_status_1(tmp_path, capsys, monkeypatch):
     """`mlm-pipeline run` as a user meets it, up to the flow's first task: the run's
     real `start-tracking` (its function, without a Prefect server) meets a run killed at
     step 100 of 200 and a rerun with train.max_steps=60."""
-    from flows.tracking_tasks import start_tracking
+    from mlm_pipeline_flows.tracking_tasks import start_tracking
 
     monkeypatch.chdir(tmp_path)
     tracker, run_id = _failed_run(tmp_path, 200)
     checkpoints = tmp_path / "work" / "train" / run_id / "checkpoints"
-    monkeypatch.setattr("flows.tracking_tasks._newest_checkpoint",
+    monkeypatch.setattr("mlm_pipeline_flows.tracking_tasks._newest_checkpoint",
                         lambda cfg: lambda rid: checkpoints / "step-00000100")
 
     def run_flow(config: str, overrides: list[str]):

@@ -94,7 +94,7 @@ def test_mlflow_server_errors_are_retried_and_client_errors_are_not():
 def test_the_flows_retry_condition_reads_the_failed_state():
     from prefect.states import Completed, Failed
 
-    from flows.task_support import retry_condition
+    from mlm_pipeline_flows.task_support import retry_condition
 
     assert retry_condition(None, None, Failed(data=ConnectionResetError("reset")))
     assert not retry_condition(None, None, Failed(
