@@ -140,6 +140,9 @@ class PipelineConfig(StrictModel):
                 f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
                 "must be even"
             )
+        if self.tokenizer.from_init and self.train.init_from is None:
+            problems.append("tokenizer.from_init needs train.init_from (the model whose "
+                            "tokenizer is reused)")
         if problems:
             raise ValueError("; ".join(problems))
         return self

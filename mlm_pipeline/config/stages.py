@@ -89,6 +89,11 @@ class TokenizerConfig(StrictModel):
     byte_fallback: bool = False
     """Decompose characters outside the vocabulary into UTF-8 byte pieces (`<0x41>`) instead
     of [UNK]; adds 256 byte pieces to the vocabulary (SentencePiece `byte_fallback`)."""
+    from_init: bool = False
+    """Reuse the tokenizer of the model `train.init_from` names instead of training one:
+    the tokenizer stage is skipped, the corpus is encoded with the parent's tokenizer (same
+    pieces, same ids) and the other `tokenizer` settings are ignored. Needs
+    `train.init_from`; warm starting from a parent needs its vocabulary anyway."""
 
 
 class ShardConfig(StrictModel):
@@ -333,6 +338,15 @@ class TrainConfig(StrictModel):
     machine loses at most this much work to a kill); None: by `checkpoint_every` only."""
     keep_last_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (oldest removed first)."""
+    init_from: str | None = None
+    """Warm start: a model SOURCE whose weights initialize a fresh run instead of random
+    ones (a checkpoint directory, a training run directory: its newest intact checkpoint,
+    an MLflow run id or a `models:/NAME@ALIAS` URI: its run's checkpoint). Weights only:
+    the optimizer, LR schedule (with its own warm-up), data order and step count start
+    afresh. Its architecture (`model.*`), `vocab_size`, tokenizer and `seq_len` must be
+    this config's (each difference is named); the source, its digest and step are part of
+    the run's digest. A resumed run continues from its own checkpoint, never from this.
+    None: random initialization."""
     trust_unverified_checkpoint: bool = False
     """Resume from a checkpoint that cannot be verified (no digest of its `state.json`:
     written before checkpoints were verified); false refuses it, naming it. Damaged

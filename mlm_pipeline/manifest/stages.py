@@ -191,6 +191,9 @@ class TrainManifest(Manifest):
     """MFU denominator at the end of training, TFLOP/s (None: unknown, MFU not reported)."""
     peak_source: str | None = None
     """Where `peak_tflops` comes from: `measured`, `declared`, `spec` or `achieved`."""
+    init: dict[str, Any] | None = None
+    """The warm start's parent (`train.init_from`): `source`, `checkpoint`, `digest`
+    (its `state_sha256`) and `step`; None for a run from random weights."""
 
 
 class EvalManifest(Manifest):

@@ -2,7 +2,7 @@
 (`stage`), and the `Tokenizer` that loads, checks and encodes with it (`tokenizer`).
 """
 
-from mlm_pipeline.tokenizer.stage import tokenizer_digest, train_tokenizer
+from mlm_pipeline.tokenizer.stage import adopt_tokenizer, tokenizer_digest, train_tokenizer
 from mlm_pipeline.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["Tokenizer", "tokenizer_digest", "train_tokenizer"]
+__all__ = ["Tokenizer", "adopt_tokenizer", "tokenizer_digest", "train_tokenizer"]

@@ -59,6 +59,7 @@ from mlm_pipeline.manifest import (
     compute_digest,
     file_entry,
     load_if_complete,
+    sha256_file,
     stage_dir,
     write_manifest,
 )
@@ -67,8 +68,9 @@ from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, Tokenizer, check_speci
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MASK_MARKER", "MODEL_FILE", "STAGE", "VOCAB_FILE", "Tokenizer", "tokenizer_digest",
-           "train_tokenizer"]  # Tokenizer and MASK_MARKER live in `tokenizer.tokenizer`
+# Tokenizer and MASK_MARKER live in `tokenizer.tokenizer`.
+__all__ = ["MASK_MARKER", "MODEL_FILE", "STAGE", "VOCAB_FILE", "Tokenizer", "adopt_tokenizer",
+           "tokenizer_digest", "train_tokenizer"]
 
 STAGE = "tokenizer"
 MODEL_FILE = "spm.model"
@@ -146,6 +148,60 @@ def train_tokenizer(
         return cached
     logger.info("tokenizer: reusing %s", out_dir)
     return cached
+
+
+def adopt_tokenizer(parent: TokenizerManifest, work_dir: str | os.PathLike[str]
+                    ) -> TokenizerManifest:
+    """Reuse a tokenizer trained before (a warm start's parent, `tokenizer.from_init`)
+    instead of training one: nothing is trained; the same tokenizer keeps its identity.
+
+    The parent's `spm.model` and `spm.vocab` are checked against its manifest (sha256)
+    and copied, with the manifest, to `<work_dir>/tokenizer/<parent digest[:16]>` (nothing
+    is copied when they are there already), so the shards of a new corpus are encoded with
+    the parent's pieces and ids, and the parent's digest feeds the shards digest as a
+    trained tokenizer's does.
+
+    Args:
+        parent: the manifest of the tokenizer to reuse (its files where `output_dir` says).
+        work_dir: pipeline work directory of this run.
+
+    Returns:
+        The manifest in this work directory (`output_dir` there; everything else, digest
+        included, the parent's).
+
+    Raises:
+        ValueError: a file of the parent differs from its manifest's sha256 (named), or
+            its model lacks the fixed special-token ids.
+        FileNotFoundError: a file of the parent is missing.
+    """
+    out_dir = stage_dir(work_dir, STAGE, parent.digest)
+    memo = HashMemo(work_dir).file_sha256
+
+    def build() -> TokenizerManifest:
+        for entry in (parent.model, parent.vocab):
+            src = parent.file(entry.path)
+            if sha256_file(src) != entry.sha256:
+                raise ValueError(f"tokenizer.from_init: {src} differs from the sha256 in "
+                                 f"{parent.path}")
+        check_special(spm.SentencePieceProcessor(model_file=str(parent.file(parent.model.path))),
+                      parent.file(parent.model.path), ValueError)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for entry in (parent.model, parent.vocab):
+            tmp = out_dir / f".{Path(entry.path).name}.{os.getpid()}.tmp"
+            shutil.copyfile(parent.file(entry.path), tmp)
+            os.replace(tmp, out_dir / entry.path)
+        adopted = parent.model_copy(update={"output_dir": str(out_dir.resolve())})
+        write_manifest(adopted)
+        logger.info("tokenizer: reusing %s (digest %s) from %s", MODEL_FILE,
+                    parent.digest[:16], parent.output_dir)
+        return adopted
+
+    if Path(parent.output_dir).resolve() == out_dir.resolve():
+        return parent
+    manifest, _ = reuse_or_build(
+        out_dir, STAGE,
+        lambda: load_if_complete(out_dir, TokenizerManifest, parent.digest, memo), build)
+    return manifest
 
 
 def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,

@@ -63,6 +63,8 @@ from mlm_pipeline.train.perf import (
     resolve_precision,
 )
 from mlm_pipeline.train.schedule import build_lr_scheduler
+from mlm_pipeline.train.verified import latest_intact_checkpoint
+from mlm_pipeline.train.warm_start import parent_of_run
 
 logger = logging.getLogger(__name__)
 
@@ -81,26 +83,32 @@ def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
 
 
 def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
-                 shards: ShardManifest, tokenizer: TokenizerManifest, run_key: str) -> str:
-    """Identity of one training run: model, train and masking configs, inputs, run key."""
+                 shards: ShardManifest, tokenizer: TokenizerManifest, run_key: str,
+                 init: dict[str, Any] | None = None) -> str:
+    """Identity of one training run: model, train and masking configs, inputs, run key,
+    and the warm start's parent checkpoint digest (`init`: `InitSource.record()`), so two
+    runs from different parents (one `models:/NAME@champion` at two times) differ."""
     train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint"})
-    return compute_digest(
-        "train",
-        {"model": model, "train": train, "masking": masking},
-        {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key},
-    )
+    inputs = {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key}
+    if init is not None:
+        inputs["init"] = init["digest"]
+    return compute_digest("train", {"model": model, "train": train, "masking": masking},
+                          inputs)
 
 
 def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig,
                 shards: ShardManifest, tokenizer: TokenizerManifest,
-                world: World | None = None) -> Parts:
+                world: World | None = None,
+                init_state: dict[str, torch.Tensor] | None = None) -> Parts:
     """Seed torch with `cfg.seed` and build every part of the loop on the resolved device
     (on CUDA, GPU `LOCAL_RANK` of `world`); with several ranks the model is wrapped
     (`World.wrap`) before the optimizer is built and every rank reads its strided rows.
 
     The order is fixed: the model's initialization and then the CPU peak-FLOP/s
     measurement (`perf.peak_flops`, which draws random matrices) consume the global RNG,
-    and a checkpoint's RNG state is restored only after both.
+    and a checkpoint's RNG state is restored only after both. `init_state` (a warm start's
+    parent weights, `warm_start.init_weights`) replaces the initial weights before the
+    model is wrapped and the optimizer built (the global RNG is drawn from all the same).
 
     Raises:
         ValueError: fewer training rows than one micro-batch; precomputed masking without
@@ -116,6 +124,8 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
     torch.manual_seed(cfg.seed)
     dataset = ShardDataset(shards, "train")
     model = BertMLM(model_cfg, shards.vocab_size, shards.seq_len).to(device)
+    if init_state is not None:
+        model.load_state_dict(init_state)
     # Forward passes go through `forward_model`; checkpoints save `model`, whose
     # state_dict keys carry no `_orig_mod.` prefix.
     compiled = resolve_compile(cfg.compile, device)
@@ -223,6 +233,7 @@ def train(
     out_dir: str | Path,
     sink: MetricsSink | None = None,
     evaluator: Evaluator | None = None,
+    init_checkpoint: str | Path | None = None,
 ) -> TrainManifest:
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
@@ -239,6 +250,10 @@ def train(
         evaluator: periodic held-out evaluation during training (`loop.Evaluator`, e.g.
             `mlm_pipeline.evaluate.PeriodicEvaluator`); its metrics go to the same sinks at
             the steps it runs. It does not change what is trained.
+        init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to
+            (`tracking.consumers.init_checkpoint`); None: `cfg.init_from` is a local path
+            (or unset). Used at a fresh start only: a resumed run continues from its own
+            checkpoint, whose state records its parent.
 
     Returns:
         The `TrainManifest` (also written as `out_dir/manifest.json`).
@@ -248,7 +263,9 @@ def train(
             precomputed masking, the shards hold no copies made with this masking and seed,
             (`cfg.verify_shards`) a shard is missing or its sha256 differs from the manifest
             (the file is named), or the checkpoint resumed from was written with another
-            data order or masking (the masker's or cursor's state differs).
+            data order or masking (the masker's or cursor's state differs); a warm start
+            (`cfg.init_from`) whose parent is not a checkpoint, is damaged, or differs from
+            this run in architecture, vocabulary or `seq_len` (every field named).
         RuntimeError: when CUDA or bf16 is requested but unavailable, when
             `cfg.compile=on` cannot compile (no C++ compiler on CPU, or the first
             compiled step fails to build), or the loss becomes non-finite (the step is
@@ -259,7 +276,7 @@ def train(
     world = init_world(cfg.distributed, resolve_device(cfg.device))
     try:
         return _train(cfg, model, masking, shards, tokenizer, out, sink, evaluator, world,
-                      watch)
+                      watch, init_checkpoint)
     finally:
         world.close()
 
@@ -285,7 +302,7 @@ def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
 def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
            shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
            sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
-           watch: Stopwatch) -> TrainManifest:
+           watch: Stopwatch, init_checkpoint: str | Path | None = None) -> TrainManifest:
     """`train` once the process group (if any) is up: rank 0 alone writes files."""
     if evaluator is not None:
         refuse_fsdp2_evaluation(world.distributed, world.strategy)
@@ -294,15 +311,20 @@ def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
         if cfg.verify_shards:
             verify_shards(shards)
     world.barrier()
-    parts = build_parts(cfg, model, masking, shards, tokenizer, world)
+    # Rank 0 picks the checkpoint; every rank loads it (the work directory must be shared).
+    resume_from = world.broadcast(
+        latest_intact_checkpoint(out / "checkpoints", cfg.trust_unverified_checkpoint)
+        if world.is_main else None)
+    init_record, init_state = parent_of_run(cfg, model, shards, tokenizer, resume_from,
+                                            init_checkpoint)
+    parts = build_parts(cfg, model, masking, shards, tokenizer, world, init_state)
     parts.evaluator = evaluator if world.is_main else None
+    meta = checkpoint_meta(cfg, model, masking, shards, tokenizer)
     checkpointer = Checkpointer(out / "checkpoints", parts.stateful(),
-                                checkpoint_meta(cfg, model, masking, shards, tokenizer),
+                                {**meta, "init": init_record} if init_record else meta,
                                 keep_last=cfg.keep_last_checkpoints,
                                 is_writer=world.is_main, barrier=world.barrier,
                                 trust_unverified=cfg.trust_unverified_checkpoint)
-    # Rank 0 picks the checkpoint; every rank loads it (the work directory must be shared).
-    resume_from = world.broadcast(checkpointer.latest() if world.is_main else None)
     if resume_from is not None:
         checkpointer.load(resume_from, map_location=parts.device)
         logger.info("resuming at step %d (%d tokens seen)", parts.train_state.step,
@@ -331,22 +353,25 @@ def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
         if jsonl is not None:
             jsonl.close()
     return _write_train_manifest(cfg, model, masking, shards, tokenizer, out, watch, final,
-                                 parts, last_metrics, stop_reason)
+                                 parts, last_metrics, stop_reason, init_record)
 
 
 def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                           shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
                           watch: Stopwatch, final: Path, parts: Parts,
-                          last_metrics: dict[str, float], stop_reason: str) -> TrainManifest:
+                          last_metrics: dict[str, float], stop_reason: str,
+                          init: dict[str, Any] | None = None) -> TrainManifest:
     """Write and return the manifest of a finished run (`final`: its last checkpoint), with
-    the meter's training time over every segment and its MFU peak and the peak's source."""
+    the meter's training time over every segment and its MFU peak and the peak's source,
+    and the warm start's parent (`init`, also an input of the digest)."""
     manifest = TrainManifest(
         stage="train",
-        digest=train_digest(cfg, model, masking, shards, tokenizer, out.name),
+        digest=train_digest(cfg, model, masking, shards, tokenizer, out.name, init),
         output_dir=str(out),
         config={"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
                 "masking": masking.model_dump(mode="json")},
-        inputs={"shards": shards.digest, "tokenizer": tokenizer.digest},
+        inputs={"shards": shards.digest, "tokenizer": tokenizer.digest,
+                **({"init": init["digest"]} if init else {})},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
         checkpoint_dir=str(final.relative_to(out)),
@@ -361,6 +386,7 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         train_time_s=parts.meter.train_time_s(),
         peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
         peak_source=parts.meter.peak_source,
+        init=init,
     )
     if parts.world.is_main:  # checkpoints are in the store already (a URL work directory)
         write_manifest(manifest, changed_only=True)

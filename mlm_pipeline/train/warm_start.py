@@ -1,0 +1,203 @@
+"""Warm start (`train.init_from`): a fresh run initialized with a parent model's weights.
+
+`resolve_init(source)` turns a local SOURCE (a checkpoint directory, or a training run
+directory: its newest intact checkpoint, as `fill-mask` and `export` take them through
+`tracking.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
+its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
+step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
+local checkpoint by the tracking layer first (`tracking.consumers.init_checkpoint`),
+which passes it here as `checkpoint`.
+
+`check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
+or compute the network: all but `preset`, `dropout`, `initializer_range`), `vocab_size`,
+tokenizer or `seq_len` differ from the run's, naming every field that differs in one
+error. `init_weights` loads the weights through the verified loader
+(`verified.load_verified`); only the weights: the optimizer, the LR schedule with its
+warm-up, the data order and the step count of the new run start afresh.
+
+`parent_tokenizer` finds the parent's tokenizer manifest (by the checkpoint's
+`tokenizer_digest`, in a `tokenizer/` directory of its work directory), what
+`tokenizer.from_init` reuses (`tokenizer.stage.adopt_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlm_pipeline.config import ModelConfig, TrainConfig
+from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
+from mlm_pipeline.train.export import find_stage_manifest
+from mlm_pipeline.train.verified import (
+    STATE_DIGEST,
+    find_checkpoint,
+    load_verified,
+    read_state,
+    verify_checkpoint,
+)
+
+logger = logging.getLogger(__name__)
+
+#: `model` fields that neither shape the weights nor change what they compute once
+#: loaded: a parent may differ in them.
+_FREE_MODEL_FIELDS = frozenset({"preset", "dropout", "initializer_range"})
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """A verified parent checkpoint of a warm start.
+
+    Attributes:
+        source: the SOURCE as the config gives it (`train.init_from`).
+        checkpoint: the checkpoint directory resolved from it.
+        digest: the checkpoint's `state_sha256` (hex): it covers the sha256 of every file.
+        step: optimizer steps the parent had taken.
+        state: the checkpoint's verified `state.json`.
+    """
+
+    source: str
+    checkpoint: Path
+    digest: str
+    step: int
+    state: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        """What runs record of their parent (checkpoint meta, train manifest, MLflow tags):
+        `source`, `checkpoint`, `digest`, `step` (JSON values)."""
+        return {"source": self.source, "checkpoint": str(self.checkpoint),
+                "digest": self.digest, "step": self.step}
+
+
+def resolve_init(source: str, checkpoint: str | Path | None = None,
+                 trust_unverified: bool = False) -> InitSource:
+    """The verified checkpoint of a warm-start SOURCE.
+
+    Args:
+        source: `train.init_from`: a checkpoint or training run directory.
+        checkpoint: the local checkpoint an MLflow SOURCE was fetched to (None: `source`
+            is a local path).
+        trust_unverified: accept a checkpoint without a digest (`train.trust_unverified_
+            checkpoint`); a damaged one is refused all the same.
+
+    Raises:
+        ValueError: `source` is not a local path and no `checkpoint` is given (an MLflow
+            SOURCE must be fetched by the caller); the checkpoint is damaged or cannot be
+            verified (`CheckpointError`, the file named).
+        FileNotFoundError: the path holds no complete checkpoint.
+    """
+    if checkpoint is None:
+        if not Path(source).expanduser().exists():
+            raise ValueError(
+                f"train.init_from {source!r}: no such checkpoint or run directory (an MLflow "
+                "run id or models:/ URI is fetched by `mlm-pipeline run` and the flows)")
+        checkpoint = find_checkpoint(Path(source).expanduser(), trust_unverified)
+    path = Path(checkpoint).resolve()
+    state = verify_checkpoint(path, trust_unverified)
+    step = int((state.get("train_state") or {}).get("step", state.get("step", 0)))
+    digest = state.get(STATE_DIGEST) or ""
+    return InitSource(source=source, checkpoint=path, digest=digest, step=step, state=state)
+
+
+def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest,
+                     tokenizer: TokenizerManifest | None) -> list[str]:
+    """Every field in which the parent differs from the run, as
+    `model.hidden_size: 128 in the source, 256 in the config` (empty: compatible).
+
+    The model fields are compared as resolved (a preset's values included); the
+    vocabulary as `vocab_size` and tokenizer digest (same size, other pieces: other ids),
+    `seq_len` as the shards'."""
+    problems = []
+    theirs = ModelConfig.model_validate((init.state.get("config") or {}).get("model") or {})
+    for name in ModelConfig.model_fields:
+        if name in _FREE_MODEL_FIELDS:
+            continue
+        a, b = getattr(theirs, name), getattr(model, name)
+        if a != b:
+            problems.append(f"model.{name}: {a!r} in the source, {b!r} in the config")
+    for name, want in (("vocab_size", shards.vocab_size), ("seq_len", shards.seq_len)):
+        have = init.state.get(name)
+        if have != want:
+            problems.append(f"{name}: {have} in the source, {want} in the config's shards")
+    parent_tok = init.state.get("tokenizer_digest")
+    if tokenizer is not None and parent_tok != tokenizer.digest:
+        problems.append(f"tokenizer: digest {str(parent_tok)[:16]} in the source, "
+                        f"{tokenizer.digest[:16]} in the config (other pieces; set "
+                        "tokenizer.from_init=true to reuse the source's)")
+    return problems
+
+
+def check_init_compatible(init: InitSource, model: ModelConfig, shards: ShardManifest,
+                          tokenizer: TokenizerManifest | None) -> None:
+    """Refuse a parent the run cannot start from (see `init_differences`).
+
+    Raises:
+        ValueError: one message naming the source and every field that differs.
+    """
+    problems = init_differences(init, model, shards, tokenizer)
+    if problems:
+        raise ValueError(f"train.init_from {init.source!r} ({init.checkpoint}) does not fit "
+                         "this config: " + "; ".join(problems))
+
+
+def init_weights(init: InitSource, trust_unverified: bool = False) -> dict[str, torch.Tensor]:
+    """The parent's model `state_dict` (CPU, fp32 as saved), read through the verified
+    loader (`load_verified`: digests, sizes, then safetensors).
+
+    Raises:
+        CheckpointError: the checkpoint changed since `resolve_init` (damaged, or its
+            declared sizes are not its tensors').
+    """
+    model, _ = load_verified(init.checkpoint, "cpu", trust_unverified)
+    logger.info("warm start: weights of %s (step %d, digest %s)", init.checkpoint, init.step,
+                init.digest[:16])
+    return model.state_dict()
+
+
+def parent_tokenizer(init: InitSource) -> TokenizerManifest:
+    """The manifest of the tokenizer the parent was trained with: found by the checkpoint's
+    `tokenizer_digest` in a `tokenizer/` directory of the checkpoint's ancestors (its work
+    directory, or where an MLflow parent was fetched to).
+
+    Raises:
+        FileNotFoundError: no such tokenizer output (named with the digest).
+    """
+    digest = init.state.get("tokenizer_digest") or ""
+    found = find_stage_manifest(init.checkpoint, "tokenizer", digest, TokenizerManifest)
+    if found is None:
+        raise FileNotFoundError(
+            f"tokenizer.from_init: the tokenizer of {init.checkpoint} (digest {digest[:16]}) "
+            "is not in a tokenizer/ directory of its work directory")
+    return found
+
+
+def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
+                  tokenizer: TokenizerManifest, resume_from: Path | None,
+                  init_checkpoint: str | Path | None = None
+                  ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
+    """The parent record (`InitSource.record`) and weights a run starts from: at a fresh
+    start with `cfg.init_from`, the verified, compatible parent and its weights; when
+    resuming (`resume_from`: the run's own checkpoint), the record that checkpoint holds
+    and no weights (the parent is not read again: `models:/NAME@champion` may have moved
+    on, or the parent's directory be gone); else (None, None).
+
+    Args:
+        cfg, model, shards, tokenizer: the run's train and model configs and inputs.
+        resume_from: the checkpoint the run resumes from, or None (a fresh start).
+        init_checkpoint: where an MLflow `cfg.init_from` was fetched to (see
+            `resolve_init`).
+
+    Raises:
+        ValueError, FileNotFoundError: the errors of `resolve_init` and
+            `check_init_compatible`.
+    """
+    if resume_from is not None:
+        return read_state(resume_from).get("init"), None
+    if cfg.init_from is None:
+        return None, None
+    init = resolve_init(cfg.init_from, init_checkpoint, cfg.trust_unverified_checkpoint)
+    check_init_compatible(init, model, shards, tokenizer)
+    return init.record(), init_weights(init, cfg.trust_unverified_checkpoint)
