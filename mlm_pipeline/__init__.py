@@ -9,7 +9,7 @@ nothing here imports Prefect or `flows` (`tests/unit/test_boundaries.py`).
 Every stage has one contract, `verb(stage_config, input_manifests..., work_dir) -> Manifest`:
 it computes its own output directory from a digest of its config and its inputs' digests,
 writes its files atomically and returns a small pydantic manifest; the digest is its cache
-key and lineage (README, "Architecture", has the table of stages). Importing this package
+key and lineage (docs/architecture.md has the table of stages). Importing this package
 imports neither torch nor prefect.
 """
 
