@@ -48,8 +48,10 @@ Defaults are shown as Python values: `None` is YAML `null`, `True`/`False` are
 
 
 def _cell(text: str) -> str:
-    """`text` on one line, safe inside a Markdown table cell (pipes escaped)."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """`text` on one line, safe inside a Markdown table cell: pipes outside code spans
+    escaped (Python-Markdown, which builds the site, splits cells on those only)."""
+    parts = " ".join(text.split()).split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
 
 
 def _type_name(annotation: object) -> str:
@@ -74,13 +76,12 @@ def _type_name(annotation: object) -> str:
 
 
 def _bounds(field: FieldInfo) -> str:
-    """The field's numeric and length constraints, e.g. ` ≥ 1`, ` in (0, 1]`."""
+    """The field's numeric and length constraints as a suffix, e.g. `, ≥ 0, ≤ 1`."""
     parts = []
     for meta in field.metadata:
         for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
-            value = getattr(meta, attr, None)
-            if isinstance(meta, annotated_types.BaseMetadata) and value is not None:
-                parts.append(f"{sign} {value}")
+            if getattr(meta, attr, None) is not None:
+                parts.append(f"{sign} {getattr(meta, attr)}")
         if isinstance(meta, annotated_types.MinLen) and meta.min_length:
             parts.append(f"at least {meta.min_length} item" + "s" * (meta.min_length > 1))
     return (", " + ", ".join(parts)) if parts else ""
@@ -93,8 +94,8 @@ def _models_in(annotation: object) -> list[type[StrictModel]]:
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
-def _default(name: str, field: FieldInfo) -> str:
-    """The default of field `name` as a table cell; `required` when there is none."""
+def _default(field: FieldInfo) -> str:
+    """The default of a field as a table cell; `required` when there is none."""
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True)
@@ -104,7 +105,7 @@ def _default(name: str, field: FieldInfo) -> str:
     elif len(shown) > _MAX_DEFAULT_CHARS:
         shown = (f"[{len(value)} items]" if isinstance(value, (list, tuple))
                  else shown[:_MAX_DEFAULT_CHARS - 3] + "...")
-    return f"`{_cell(shown)}`"
+    return f"`{' '.join(shown.split())}`"  # a code span: its pipes need no escape
 
 
 def _first_line(model: type[BaseModel]) -> str:
@@ -127,7 +128,7 @@ def _sections(model: type[StrictModel], prefix: str) -> Iterator[
             meaning += f" See [`{key}`](#{_anchor(key)})."
         else:
             kind = _type_name(field.annotation) + _bounds(field)
-            default = _default(name, field)
+            default = _default(field)
             meaning = field.description or ""
             for item in inner:  # e.g. eval.probes: a list of FillMaskProbe or str
                 nested.append((f"{key}[]", item))
