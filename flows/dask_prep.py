@@ -99,12 +99,13 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
     from mlm_pipeline.ingest.partitions import partitioned
     from mlm_pipeline.shards import write_shards
     from mlm_pipeline.shards.parallel import partitioned_encoder
-    from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+    from mlm_pipeline.tokenizer import Tokenizer
+    from mlm_pipeline.tracking.parents import prepare_tokenizer
 
     n = partition_count(cfg)
     corpus = ingest(cfg.ingest, cfg.work_dir,
                     accounting=partitioned(task_mapper("read-partition", cfg.work_dir), n))
-    tokenizer = train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir)
+    tokenizer = prepare_tokenizer(cfg, corpus)
     encode = partitioned_encoder(Tokenizer.load(tokenizer).path, cfg.shards,
                                  task_mapper("encode-partition", cfg.work_dir), n)
     shards = write_shards(cfg.shards, corpus, tokenizer, cfg.work_dir, cfg.masking,

@@ -63,10 +63,10 @@ def _ingest_key(context, parameters) -> str:
 
 
 def _tokenizer_key(context, parameters) -> str:
-    from mlm_pipeline.tokenizer import tokenizer_digest
+    from mlm_pipeline.tracking.parents import tokenizer_digest_for
 
     cfg = parameters["cfg"]
-    return _in_work_dir(cfg, "tokenizer-" + tokenizer_digest(cfg.tokenizer, parameters["corpus"]))
+    return _in_work_dir(cfg, "tokenizer-" + tokenizer_digest_for(cfg, parameters["corpus"]))
 
 
 def _shards_key(context, parameters) -> str:
@@ -89,10 +89,11 @@ def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
 
 @task(name="tokenizer", cache_key_fn=_tokenizer_key, **MANIFEST_RESULTS)
 def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerManifest:
-    """Train the SentencePiece tokenizer on the training split."""
-    from mlm_pipeline.tokenizer import train_tokenizer
+    """Train the SentencePiece tokenizer on the training split (with
+    `tokenizer.from_init`, reuse the `train.init_from` model's: nothing trained)."""
+    from mlm_pipeline.tracking.parents import prepare_tokenizer
 
-    return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir, data_progress())
+    return prepare_tokenizer(cfg, corpus, data_progress())
 
 
 @task(name="shards", cache_key_fn=_shards_key, **MANIFEST_RESULTS)
@@ -144,7 +145,7 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
     """
     from mlm_pipeline.ingest import ingest_digest
     from mlm_pipeline.shards import shards_digest
-    from mlm_pipeline.tokenizer import tokenizer_digest
+    from mlm_pipeline.tracking.parents import tokenizer_digest_for
 
     def read(stage, digest, cls):
         try:  # in the work directory, or in a URL one's store
@@ -155,7 +156,7 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
                                     ) from exc
 
     corpus = read("ingest", ingest_digest(cfg.ingest, cfg.work_dir), CorpusManifest)
-    tokenizer = read("tokenizer", tokenizer_digest(cfg.tokenizer, corpus), TokenizerManifest)
+    tokenizer = read("tokenizer", tokenizer_digest_for(cfg, corpus), TokenizerManifest)
     shards = read("shards", shards_digest(cfg.shards, corpus, tokenizer, cfg.masking),
                   ShardManifest)
     return PreparedData.of(corpus, tokenizer, shards)

@@ -240,12 +240,12 @@ class PreparedData(BaseModel):
                 shards or masking settings), or the errors of `ManifestRef.read`.
         """
         from mlm_pipeline.shards import shards_digest
-        from mlm_pipeline.tokenizer import tokenizer_digest
+        from mlm_pipeline.tracking.parents import tokenizer_digest_for
 
         corpus = self.corpus.read(CorpusManifest, cfg.work_dir)
         tokenizer = self.tokenizer.read(TokenizerManifest, cfg.work_dir)
         shards = self.shards.read(ShardManifest, cfg.work_dir)
-        if tokenizer.digest != tokenizer_digest(cfg.tokenizer, corpus):
+        if tokenizer.digest != tokenizer_digest_for(cfg, corpus):
             raise ValueError(f"{self.tokenizer.path}: not the tokenizer this config's "
                              "`tokenizer` section makes from this corpus; prepare the data "
                              "with the same config")

@@ -108,6 +108,7 @@ def train_task(
     logs the metrics and the periodic evaluations to MLflow as it trains, the ranks' output
     streams into this task's log (the progress artifact follows rank 0's metric lines), and
     a failure names the failing rank."""
+    from mlm_pipeline.tracking.parents import init_checkpoint, parent_tags
     from mlm_pipeline.tracking.torchrun_entry import live_tracking
     from mlm_pipeline.train import train
 
@@ -120,16 +121,22 @@ def train_task(
         return done
     tracker = MlflowTracker.from_config(cfg.tracking)
     if cfg.train.distributed.world_size > 1:
-        return _train_torchrun(cfg, shards, tokenizer, run_id, tracker)
+        trained = _train_torchrun(cfg, shards, tokenizer, run_id, tracker)
+        tracker.set_tags(run_id, parent_tags(trained.init))
+        return trained
     mlflow_sink, evaluator = live_tracking(cfg, shards, tokenizer, tracker, run_id)
     sink = MultiSink(StdoutSink(), mlflow_sink, PrefectProgressSink(cfg.train.max_steps))
     with tracker.system_metrics(run_id):
         try:
             with stop_gracefully():
-                return train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                             tracking.train_dir(cfg, run_id), sink, evaluator)
+                trained = train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
+                                tracking.train_dir(cfg, run_id), sink, evaluator,
+                                init_checkpoint=init_checkpoint(cfg))
         finally:
             sink.close()
+    # The parent (`train.init_from`, a param already): its digest and step as tags.
+    tracker.set_tags(run_id, parent_tags(trained.init))
+    return trained
 
 
 def _train_torchrun(cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest,

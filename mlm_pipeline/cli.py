@@ -216,7 +216,8 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
     from mlm_pipeline.manifest import CorpusManifest as Corpus
     from mlm_pipeline.manifest import TokenizerManifest as Tok
     from mlm_pipeline.manifest import load_if_complete, read_manifest, stage_dir
-    from mlm_pipeline.tokenizer.stage import STAGE, tokenizer_digest
+    from mlm_pipeline.tokenizer.stage import STAGE
+    from mlm_pipeline.tracking.parents import tokenizer_digest_for
 
     corpus, digest = None, ""
     if any(s.startswith("debian:") for s in cfg.ingest.sources):
@@ -230,7 +231,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
         digest = ingest_digest(cfg.ingest, cfg.work_dir)
         corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), Corpus, digest)
     if corpus is not None:
-        digest = tokenizer_digest(cfg.tokenizer, corpus)
+        digest = tokenizer_digest_for(cfg, corpus)
         out = stage_dir(cfg.work_dir, STAGE, digest)
         if (tok := load_if_complete(out, Tok, digest)) is not None:
             return tok.file(tok.model.path)

@@ -191,6 +191,10 @@ class TrainManifest(Manifest):
     """MFU denominator at the end of training, TFLOP/s (None: unknown, MFU not reported)."""
     peak_source: str | None = None
     """Where `peak_tflops` comes from: `measured`, `declared`, `spec` or `achieved`."""
+    compile_fallback: str | None = None
+    """Why the compiled model ran partly eagerly: `recompile_limit` (dynamo hit the run's
+    recompile limit, `train.perf.COMPILE_RECOMPILE_LIMIT`, in its last training segment);
+    None: it never did, or the run was not compiled."""
     init: dict[str, Any] | None = None
     """The warm start's parent (`train.init_from`): `source`, `checkpoint`, `digest`
     (its `state_sha256`) and `step`; None for a run from random weights."""

@@ -198,6 +198,20 @@ def record_data(
 _FINAL_ROWS_TAG = "mlm.final_fill_mask_rows"
 
 
+def train_tags(trained: TrainManifest) -> dict[str, str]:
+    """The run tags of a finished training stage: `train.stopped_early`, `mlm.stop_reason`,
+    `train.device`, `train.precision`, `mfu.peak_source`, and `mlm.compile_fallback`
+    (`recompile_limit`) only when the compiled model fell back to eager code."""
+    tags = {"train.stopped_early": str(trained.stopped_early),
+            "mlm.stop_reason": trained.stop_reason,
+            "train.device": trained.device,
+            "train.precision": trained.precision,
+            "mfu.peak_source": trained.peak_source or "unknown"}
+    if trained.compile_fallback:
+        tags["mlm.compile_fallback"] = trained.compile_fallback
+    return tags
+
+
 def record_results(
     tracker: MlflowTracker,
     run_id: str,
@@ -208,7 +222,8 @@ def record_results(
     """Log eval metrics (at the final step: the curve's last point; those already there
     are not logged again), the fill-mask predictions (JSON, and appended once to the
     fill-mask table at the final step), the stop
-    reason, device, precision and MFU peak source (tags), manifests and `plots/loss.png`
+    reason, device, precision, MFU peak source and any compile fallback (tags,
+    `train_tags`), manifests and `plots/loss.png`
     (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
     checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
     (the model itself is logged by `tracking.registry.publish`)."""
@@ -227,11 +242,7 @@ def record_results(
         log_loss_plot(tracker, run_id)
     except ValueError as exc:  # e.g. no train/tokens_seen logged (a run of 0 steps)
         logger.warning("run %s: plots/loss.png not logged: %s", run_id, exc)
-    tracker.set_tags(run_id, {"train.stopped_early": str(trained.stopped_early),
-                              "mlm.stop_reason": trained.stop_reason,
-                              "train.device": trained.device,
-                              "train.precision": trained.precision,
-                              "mfu.peak_source": trained.peak_source or "unknown"})
+    tracker.set_tags(run_id, train_tags(trained))
     for m in (trained, evaluated):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
     tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")

@@ -10,6 +10,8 @@ meter's report to the sink every `train.log_every` steps and checkpoints every
 The loop applies what the plain model leaves out (STYLE rule 4): bf16 autocast, the
 `torch.compile` wrapper (`Parts.forward_model`; checkpoints hold the uncompiled module's
 weights) and document attention (document ids from the [SEP] tokens of the unmasked rows).
+When dynamo hits the compiled model's recompile limit (`perf.COMPILE_RECOMPILE_LIMIT`) and
+runs part of it eagerly, the loop warns once and records it (`Parts.compile_fallback`).
 
 Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
 so a step over k micro-batches computes the same gradient as one batch k times larger.
@@ -66,6 +68,7 @@ from mlm_pipeline.train.data import RowCursor, ShardDataset
 from mlm_pipeline.train.distributed import World, local_grad_norm
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import document_ids_from_sep
+from mlm_pipeline.train.perf import recompile_limit_hits
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +178,11 @@ class Parts:
             and always when eager, whose results it would change in the last bits.
         world: this process's rank among the data-parallel ranks (`World.single()`: one
             process).
+        recompile_limit: compiled versions `forward_model` keeps of one function
+            (`perf.compile_model`); None when eager.
+        compile_fallback: `recompile_limit` once dynamo hit that limit and left part of the
+            forward pass to run eagerly (warned once; the train manifest and the MLflow tag
+            `mlm.compile_fallback` record it); None until then.
     """
 
     model: torch.nn.Module
@@ -195,6 +203,8 @@ class Parts:
     masked_per_row: int | None = None
     evaluator: Evaluator | None = None
     world: World = field(default_factory=World.single)
+    recompile_limit: int | None = None
+    compile_fallback: str | None = None
     #: Stateful overrides of `stateful()` entries (FSDP2: full-state gatherers).
     state_parts: dict[str, Stateful] = field(default_factory=dict)
 
@@ -296,6 +306,8 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
     state, step = parts.train_state, parts.train_state.step + 1
     parts.world.fail_hook(step)
     micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
+    watch = parts.recompile_limit is not None and parts.compile_fallback is None
+    hits = recompile_limit_hits() if watch else 0
     try:
         loss_sum, masked = accumulate_gradients(parts.forward_model, micro, parts.autocast,
                                                 parts.masked_per_row, parts.world)
@@ -304,6 +316,14 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
             f"train.compile={cfg.compile}: torch.compile failed to build the model on "
             f"{parts.device.type} ({type(exc).__name__}); set train.compile: off"
         ) from exc
+    if watch and recompile_limit_hits() > hits:
+        parts.compile_fallback = "recompile_limit"
+        logger.warning(
+            "step %d: torch.compile hit its recompile limit (%d compiled versions of one "
+            "function): its input shapes or other guards kept changing, so that part of the "
+            "forward pass now runs eagerly (slower) for the rest of the run; recorded as "
+            "mlm.compile_fallback=recompile_limit (TORCH_LOGS=recompiles names the changing "
+            "guard; train.compile: off avoids compiling)", step, parts.recompile_limit)
     if _nan_hook(step):
         loss_sum = loss_sum * float("nan")
     clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")

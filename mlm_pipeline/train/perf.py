@@ -128,25 +128,65 @@ def resolve_compile(setting: str, device: torch.device) -> bool:
     return setting == "on"
 
 
-def compile_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`torch.compile(model)` (inductor backend), after checking what it needs up front.
+#: Compiled versions dynamo keeps of one function before it runs that function eagerly for
+#: inputs none of them fits (`torch.compile`'s `recompile_limit`; torch's own default is 8).
+#: A run needs at most 2 a function: batches are always `micro_batch_size` rows of `seq_len`
+#: (`RowCursor` yields full batches only), and the one size that varies, bernoulli
+#: masking's count of predicted tokens after the head's `nonzero` graph break, is compiled
+#: once static and once symbolic (dynamo's automatic dynamic shapes; `exact_k` masking has
+#: a static head and compiles once). 4 leaves room for one change nobody foresaw and stops
+#: a shape leak after 4 compilations (each tens of seconds or more) instead of 8.
+COMPILE_RECOMPILE_LIMIT = 4
+
+
+def compile_model(model: torch.nn.Module, device: torch.device, backend: str = "inductor",
+                  recompile_limit: int = COMPILE_RECOMPILE_LIMIT) -> torch.nn.Module:
+    """`torch.compile(model)`, after checking what the backend needs up front.
 
     Compilation itself happens at the first forward pass; the loop turns a build failure
     there into an error naming `train.compile`. The returned wrapper shares its parameters
-    with `model`; save `model`, whose state_dict keys have no `_orig_mod.` prefix.
+    with `model`; save `model`, whose state_dict keys have no `_orig_mod.` prefix. Its
+    compiled versions count against `recompile_limit` on their own (`isolate_recompiles`):
+    another compiled model in the same process (a second run, an evaluation) neither uses
+    up nor shares this one's limit. Past the limit dynamo runs the function eagerly; the
+    loop warns once (`recompile_limit_hits`).
+
+    Args:
+        model: the module to compile.
+        device: its device.
+        backend: the `torch.compile` backend; `inductor` generates code (C++ on CPU,
+            Triton on CUDA), `eager` and `aot_eager` only capture graphs (tests).
+        recompile_limit: compiled versions kept of one function (`COMPILE_RECOMPILE_LIMIT`).
 
     Raises:
-        RuntimeError: on CPU when no C++ compiler is found (`$CXX`, `g++`, `clang++` or
-            `c++` on the PATH): inductor compiles generated C++ code.
+        RuntimeError: inductor on CPU when no C++ compiler is found (`$CXX`, `g++`,
+            `clang++` or `c++` on the PATH): it compiles generated C++ code.
     """
-    if device.type == "cpu" and not (
+    if backend == "inductor" and device.type == "cpu" and not (
         os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
     ):
         raise RuntimeError(
             "train.compile=on needs a C++ compiler on CPU (none of $CXX, g++, clang++, c++ "
             "found): install one, or set train.compile: off"
         )
-    return torch.compile(model)
+    return torch.compile(model, backend=backend, recompile_limit=recompile_limit,
+                         isolate_recompiles=True)
+
+
+def recompile_limit_hits() -> int:
+    """How many times, in this process so far, dynamo hit a recompile limit and left a
+    function to run eagerly (once per function: it does not try again).
+
+    Private torch API, kept to this one function: torch 2.13 has no public hook for the
+    fallback; it counts it in `torch._dynamo.utils.counters["unimplemented"]` under a
+    message starting `Dynamo recompile limit exceeded` (torch/_dynamo/convert_frame.py),
+    next to the warning it logs. A torch that renames it makes this 0 (no warning, no tag),
+    which tests/integration/test_compile_recompiles.py catches.
+    """
+    from torch._dynamo.utils import counters
+
+    return sum(n for key, n in counters.get("unimplemented", {}).items()
+               if key.startswith("Dynamo recompile limit exceeded"))
 
 
 def adamw_impl(device: torch.device) -> dict[str, bool]:

@@ -5,8 +5,8 @@ directory: its newest intact checkpoint, as `fill-mask` and `export` take them t
 `tracking.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
 its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
 step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
-local checkpoint by the tracking layer first (`tracking.consumers.init_checkpoint`),
-which passes it here as `checkpoint`.
+local checkpoint by the tracking layer first (`tracking.parents`), which passes it
+here as `checkpoint`.
 
 `check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
 or compute the network: all but `preset`, `dropout`, `initializer_range`), `vocab_size`,
@@ -23,6 +23,7 @@ warm-up, the data order and the step count of the new run start afresh.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ def parent_tokenizer(init: InitSource) -> TokenizerManifest:
 
 def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
                   tokenizer: TokenizerManifest, resume_from: Path | None,
-                  init_checkpoint: str | Path | None = None
+                  init_checkpoint: str | Path | Callable[[], Path] | None = None
                   ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
     """The parent record (`InitSource.record`) and weights a run starts from: at a fresh
     start with `cfg.init_from`, the verified, compatible parent and its weights; when
@@ -188,7 +189,8 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         cfg, model, shards, tokenizer: the run's train and model configs and inputs.
         resume_from: the checkpoint the run resumes from, or None (a fresh start).
         init_checkpoint: where an MLflow `cfg.init_from` was fetched to (see
-            `resolve_init`).
+            `resolve_init`), or a function fetching it (called at a fresh start only:
+            `tracking.parents.init_checkpoint`).
 
     Raises:
         ValueError, FileNotFoundError: the errors of `resolve_init` and
@@ -198,6 +200,8 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         return read_state(resume_from).get("init"), None
     if cfg.init_from is None:
         return None, None
+    if callable(init_checkpoint):
+        init_checkpoint = init_checkpoint()
     init = resolve_init(cfg.init_from, init_checkpoint, cfg.trust_unverified_checkpoint)
     check_init_compatible(init, model, shards, tokenizer)
     return init.record(), init_weights(init, cfg.trust_unverified_checkpoint)

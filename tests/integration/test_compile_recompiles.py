@@ -130,3 +130,84 @@ def test_loop_passes_the_static_head_only_when_compiled_with_exact_k(
                         tiny_tokenizer_manifest)
     seq_len = tiny_shard_manifest.seq_len
     assert parts.masked_per_row == (exact_k(seq_len, P) if expected else None)
+
+
+# --- How many times a run compiles, and what happens past the recompile limit ------------
+
+
+def _compile_count(model_cfg, batches: list[int], selection: str) -> tuple[int, list[int], int]:
+    """Train-step `batches` (row counts) through `perf.compile_model` (eager backend: graph
+    capture and guards only, the part that decides recompiles); return (graphs compiled,
+    the predicted-token count N of each step, recompile-limit fallbacks)."""
+    from mlm_pipeline.train.perf import compile_model, recompile_limit_hits
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = BertMLM(model_cfg, V, L)
+    compiled = compile_model(model, torch.device("cpu"), backend="eager")
+    masking = KeyedMasking(MaskingConfig(mlm_probability=P, selection=selection), V)
+    gen = torch.Generator().manual_seed(1)
+    hits, counts = recompile_limit_hits(), []
+    for step, b in enumerate(batches):
+        ids = torch.randint(5, V, (b, L), generator=gen)
+        ids[:, 0], ids[:, -1] = 2, 3
+        batch = masking(ids, torch.arange(b) + 100 * step, 0)
+        counts.append(int((batch[1] != -100).sum()))
+        accumulate_gradients(compiled, [batch],
+                             masked_per_row=exact_k(L, P) if selection == "exact_k" else None)
+    return counters["stats"]["unique_graphs"], counts, recompile_limit_hits() - hits
+
+
+def test_exact_k_compiles_once_per_batch_shape_then_dynamic(tiny_model_config):
+    # The static head: one graph for the whole forward; a second batch size makes dynamo
+    # compile once more with a symbolic batch dimension, and no size after that recompiles.
+    batches = [6, 4, 6, 3]
+    graphs, _, fallbacks = _compile_count(tiny_model_config, batches, "exact_k")
+    assert graphs == (1 if len(set(batches)) == 1 else 2) == 2
+    assert fallbacks == 0
+
+
+def test_bernoulli_compiles_at_most_three_graphs(tiny_model_config):
+    # Full batches (what the loop feeds): the forward up to the head's `nonzero` is one
+    # graph; the rest sees N predicted tokens, compiled once static and, when N changes,
+    # once more with N symbolic: 1 + min(2, distinct N), under COMPILE_RECOMPILE_LIMIT.
+    from mlm_pipeline.train.perf import COMPILE_RECOMPILE_LIMIT
+
+    graphs, counts, fallbacks = _compile_count(tiny_model_config, [6] * 4, "bernoulli")
+    assert len(set(counts)) > 1  # the case that matters: N changes from step to step
+    assert graphs == 1 + min(2, len(set(counts)))
+    assert COMPILE_RECOMPILE_LIMIT >= 2 and fallbacks == 0
+
+
+def test_recompile_limit_hit_warns_once_and_is_recorded(
+        monkeypatch, caplog, tmp_path, tiny_model_config, tiny_shard_manifest,
+        tiny_tokenizer_manifest):
+    # A limit of one compiled version: the head's second N (bernoulli masking changes it
+    # from step to step) exceeds it, and dynamo runs that part eagerly from then on.
+    import functools
+    import logging
+
+    from mlm_pipeline.config import TrainConfig
+    from mlm_pipeline.tracking.records import train_tags
+    from mlm_pipeline.train import perf, stage
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(stage, "compile_model",
+                        functools.partial(perf.compile_model, backend="eager"))
+    monkeypatch.setattr(stage, "COMPILE_RECOMPILE_LIMIT", 1)
+    cfg = TrainConfig(micro_batch_size=4, max_steps=4, warmup_steps=1, log_every=2,
+                      seed=11, compile="on", device="cpu")
+    with caplog.at_level(logging.WARNING, logger="mlm_pipeline.train.loop"):
+        manifest = stage.train(cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
+                               tiny_tokenizer_manifest, tmp_path / "run")
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "mlm_pipeline.train.loop" and "recompile limit" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "(1 compiled versions" in warned[0] and "eagerly" in warned[0]
+    assert manifest.steps == 4
+    assert manifest.compile_fallback == "recompile_limit"
+    assert train_tags(manifest)["mlm.compile_fallback"] == "recompile_limit"
+    unchanged = manifest.model_copy(update={"compile_fallback": None})
+    assert "mlm.compile_fallback" not in train_tags(unchanged)
+    assert train_tags(unchanged)["mlm.stop_reason"] == "max_steps"
