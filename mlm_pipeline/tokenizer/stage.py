@@ -92,8 +92,11 @@ _READ = re.compile(r"Loaded all (\d+) sentences")
 
 def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
     """Identity of the tokenizer `train_tokenizer(cfg, corpus, ...)` writes: config, corpus
-    and the sampling algorithm of the training text."""
-    return compute_digest(STAGE, {"tokenizer": cfg, "sampling": _SAMPLING},
+    and the sampling algorithm of the training text (`from_init` left out: it decides
+    whether this tokenizer is trained, not what it is, so digests made before it existed
+    still hold)."""
+    tokenizer = cfg.model_dump(mode="json", exclude={"from_init"})
+    return compute_digest(STAGE, {"tokenizer": tokenizer, "sampling": _SAMPLING},
                           {"corpus": corpus.digest})
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ from mlm_pipeline.train.loop import Evaluator, Parts, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
-    COMPILE_RECOMPILE_LIMIT,
     adamw_impl,
     compile_model,
     peak_flops,
@@ -88,8 +88,10 @@ def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                  init: dict[str, Any] | None = None) -> str:
     """Identity of one training run: model, train and masking configs, inputs, run key,
     and the warm start's parent checkpoint digest (`init`: `InitSource.record()`), so two
-    runs from different parents (one `models:/NAME@champion` at two times) differ."""
-    train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint"})
+    runs from different parents (one `models:/NAME@champion` at two times) differ. An
+    unset `init_from` is left out, so digests made before it existed still hold."""
+    unset = {"init_from"} if cfg.init_from is None else set()
+    train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint", *unset})
     inputs = {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key}
     if init is not None:
         inputs["init"] = init["digest"]
@@ -136,8 +138,7 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
     fsdp = world.distributed and world.strategy == "fsdp2"
     return Parts(
         model=model,
-        forward_model=(compile_model(wrapped, device, recompile_limit=COMPILE_RECOMPILE_LIMIT)
-                       if compiled else wrapped),
+        forward_model=compile_model(wrapped, device) if compiled else wrapped,
         world=world,
         state_parts=({"model": FsdpModelState(model),
                       "optimizer": FsdpOptimizerState(model, optimizer)} if fsdp else {}),
@@ -236,7 +237,7 @@ def train(
     out_dir: str | Path,
     sink: MetricsSink | None = None,
     evaluator: Evaluator | None = None,
-    init_checkpoint: str | Path | None = None,
+    init_checkpoint: str | Path | Callable[[], Path] | None = None,
 ) -> TrainManifest:
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
@@ -253,10 +254,10 @@ def train(
         evaluator: periodic held-out evaluation during training (`loop.Evaluator`, e.g.
             `mlm_pipeline.evaluate.PeriodicEvaluator`); its metrics go to the same sinks at
             the steps it runs. It does not change what is trained.
-        init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to
-            (`tracking.consumers.init_checkpoint`); None: `cfg.init_from` is a local path
-            (or unset). Used at a fresh start only: a resumed run continues from its own
-            checkpoint, whose state records its parent.
+        init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to,
+            or a function fetching it (`tracking.parents.init_checkpoint`); None:
+            `cfg.init_from` is a local path (or unset). Used at a fresh start only: a
+            resumed run continues from its own checkpoint, whose state records its parent.
 
     Returns:
         The `TrainManifest` (also written as `out_dir/manifest.json`).
@@ -305,7 +306,8 @@ def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
 def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
            shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
            sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
-           watch: Stopwatch, init_checkpoint: str | Path | None = None) -> TrainManifest:
+           watch: Stopwatch,
+           init_checkpoint: str | Path | Callable[[], Path] | None = None) -> TrainManifest:
     """`train` once the process group (if any) is up: rank 0 alone writes files."""
     if evaluator is not None:
         refuse_fsdp2_evaluation(world.distributed, world.strategy)
@@ -389,7 +391,6 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         train_time_s=parts.meter.train_time_s(),
         peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
         peak_source=parts.meter.peak_source,
-        compile_fallback=parts.compile_fallback,
         init=init,
     )
     if parts.world.is_main:  # checkpoints are in the store already (a URL work directory)

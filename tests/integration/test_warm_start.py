@@ -13,6 +13,7 @@ import torch
 from mlm_pipeline.config import (
     MaskingConfig,
     ModelConfig,
+    PipelineConfig,
     ShardConfig,
     TokenizerConfig,
     TrainConfig,
@@ -171,3 +172,18 @@ def test_reused_tokenizer_encodes_a_new_corpus_with_the_parents_ids(
     child = train(_train_cfg(init_from=parents[0].output_dir, max_steps=1), tiny_model_config,
                   MaskingConfig(), shards, tok, work / "train" / "child")
     assert child.steps == 1 and child.init["step"] == 6
+
+
+def test_config_level_tokenizer_reuse_is_what_the_flows_run(
+        tmp_path, monkeypatch, parents, tiny_corpus_manifest, tiny_tokenizer_manifest):
+    import mlm_pipeline.tokenizer.stage as tokenizer_stage
+    from mlm_pipeline.tracking.parents import prepare_tokenizer, tokenizer_digest_for
+
+    monkeypatch.setattr(tokenizer_stage, "_run_trainer", None)  # a call would fail
+    cfg = PipelineConfig.model_validate({
+        "work_dir": str(tmp_path / "work"), "tokenizer": {"from_init": True, "vocab_size": 99},
+        "train": {"init_from": parents[0].output_dir}})
+    assert tokenizer_digest_for(cfg, tiny_corpus_manifest) == tiny_tokenizer_manifest.digest
+    tok = prepare_tokenizer(cfg, tiny_corpus_manifest)
+    assert (tok.digest, tok.vocab_size) == (tiny_tokenizer_manifest.digest, 128)
+    assert tok.output_dir == str((tmp_path / "work" / "tokenizer" / tok.digest[:16]).resolve())
