@@ -56,6 +56,7 @@ from mlm_pipeline.train.loop import Evaluator, Parts, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
+    COMPILE_RECOMPILE_LIMIT,
     adamw_impl,
     compile_model,
     peak_flops,
@@ -138,7 +139,8 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
     fsdp = world.distributed and world.strategy == "fsdp2"
     return Parts(
         model=model,
-        forward_model=compile_model(wrapped, device) if compiled else wrapped,
+        forward_model=(compile_model(wrapped, device, recompile_limit=COMPILE_RECOMPILE_LIMIT)
+                       if compiled else wrapped),
         world=world,
         state_parts=({"model": FsdpModelState(model),
                       "optimizer": FsdpOptimizerState(model, optimizer)} if fsdp else {}),
@@ -391,6 +393,7 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
         train_time_s=parts.meter.train_time_s(),
         peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
         peak_source=parts.meter.peak_source,
+        compile_fallback=parts.compile_fallback,
         init=init,
     )
     if parts.world.is_main:  # checkpoints are in the store already (a URL work directory)
