@@ -74,9 +74,6 @@ _TEMP = re.compile(r"^\.step-\d{8}\.(?:(?P<host>.+)\.)?(?P<pid>\d+)\.tmp$")
 #: 3 stores the weights as safetensors and the files' sha256.
 FORMAT = 3
 _WEIGHTS = "model.safetensors"
-#: Test hook: SIGKILL this process while writing the checkpoint of this step (after its
-#: first file), so tests can kill a run mid-checkpoint-write from outside, in a fresh process.
-_DIE_ENV = "MLM_PIPELINE_TEST_DIE_IN_CHECKPOINT"
 _LEGACY_WEIGHTS = "model.pt"
 
 #: Where each part's state lives: (file, key inside the file; None: the whole file).
@@ -228,7 +225,6 @@ class Checkpointer:
 
     def _write(self, files: dict[str, Any], final: Path) -> None:
         """Write the gathered `files` as the checkpoint `final` (atomically) and prune."""
-        step = int(final.name[len(_PREFIX):])
         self.root.mkdir(parents=True, exist_ok=True)
         remove_dead_writers(self.root)
         tmp = self.root / f".{final.name}.{socket.gethostname()}.{os.getpid()}.tmp"
@@ -243,8 +239,6 @@ class Checkpointer:
             else:
                 torch.save(content, tmp / file)
             _fsync(tmp / file)
-            if os.environ.get(_DIE_ENV) == str(step):  # test hook: a kill mid-write
-                os.kill(os.getpid(), 9)
             record[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_file(tmp / file)}
         files[_JSON]["files"] = record
         sealed = seal_state(files[_JSON])  # last: the digest covers every field above

@@ -39,10 +39,6 @@ import torch
 
 from mlm_pipeline.config.stages import DistributedConfig
 
-#: Test hook: `RANK:STEP` makes rank RANK raise a RuntimeError before optimizer step STEP
-#: (1-based), so tests can check how a failing rank fails the launch.
-FAIL_RANK_ENV = "MLM_PIPELINE_TEST_FAIL_RANK_AT_STEP"
-
 
 @dataclass
 class World:
@@ -143,16 +139,6 @@ class World:
         else:
             with self.wrapped.no_sync():
                 yield
-
-    def fail_hook(self, step: int) -> None:
-        """Raise on the rank and step named by `MLM_PIPELINE_TEST_FAIL_RANK_AT_STEP`.
-
-        Raises:
-            RuntimeError: `RANK:STEP` names this rank and `step`.
-        """
-        value = os.environ.get(FAIL_RANK_ENV)
-        if value and value == f"{self.rank}:{step}":
-            raise RuntimeError(f"test hook {FAIL_RANK_ENV}: rank {self.rank} fails at step {step}")
 
     def close(self) -> None:
         """Destroy the process group (no-op with one rank)."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,9 +74,6 @@ logger = logging.getLogger(__name__)
 
 _STOP = threading.Event()
 _ACTIVE = threading.Event()
-#: Test hook: the step (1-based, applied-step numbering) whose loss is made NaN, so tests
-#: can check the non-finite policy through the CLI in a fresh process.
-_NAN_STEP_ENV = "MLM_PIPELINE_TEST_NAN_AT_STEP"
 
 
 def request_stop() -> None:
@@ -278,18 +274,6 @@ def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tenso
     return micro, epoch
 
 
-_NAN_FIRED: set[int] = set()
-
-
-def _nan_hook(step: int) -> bool:
-    """True once per `run_steps` call for the step named by `MLM_PIPELINE_TEST_NAN_AT_STEP`."""
-    value = os.environ.get(_NAN_STEP_ENV)
-    if not value or int(value) != step or step in _NAN_FIRED:
-        return False
-    _NAN_FIRED.add(step)
-    return True
-
-
 def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]:
     """One optimizer step: `grad_accum_steps` micro-batches, clipping, AdamW, schedule;
     not applied when no token was selected or (`nonfinite: skip`) the step is not finite.
@@ -304,7 +288,6 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
         ValueError: more than `max_skipped_steps` steps in a row selected no token.
     """
     state, step = parts.train_state, parts.train_state.step + 1
-    parts.world.fail_hook(step)
     micro, epoch = next_micro_batches(parts, cfg.grad_accum_steps)
     watch = parts.recompile_limit is not None and parts.compile_fallback is None
     hits = recompile_limit_hits() if watch else 0
@@ -324,8 +307,6 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
             "forward pass now runs eagerly (slower) for the rest of the run; recorded as "
             "mlm.compile_fallback=recompile_limit (TORCH_LOGS=recompiles names the changing "
             "guard; train.compile: off avoids compiling)", step, parts.recompile_limit)
-    if _nan_hook(step):
-        loss_sum = loss_sum * float("nan")
     clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
     grad_norm = local_grad_norm(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip))
     if int(masked) == 0:  # host read: a step without targets must not move the weights
@@ -418,7 +399,6 @@ def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
 def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
                sink: MetricsSink) -> tuple[dict[str, float], str]:
     state, last_metrics = parts.train_state, {}
-    _NAN_FIRED.clear()
     run_start = last_save = time.perf_counter()
     parts.meter.start()
     parts.model.train()

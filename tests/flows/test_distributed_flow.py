@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 from mlm_pipeline_flows.train_evaluate import train_task
-from mlm_pipeline.train.distributed import FAIL_RANK_ENV
+from tests.faults.mlm_faults import FAIL_RANK_AT_STEP, child_env
 from tests.flows.test_pretraining_flow import _overrides, run_tree
 
 
@@ -86,7 +86,8 @@ def test_resumed_two_rank_run_logs_each_step_once(tmp_path, monkeypatch):
     params = PretrainParams(config="tiny", overrides=overrides)
     # rank 0 fails before step 5: steps 1-4 and the evaluations at 2 and 4 are in MLflow,
     # the checkpoint is step 3; the task's retry resumes there and fails again at step 5
-    monkeypatch.setenv(FAIL_RANK_ENV, "0:5")
+    for name, value in child_env(fail_rank_at_step=(0, 5)).items():  # torchrun's ranks
+        monkeypatch.setenv(name, value)
     assert mlm_pretraining(params, return_state=True).is_failed()
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("flow-test").experiment_id])
@@ -97,7 +98,7 @@ def test_resumed_two_rank_run_logs_each_step_once(tmp_path, monkeypatch):
     assert len(list((train_dir / "launch").glob("torchrun-*"))) == 2  # the retry's too
     # the same command again continues the run from step 3: step 4 and its evaluation
     # are trained again but not sent twice
-    monkeypatch.delenv(FAIL_RANK_ENV)
+    monkeypatch.delenv(FAIL_RANK_AT_STEP)
     state = mlm_pretraining(params, return_state=True)
     assert state.is_completed()
     assert state.result()["mlflow_run_id"] == run_id

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 import mlm_pipeline_flows
 from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
+from tests.faults.mlm_faults import nan_at_step
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 #: For the tests not about the model: no export, MLflow model or registry (which cost a
@@ -255,7 +256,7 @@ def test_resume_refuses_a_changed_config(tmp_path):
 
 
 def test_a_non_finite_loss_fails_the_run_with_its_reason_and_no_retry(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLM_PIPELINE_TEST_NAN_AT_STEP", "3")
+    nan_at_step(3, monkeypatch.setattr)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = _overrides(tmp_path, uri) + ["train.checkpoint_every=2"]
     state = mlm_pretraining(PretrainParams(config="tiny", overrides=overrides),

@@ -31,6 +31,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from mlm_pipeline.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
+from tests.faults.mlm_faults import child_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +174,7 @@ CASES = {
     "right-after-checkpoint-precomputed": ("modern", "precomputed", _kill_after_checkpoint(20),
                                            {}, {-signal.SIGKILL}),
     "mid-checkpoint-write": ("bert", "dynamic", None,
-                             {"MLM_PIPELINE_TEST_DIE_IN_CHECKPOINT": "15"}, {-signal.SIGKILL}),
+                             child_env(kill_in_checkpoint=15), {-signal.SIGKILL}),
 }
 
 

@@ -19,7 +19,6 @@ from mlm_pipeline.config.stages import DistributedConfig
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import list_checkpoints, load_model_state
 from mlm_pipeline.train.data import RowCursor
-from mlm_pipeline.train.distributed import FAIL_RANK_ENV
 from mlm_pipeline.train.launch import (
     DistributedTrainingError,
     _error_handler,
@@ -30,6 +29,7 @@ from mlm_pipeline.train.launch import (
     torchrun_command,
     write_launch_inputs,
 )
+from tests.faults.mlm_faults import FAIL_RANK_AT_STEP, child_env
 
 
 def slow(test):
@@ -101,8 +101,10 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_config, tiny_shard_man
 @slow
 def test_failing_rank_names_rank_and_exception(tmp_path, monkeypatch, tiny_model_config,
                                                tiny_shard_manifest, tiny_tokenizer_manifest):
-    monkeypatch.setenv(FAIL_RANK_ENV, "1:2")
-    with pytest.raises(DistributedTrainingError, match=r"rank 1: RuntimeError: test hook") as e:
+    for name, value in child_env(fail_rank_at_step=(1, 2)).items():  # torchrun's ranks
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedTrainingError,
+                       match=r"rank 1: RuntimeError: injected fault") as e:
         _launch(tmp_path, "fail", _cfg(2, 2), tiny_model_config, tiny_shard_manifest,
                 tiny_tokenizer_manifest)
     assert e.value.rank == 1 and e.value.returncode != 0
@@ -114,12 +116,13 @@ def test_resume_after_failure_matches_uninterrupted(tmp_path, monkeypatch, tiny_
                                                     tiny_tokenizer_manifest):
     args = (tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest)
     whole = _launch(tmp_path, "whole", _cfg(2, 2), *args)
-    monkeypatch.setenv(FAIL_RANK_ENV, "0:3")  # after the checkpoint of step 2
+    for name, value in child_env(fail_rank_at_step=(0, 3)).items():  # after checkpoint 2
+        monkeypatch.setenv(name, value)
     with pytest.raises(DistributedTrainingError, match="rank 0"):
         _launch(tmp_path, "cut", _cfg(2, 2), *args)
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == [
         "step-00000002"]
-    monkeypatch.delenv(FAIL_RANK_ENV)
+    monkeypatch.delenv(FAIL_RANK_AT_STEP)
     resumed = _launch(tmp_path, "cut", _cfg(2, 2), *args)
     assert _losses(resumed) == _losses(whole)  # exact, steps 1-4 once each
     w, r = _weights(whole), _weights(resumed)

@@ -11,8 +11,8 @@ reaches and raises `TrainingInterrupted`:
   dropout, so the RNG state must travel too), in the first and in the second epoch;
 - right after a checkpoint is written (the checkpointer's "checkpoint saved" record;
   precomputed masking);
-- while a checkpoint is being written, after its first file (where the checkpointer's
-  kill hook `MLM_PIPELINE_TEST_DIE_IN_CHECKPOINT` kills a process).
+- while a checkpoint is being written, after its first file (where the test-only fault
+  `tests/faults/mlm_faults.kill_in_checkpoint` kills a process).
 
 A stop request is honoured at the end of the step after the one in progress when it is
 made (a request made as step n is logged or checkpointed stops the run at step n + 1). What only a real kill shows (a line of
@@ -163,7 +163,7 @@ def stop_after_checkpoint():
 @pytest.fixture
 def stop_while_writing(monkeypatch):
     """Requests a stop while checkpoint `step` is written, just after its first file is
-    synced: the point where `MLM_PIPELINE_TEST_DIE_IN_CHECKPOINT` kills a process. The
+    synced: the point where `mlm_faults.kill_in_checkpoint` kills a process. The
     write itself is untouched (the real `_fsync` runs)."""
     real_fsync = checkpoint_module._fsync
     seen: list[Path] = []

@@ -12,6 +12,7 @@ from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import Checkpointer, list_checkpoints, load_model_state
 from mlm_pipeline.train.loop import NonFiniteLossError
+from tests.faults.mlm_faults import nan_at_step
 
 
 def _sections(model_cfg, masking=None, **train_kw):
@@ -74,7 +75,7 @@ def test_a_checkpoint_is_never_written_from_non_finite_weights(tmp_path):
 def test_nonfinite_stop_names_the_first_bad_step_and_the_last_good_checkpoint(
     tmp_path, monkeypatch, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest
 ):
-    monkeypatch.setenv("MLM_PIPELINE_TEST_NAN_AT_STEP", "3")
+    nan_at_step(3, monkeypatch.setattr)
     sections = _sections(tiny_model_config, checkpoint_every=2, log_every=2)
     with pytest.raises(NonFiniteLossError, match="non-finite at step 3") as err:
         train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
@@ -90,7 +91,7 @@ def test_nonfinite_stop_names_the_first_bad_step_and_the_last_good_checkpoint(
 def test_nonfinite_skip_drops_the_batch_and_counts_it(
     tmp_path, monkeypatch, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest
 ):
-    monkeypatch.setenv("MLM_PIPELINE_TEST_NAN_AT_STEP", "3")
+    nan_at_step(3, monkeypatch.setattr)
     sections = _sections(tiny_model_config, nonfinite="skip")
     m = train(*sections, tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
     assert m.steps == 6  # six applied steps; the dropped batch is not one of them
