@@ -341,8 +341,10 @@ class TrainConfig(StrictModel):
     init_from: str | None = None
     """Warm start: a model SOURCE whose weights initialize a fresh run instead of random
     ones (a checkpoint directory, a training run directory: its newest intact checkpoint,
-    an MLflow run id or a `models:/NAME@ALIAS` URI: its run's checkpoint). Weights only:
-    the optimizer, LR schedule (with its own warm-up), data order and step count start
+    an MLflow run id or a `models:/NAME@ALIAS` URI: its run's checkpoint, kept in its work
+    directory or uploaded with `tracking.log_training_state`; an exported `transformers`
+    directory is refused: it cannot be verified, the error names its checkpoint). Weights
+    only: the optimizer, LR schedule (with its own warm-up), data order and step count start
     afresh. Its architecture (`model.*`), `vocab_size`, tokenizer and `seq_len` must be
     this config's (each difference is named); the source, its digest and step are part of
     the run's digest. A resumed run continues from its own checkpoint, never from this.

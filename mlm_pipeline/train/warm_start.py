@@ -6,7 +6,9 @@ directory: its newest intact checkpoint, as `fill-mask` and `export` take them t
 its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
 step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
 local checkpoint by the tracking layer first (`tracking.parents`), which passes it
-here as `checkpoint`.
+here as `checkpoint`. An exported `transformers` directory is refused: it holds no
+digests to verify it by (the message names the checkpoint its model card says it was
+exported from).
 
 `check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
 or compute the network: all but `preset`, `dropout`, `initializer_range`), `vocab_size`,
@@ -23,6 +25,7 @@ warm-up, the data order and the step count of the new run start afresh.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,8 @@ from mlm_pipeline.train.verified import (
 
 logger = logging.getLogger(__name__)
 
+#: The line of an exported model card naming its checkpoint (`train.export.model_card`).
+_EXPORTED_FROM = re.compile(r"Exported from `(step-\d+)` of run `([^`]+)`")
 #: `model` fields that neither shape the weights nor change what they compute once
 #: loaded: a parent may differ in them.
 _FREE_MODEL_FIELDS = frozenset({"preset", "dropout", "initializer_range"})
@@ -91,16 +96,43 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
         FileNotFoundError: the path holds no complete checkpoint.
     """
     if checkpoint is None:
-        if not Path(source).expanduser().exists():
+        path = Path(source).expanduser()
+        if not path.exists():
             raise ValueError(
                 f"train.init_from {source!r}: no such checkpoint or run directory (an MLflow "
                 "run id or models:/ URI is fetched by `mlm-pipeline run` and the flows)")
-        checkpoint = find_checkpoint(Path(source).expanduser(), trust_unverified)
+        _refuse_exported(source, path)
+        checkpoint = find_checkpoint(path, trust_unverified)
     path = Path(checkpoint).resolve()
     state = verify_checkpoint(path, trust_unverified)
     step = int((state.get("train_state") or {}).get("step", state.get("step", 0)))
     digest = state.get(STATE_DIGEST) or ""
     return InitSource(source=source, checkpoint=path, digest=digest, step=step, state=state)
+
+
+def _refuse_exported(source: str, path: Path) -> None:
+    """Refuse an exported `transformers` model directory (`config.json`, no checkpoint):
+    it records no digests to verify it by, and its weights are laid out for another class;
+    the message names the checkpoint it was exported from when its model card says.
+
+    Raises:
+        ValueError: `path` is such a directory.
+    """
+    if not (path / "config.json").is_file() or (path / "state.json").is_file() \
+            or (path / "checkpoints").is_dir():
+        return
+    card = path / "README.md"
+    origin = ""
+    if card.is_file():
+        found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
+        if found:
+            origin = (f" (its model card says: checkpoint {found.group(1)} of run "
+                      f"{found.group(2)}, in <work_dir>/train/{found.group(2)}/checkpoints)")
+    raise ValueError(
+        f"train.init_from {source!r}: an exported transformers model directory, which holds "
+        "no training checkpoint to verify (digests, declared sizes); give the checkpoint "
+        f"directory it was exported from{origin}, or the MLflow run id or models:/ URI of "
+        "the run that logged it")
 
 
 def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest,

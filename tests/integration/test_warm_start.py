@@ -65,6 +65,19 @@ def test_refuses_other_architecture_naming_each_field(tmp_path, parents, tiny_mo
     assert not (tmp_path / "child" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # the export imports transformers: about 10 s
+def test_refuses_an_exported_model_naming_its_checkpoint(tmp_path, parents, tiny_model_config,
+                                                        tiny_shard_manifest,
+                                                        tiny_tokenizer_manifest):
+    from mlm_pipeline.train.export import export_checkpoint
+
+    exported = export_checkpoint(parents[0].file(parents[0].checkpoint_dir), tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"an exported transformers model directory.*"
+                                         r"checkpoint step-00000006 of run parent-11"):
+        train(_train_cfg(init_from=str(exported)), tiny_model_config, MaskingConfig(),
+              tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "child")
+
+
 def test_refuses_other_vocabulary_naming_each_field(tmp_path, parents, tiny_model_config,
                                                     tiny_corpus_manifest, tiny_shard_manifest,
                                                     tiny_tokenizer_manifest):
