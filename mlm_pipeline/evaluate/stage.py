@@ -157,7 +157,9 @@ def fill_mask(
     """Predict each literal `[MASK]` in `texts`.
 
     Each text becomes `[CLS] pieces [SEP]` (truncated to `seq_len`), with id 4 at every
-    `[MASK]` marker; special ids are never proposed.
+    `[MASK]` marker and the other special names written in it their ids
+    (`Tokenizer.encode_with_mask`, as the exported tokenizer reads them); special ids are
+    never proposed.
 
     Returns:
         One dict per text: `text`, and `predictions`, a list per mask of `top_k`

@@ -32,11 +32,17 @@ all-[UNK] tokenizer). Its parts, in SentencePiece's order:
 transformers' own converter (`SpmConverter.build_tokenizer_from_spm_proto` in
 `convert_slow_tokenizer.py`, transformers 5) guided the whitespace rules and merges.
 
-Literal special tokens. By default a text holding the characters "[MASK]" gives id 4, as
-`Tokenizer.encode_with_mask` and `transformers.pipeline("fill-mask")` need; "[CLS]" and
-the other special names give their ids too (the `transformers` convention; our
-`encode_with_mask` keeps them as text). With `split_special_tokens=True` no special name
-is matched and every text encodes as `Tokenizer.encode` does (the ids of our shards).
+Literal special tokens. By default a text holding a special name gives its id: "[MASK]"
+4, as `transformers.pipeline("fill-mask")` needs, and "[PAD]", "[UNK]", "[CLS]", "[SEP]"
+0-3, the `transformers` convention; `Tokenizer.encode_with_mask` (our fill-mask probes)
+does the same, so a probe encodes alike on both sides (and "[SEP]" in a probe is the
+document boundary the model saw in training). With `split_special_tokens=True` no name is
+matched and every text encodes as `Tokenizer.encode` does: the ids of our shards, where a
+document that writes "[SEP]" about BERT must not inject a boundary or a mask.
+
+Decoding: `decode(ids)` writes every special id as its name, [UNK] included, and
+`decode(ids, skip_special_tokens=True)` leaves all five out; `Tokenizer.decode` takes the
+same flag and writes the same strings (not SentencePiece's " \u2047 " for [UNK]).
 
 This module imports neither torch nor prefect; `tokenizers`, `transformers` and
 `sentencepiece_model_pb2` (protobuf) are imported inside the functions.
@@ -71,6 +77,8 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _UNIGRAM, _BPE = 1, 2
 #: Rule tables with more keys are not decoded (`nmt_nfkc` has about 225,000).
 _MAX_RULES = 1024
+#: More leading spaces than any decoded text has: the decoder's `Strip` drops them all.
+_STRIP_ALL = 1 << 30
 
 
 def require(module: str):
@@ -332,7 +340,10 @@ def build_hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
         parts.append(decoders.ByteFallback())
     parts.append(decoders.Fuse())
     if spec.add_dummy_prefix:
-        parts.append(decoders.Strip(content=" ", left=1, right=0))
+        # SentencePiece drops the leading "▁" of each piece until it has written a
+        # character: a text's first "▁" piece, and one before a skipped [UNK] ("▁",
+        # [UNK], "▁et" decodes to "et"), leave no space. Strip counts characters.
+        parts.append(decoders.Strip(content=" ", left=_STRIP_ALL, right=0))
     hf.decoder = decoders.Sequence(parts)
 
     hf.add_special_tokens([tk.AddedToken(piece, special=True, normalized=False)

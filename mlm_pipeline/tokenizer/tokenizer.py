@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import unicodedata
 from pathlib import Path
 
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 #: The literal marker that `Tokenizer.encode_with_mask` replaces by the [MASK] id.
 MASK_MARKER = "[MASK]"
+#: Any special name written in a text ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), as a
+#: capturing group (`re.split` keeps the names).
+_SPECIAL_NAME = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+#: `ModelProto.SentencePiece.Type.USER_DEFINED` (sentencepiece_model.proto).
+_USER_DEFINED = 4
 _FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 
 
@@ -92,6 +98,7 @@ class Tokenizer:
         except (RuntimeError, IndexError) as exc:  # IndexError: some truncated protos
             raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
         self._word_starts: np.ndarray | None = None
+        self._decoder: spm.SentencePieceProcessor | None = None
         check_special(self._sp, self.path, ValueError)
 
     @classmethod
@@ -197,26 +204,60 @@ class Tokenizer:
         return unicodedata.normalize(self.normalization, text) if self.normalization else text
 
     def encode_with_mask(self, text: str) -> list[int]:
-        """Encode a fill-mask probe: each literal "[MASK]" becomes the [MASK] id (4).
+        """Encode a fill-mask probe: each literal special name becomes its id, "[MASK]" the
+        [MASK] id (4), and "[PAD]", "[UNK]", "[CLS]", "[SEP]" theirs (0-3).
 
-        The text is split on the marker and each part encoded on its own, so each part gets
+        The names are matched as `transformers` matches special tokens (the exported
+        tokenizer's default call gives the same ids): in the text as given, before
+        normalization (NFKC must not make a name of the fullwidth "［ＭＡＳＫ］"). The text
+        is split at the names and each part encoded on its own, so each part gets
         SentencePiece's word-start marker: "l'[MASK]s" reads as "l'", [MASK], " s".
+        Training documents are encoded by `encode`, where a name is ordinary text.
 
         Returns:
-            Piece ids with `MASK_ID` at each marker (no [CLS] / [SEP] added).
+            Piece ids with the special ids at the names (no [CLS] / [SEP] added).
         """
         ids: list[int] = []
-        # Split first: normalization must not make a marker (NFKC turns the fullwidth
-        # "［ＭＡＳＫ］" into "[MASK]").
-        for i, part in enumerate(text.split(MASK_MARKER)):
-            if i:
-                ids.append(MASK_ID)
-            ids.extend(self._sp.encode(self._normalize(part), out_type=int))
+        for i, part in enumerate(_SPECIAL_NAME.split(text)):
+            if i % 2:  # the captured names sit at odd positions
+                ids.append(SPECIAL_TOKENS[part])
+            elif part:
+                ids.extend(self._sp.encode(self._normalize(part), out_type=int))
         return ids
 
-    def decode(self, ids) -> str:
-        """Decode ids (any iterable of ints, e.g. a numpy row) to text; control ids vanish."""
-        return self._sp.decode([int(i) for i in ids])
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Decode ids (any iterable of ints, e.g. a numpy row) to text, as the exported
+        tokenizer's `decode` does with the same `skip_special_tokens`.
+
+        Every special id is written as its name ("[CLS]", "[UNK]", ...), or, with
+        `skip_special_tokens`, left out; [UNK] too, as in `transformers` (SentencePiece
+        itself writes " \u2047 " for [UNK] and drops the others). Other pieces decode as
+        SentencePiece decodes them ("\u2581" as a space, none before the first
+        character; byte pieces as UTF-8).
+
+        Returns:
+            The text.
+        """
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self._sp.decode([i for i in ids if i >= NUM_SPECIAL])
+        return self._special_decoder().decode(ids)
+
+    def _special_decoder(self) -> spm.SentencePieceProcessor:
+        """A decode-only copy of the model that writes the special pieces' names: control
+        pieces made user-defined (written as their text) and [UNK]'s surface its name.
+        Never used to encode (user-defined names would then match in text)."""
+        if self._decoder is None:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(self.path.read_bytes())
+            for i in SPECIAL_TOKENS.values():
+                if i != UNK_ID:
+                    proto.pieces[i].type = _USER_DEFINED
+            proto.trainer_spec.unk_surface = proto.pieces[UNK_ID].piece
+            self._decoder = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        return self._decoder
 
     def id_to_piece(self, i: int) -> str:
         """The piece string of id `i` (e.g. "▁chat", "[SEP]")."""

@@ -7,17 +7,20 @@ hostile list and a seeded sample of random strings:
 - `split_special_tokens=True` (no special name matched in text) equals
   `[CLS] + Tokenizer.encode(text) + [SEP]`, the ids of our shards, for every text;
 - the default call equals `[CLS] + Tokenizer.encode_with_mask(text) + [SEP]` (a literal
-  "[MASK]" is id 4, as for our fill-mask probes) for every text that holds none of the
-  other special names, which `transformers` matches as special tokens (checked apart).
+  special name is its id, as for our fill-mask probes) for every text;
+- `decode`, with and without `skip_special_tokens`, gives the same string on both sides,
+  for ids holding [UNK] and the other special ids too.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import unicodedata
 
 import pyarrow.parquet as pq
 import pytest
+import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
@@ -44,8 +47,6 @@ HOSTILE = [
     "l'[MASK]s", "［ＭＡＳＫ］", "[mask]", "<0x41>", "<0x3C>x", "a<0x41>b",
     "[CLS] a [SEP]", "[PAD]x", "[UNK]",
 ]
-#: The special names `transformers` matches in text by default (not [MASK]: ours does too).
-OTHER_SPECIALS = [name for name in SPECIAL_TOKENS if name != "[MASK]"]
 VARIANTS = [
     ("unigram", False, "NFC"), ("unigram", True, "NFC"), ("bpe", False, "NFC"),
     ("bpe", True, "NFC"), ("unigram", False, "NFKC"), ("unigram", True, "NFKC"),
@@ -106,8 +107,6 @@ def _mismatches(ours: Tokenizer, hf, texts: list[str]) -> list[str]:
     for text, want, plain, default in zip(texts, ours.encode(texts), got_plain, got_default):
         if plain != [2, *want, 3]:
             bad.append(f"{text!r} split_special_tokens: ours {want} hf {plain}")
-        if any(name in text for name in OTHER_SPECIALS):
-            continue
         want_masked = [2, *ours.encode_with_mask(text), 3]
         if default != want_masked:
             bad.append(f"{text!r} default: ours {want_masked} hf {default}")
@@ -144,23 +143,103 @@ def test_random_inputs_match(exported, tiny_paragraphs):
     assert _mismatches(ours, hf, _random_texts(tiny_paragraphs, 150, seed=3)) == []
 
 
+#: Texts writing the special names: alone, inside words, at the edges, side by side, next
+#: to spaces and punctuation, in other cases and widths (not names: ordinary text).
+LITERAL_NAMES = [
+    *SPECIAL_TOKENS, "Le [SEP] chat", "[CLS] Le chat dort. [SEP]", "x[CLS]y", "[PAD][PAD]x",
+    "Le chat [UNK]", "[UNK]chat", "a [MASK] b [SEP] c", "l'[MASK]s[SEP]", " [SEP] ",
+    "[SEP][CLS][MASK][UNK][PAD]", "[sep] [Sep] [ SEP ]", "［ＳＥＰ］ et ［ＭＡＳＫ］", "[[SEP]]",
+]
+
+
+def _sp_ids(ours: Tokenizer, text: str, names: bool) -> list[int]:
+    """The ids SentencePiece itself gives `text` (NFC/NFKC first, as our corpus), with
+    [CLS] and [SEP] around; with `names`, each special name written in the text is its id
+    and the text between names is encoded piece by piece (the exported default)."""
+    sp = spm.SentencePieceProcessor(model_file=str(ours.path))
+    form = ours.normalization
+
+    def enc(part: str) -> list[int]:
+        return sp.encode(unicodedata.normalize(form, part) if form else part)
+
+    if not names:
+        return [2, *enc(text), 3]
+    pattern = "(" + "|".join(re.escape(n) for n in SPECIAL_TOKENS) + ")"
+    ids = [2]
+    for part in re.split(pattern, text):
+        ids += [SPECIAL_TOKENS[part]] if part in SPECIAL_TOKENS else enc(part)
+    return [*ids, 3]
+
+
 def test_literal_special_names(exported):
+    # Each name written in a probe is its special id on both sides; in documents
+    # (`split_special_tokens=True`, `Tokenizer.encode`) it is ordinary text on both sides.
     ours, hf, _ = exported
-    text = "Le [MASK] dort."
-    masked = hf(text)["input_ids"]
-    assert masked == [2, *ours.encode_with_mask(text), 3] and masked.count(4) == 1
-    plain = hf(text, split_special_tokens=True)["input_ids"]
-    assert 4 not in plain and plain == [2, *ours.encode([text])[0], 3]
-    # The transformers convention for the other special names (ours keeps them as text).
-    assert hf("[CLS] a")["input_ids"][:2] == [2, 2]
+    for text in LITERAL_NAMES:
+        want = _sp_ids(ours, text, names=True)
+        assert [2, *ours.encode_with_mask(text), 3] == want, text
+        assert hf(text)["input_ids"] == want, text
+        plain = _sp_ids(ours, text, names=False)
+        assert not {0, 2, 3, 4} & set(plain[1:-1]), text  # never a control id from text
+        assert [2, *ours.encode([text])[0], 3] == plain, text
+        assert hf(text, split_special_tokens=True)["input_ids"] == plain, text
+    # Written out: the names' ids, and text between them encoded on its own.
+    assert hf("[SEP]")["input_ids"] == [2, 3, 3]
+    assert hf("[CLS][UNK][PAD][MASK]")["input_ids"] == [2, 2, 1, 0, 4, 3]
+    assert ours.encode_with_mask("x[CLS]y") == [*ours.encode(["x"])[0], 2,
+                                                 *ours.encode(["y"])[0]]
+    assert 3 not in _sp_ids(ours, "［ＳＥＰ］", names=True)[1:-1]  # NFKC makes no name
 
 
 def test_decode_matches(exported):
     ours, hf, corpus = exported
-    docs = _documents(corpus)
-    for ids in ours.encode(docs):
-        if 1 not in ids:  # SentencePiece writes [UNK] as " ⁇ "; transformers drops it
-            assert hf.decode([2, *ids, 3], skip_special_tokens=True) == ours.decode(ids)
+    for ids in ours.encode(_documents(corpus)):
+        assert hf.decode(ids) == ours.decode(ids)
+        assert (hf.decode([2, *ids, 3], skip_special_tokens=True)
+                == ours.decode([2, *ids, 3], skip_special_tokens=True))
+
+
+def _has_bytes(ours: Tokenizer) -> bool:
+    return ours.piece_to_id("<0x41>") != ours.unk_id
+
+
+#: Texts with a character the tiny French corpus never holds (no piece: [UNK] without
+#: byte fallback, one run of unknown characters giving one [UNK]).
+UNKNOWN = ["Le 龍 dort", "chat龍", "龍", "龍龍 et 龍", "Le chat dort 龍龍."]
+
+
+def _joined(ours: Tokenizer, ids: list[int]) -> str:
+    """SentencePiece's decoding of normal pieces, written out from the pieces themselves:
+    joined, "\u2581" as a space, no space before the first character."""
+    sp = spm.SentencePieceProcessor(model_file=str(ours.path))
+    return "".join(sp.id_to_piece(i) for i in ids).replace("\u2581", " ").lstrip(" ")
+
+
+def test_decode_of_unk_is_the_same_string(exported):
+    ours, hf, _ = exported
+    for text in UNKNOWN:
+        ids = ours.encode([text])[0]
+        assert (1 in ids) != _has_bytes(ours), (text, ids)
+        # Written as the name (the transformers convention), left out when skipping.
+        want = text if _has_bytes(ours) else re.sub("龍+", "[UNK]", text)
+        assert ours.decode(ids) == hf.decode(ids) == want, text
+        # Skipped: the other pieces as SentencePiece joins them.
+        skipped = text if _has_bytes(ours) else _joined(ours, [i for i in ids if i != 1])
+        assert (ours.decode(ids, skip_special_tokens=True)
+                == hf.decode(ids, skip_special_tokens=True) == skipped), text
+    # Ids a model may predict: [UNK] and the other special ids among ordinary pieces.
+    sp = spm.SentencePieceProcessor(model_file=str(ours.path))
+    chat = ours.encode(["Le chat"])[0]
+    for ids, want, skipped in [
+        ([1], "[UNK]", ""), ([1, 1], "[UNK][UNK]", ""),
+        ([2, *chat, 1, 4, 3, 0], "[CLS] " + sp.decode(chat) + "[UNK][MASK][SEP][PAD]",
+         sp.decode(chat)),
+        ([*chat, 1, *chat], sp.decode(chat) + "[UNK] " + sp.decode(chat),
+         sp.decode(chat) + " " + sp.decode(chat)),
+    ]:
+        assert ours.decode(ids) == hf.decode(ids) == want, ids
+        assert (ours.decode(ids, skip_special_tokens=True)
+                == hf.decode(ids, skip_special_tokens=True) == skipped), ids
 
 
 def test_rule_table_is_our_whitespace_map(tiny_tokenizer_manifest):

@@ -52,6 +52,17 @@ def test_encode_with_mask_inserts_mask_id_at_each_marker(tok, raw_sp):
     assert ids.count(4) == 2
 
 
+def test_encode_with_mask_gives_every_special_name_its_id(tok, raw_sp):
+    # A probe's special names are their ids (as transformers reads them); in a document
+    # (`encode`) they are ordinary text.
+    text = "[CLS] Le chat [SEP] dort[PAD][UNK]"
+    expected = ([2] + raw_sp.encode(" Le chat ") + [3] + raw_sp.encode(" dort")
+                + [0, 1])
+    assert tok.encode_with_mask(text) == expected
+    assert tok.encode([text])[0] == raw_sp.encode(text)
+    assert not {0, 2, 3, 4} & set(tok.encode([text])[0])
+
+
 def test_encode_matches_sentencepiece_and_adds_no_bos_eos(tok, raw_sp):
     texts = ["Le chat dort dans la maison.", "Il pleut à Lyon depuis 3 jours."]
     assert tok.encode(texts) == [raw_sp.encode(t) for t in texts]
@@ -70,7 +81,11 @@ def test_whitespace_variants_encode_like_a_space(tok):
 def test_decode_round_trip(tok):
     text = "le chat dort dans la maison"
     assert tok.decode(tok.encode([text])[0]) == text
-    assert tok.decode([2] + tok.encode([text])[0] + [3]) == text  # control ids vanish
+    ids = [2] + tok.encode([text])[0] + [3]
+    assert tok.decode(ids, skip_special_tokens=True) == text  # special ids left out
+    assert tok.decode(ids) == f"[CLS] {text}[SEP]"  # or written as their names
+    assert tok.decode([1, 4, 0]) == "[UNK][MASK][PAD]"
+    assert tok.decode([1, 4, 0], skip_special_tokens=True) == ""
 
 
 def test_model_sha256_and_load_forms(tok, tiny_tokenizer_manifest):
