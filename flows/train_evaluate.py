@@ -154,7 +154,10 @@ def _train_torchrun(cfg: PipelineConfig, shards: ShardManifest, tokenizer: Token
         log = get_run_logger()
     except MissingContextError:  # called as `train_task.fn()` outside a run
         log = logging.getLogger(__name__)
-    extra = torchrun_entry.launch_extra(cfg, run_id, tracker)  # refuses FSDP2 + every_steps
+    from mlm_pipeline.tracking.parents import launch_init
+
+    extra = {**torchrun_entry.launch_extra(cfg, run_id, tracker),  # refuses FSDP2 + every_steps
+             **launch_init(cfg, tracking.train_dir(cfg, run_id))}
     progress = PrefectProgressSink(cfg.train.max_steps)
 
     def on_line(line: str) -> None:

@@ -140,6 +140,22 @@ def init_checkpoint(cfg: PipelineConfig) -> Callable[[], Path] | None:
                                            cfg.work_dir)
 
 
+def launch_init(cfg: PipelineConfig, out_dir: str | Path) -> dict[str, str]:
+    """What a torchrun launch adds to its `extra` for the ranks' `train` (`init_checkpoint`):
+    the MLflow parent fetched once here, before any rank starts, when the run directory
+    `out_dir` holds no checkpoint yet (a fresh start); empty otherwise.
+
+    Raises:
+        ValueError: the errors of `fetch_parent_checkpoint`.
+    """
+    from mlm_pipeline.train.verified import list_checkpoints
+
+    fetch = init_checkpoint(cfg)
+    if fetch is None or list_checkpoints(Path(out_dir) / "checkpoints"):
+        return {}
+    return {"init_checkpoint": str(fetch())}
+
+
 def parent_of(cfg: PipelineConfig) -> InitSource | None:
     """The verified parent of `cfg` (`train.warm_start.resolve_init`), fetched first when
     it is an MLflow SOURCE; None without `train.init_from`.

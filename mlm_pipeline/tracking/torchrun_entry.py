@@ -90,8 +90,10 @@ def _main(argv: list[str] | None = None) -> None:
     inputs = read_launch_inputs(args.inputs)
     train_args = (inputs.train, inputs.model, inputs.masking, inputs.shards,
                   inputs.tokenizer, args.out_dir)
+    # An MLflow `train.init_from` fetched by the launcher (`parents.launch_init`).
+    init = {"init_checkpoint": inputs.extra.get("init_checkpoint")}
     if rank != 0:
-        train(*train_args)
+        train(*train_args, **init)
         return
     from mlm_pipeline.sinks import MultiSink, StdoutSink
 
@@ -108,7 +110,7 @@ def _main(argv: list[str] | None = None) -> None:
     sink = MultiSink(StdoutSink(), mlflow_sink)
     with tracker.system_metrics(run_id):
         try:
-            train(*train_args, sink=sink, evaluator=evaluator)
+            train(*train_args, sink=sink, evaluator=evaluator, **init)
         finally:
             sink.close()
 

@@ -74,7 +74,8 @@ class DistributedTrainingError(RuntimeError, TransientError):
 @dataclass(frozen=True)
 class LaunchInputs:
     """What every rank of a launch reads from `inputs.json`: the arguments of `stage.train`
-    and the entry module's `extra` (a JSON object, empty for `ENTRY`)."""
+    and the entry module's `extra` (a JSON object; for `ENTRY`, at most `init_checkpoint`:
+    where the launcher fetched an MLflow `train.init_from`, `tracking.parents.launch_init`)."""
 
     train: TrainConfig
     model: ModelConfig
@@ -295,7 +296,8 @@ def _main(argv: list[str] | None = None) -> None:
 
     inputs = read_launch_inputs(args.inputs)
     train(inputs.train, inputs.model, inputs.masking, inputs.shards, inputs.tokenizer,
-          args.out_dir, sink=StdoutSink() if rank == 0 else None)
+          args.out_dir, sink=StdoutSink() if rank == 0 else None,
+          init_checkpoint=inputs.extra.get("init_checkpoint"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -200,3 +200,29 @@ def test_config_level_tokenizer_reuse_is_what_the_flows_run(
     tok = prepare_tokenizer(cfg, tiny_corpus_manifest)
     assert (tok.digest, tok.vocab_size) == (tiny_tokenizer_manifest.digest, 128)
     assert tok.output_dir == str((tmp_path / "work" / "tokenizer" / tok.digest[:16]).resolve())
+
+
+@pytest.mark.slow  # torchrun starts two processes: about half a minute on two cores
+def test_two_ranks_start_from_the_checkpoint_the_launcher_fetched(
+        tmp_path, monkeypatch, parents, tiny_model_config, tiny_shard_manifest,
+        tiny_tokenizer_manifest):
+    from mlm_pipeline.config import DistributedConfig
+    from mlm_pipeline.train.launch import run_torchrun
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    parent = parents[0]
+    checkpoint = parent.file(parent.checkpoint_dir)
+    # What `parents.launch_init` hands the ranks for an MLflow source.
+    cfg = _train_cfg(init_from="models:/warm-parent@champion", max_steps=1,
+                     micro_batch_size=2, distributed=DistributedConfig(nproc_per_node=2))
+    two = run_torchrun(cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
+                       tiny_tokenizer_manifest, tmp_path / "two",
+                       extra={"init_checkpoint": str(checkpoint)})
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert two.init == {"source": "models:/warm-parent@champion",
+                        "checkpoint": str(checkpoint), "digest": state["state_sha256"],
+                        "step": 6}
+    # both ranks began from the parent: their first global batch's loss is the parent's
+    want = _parent_loss_on_first_batch(
+        parent, tiny_shard_manifest, cfg.model_copy(update={"micro_batch_size": 4}))
+    assert _records(two)[0]["train/loss"] == pytest.approx(want, rel=1e-5)
