@@ -34,6 +34,11 @@ from mlm_pipeline.config.evaluation import (
     FillMaskProbe,
     LinearProbeConfig,
 )
+from mlm_pipeline.config.masking_schedule import (
+    LinearRate,
+    StepwiseRate,
+    schedule_problems,
+)
 from mlm_pipeline.config.stages import (
     DEFAULT_WARMUP_STEPS,
     MODEL_PRESETS,
@@ -66,14 +71,17 @@ __all__ = [
     "FillMaskProbe",
     "IngestConfig",
     "LinearProbeConfig",
+    "LinearRate",
     "MaskingConfig",
     "ModelConfig",
     "PipelineConfig",
     "ShardConfig",
+    "StepwiseRate",
     "StrictModel",
     "TokenizerConfig",
     "TrackingConfig",
     "TrainConfig",
+    "schedule_problems",
 ]
 
 
@@ -143,6 +151,7 @@ class PipelineConfig(StrictModel):
         if self.tokenizer.from_init and self.train.init_from is None:
             problems.append("tokenizer.from_init needs train.init_from (the model whose "
                             "tokenizer is reused)")
+        problems += schedule_problems(self.masking.mlm_probability, self.train.max_steps)
         if problems:
             raise ValueError("; ".join(problems))
         return self

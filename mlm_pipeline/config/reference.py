@@ -61,10 +61,16 @@ def _type_name(annotation: object) -> str:
         return "None"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # e.g. a constrained float inside a union or a tuple
+        bounds = _bounds_of(m for meta in annotation.__metadata__
+                            for m in getattr(meta, "metadata", [meta]))
+        return _type_name(args[0]) + "".join(f" {b}" for b in bounds)
     if origin is typing.Literal:
         return "one of " + ", ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
+        return " or ".join(dict.fromkeys(_type_name(a) for a in args))
+    if origin is tuple and args and Ellipsis not in args:  # a fixed-length pair, e.g.
+        return f"[{', '.join(_type_name(a) for a in args)}]"
     if origin in (list, tuple, set, frozenset):
         inner = [a for a in args if a is not Ellipsis]
         return f"list of {' or '.join(_type_name(a) for a in inner)}" if inner else "list"
@@ -75,15 +81,21 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _bounds(field: FieldInfo) -> str:
-    """The field's numeric and length constraints as a suffix, e.g. `, ≥ 0, ≤ 1`."""
+def _bounds_of(metadata: typing.Iterable[object]) -> list[str]:
+    """Numeric and length constraints among type metadata, e.g. `["≥ 0", "≤ 1"]`."""
     parts = []
-    for meta in field.metadata:
+    for meta in metadata:
         for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
             if getattr(meta, attr, None) is not None:
                 parts.append(f"{sign} {getattr(meta, attr)}")
         if isinstance(meta, annotated_types.MinLen) and meta.min_length:
             parts.append(f"at least {meta.min_length} item" + "s" * (meta.min_length > 1))
+    return parts
+
+
+def _bounds(field: FieldInfo) -> str:
+    """The field's numeric and length constraints as a suffix, e.g. `, ≥ 0, ≤ 1`."""
+    parts = _bounds_of(field.metadata)
     return (", " + ", ".join(parts)) if parts else ""
 
 
@@ -113,10 +125,20 @@ def _first_line(model: type[BaseModel]) -> str:
     return " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
 
 
-def _sections(model: type[StrictModel], prefix: str) -> Iterator[
+def _tag(model: type[StrictModel]) -> str:
+    """How a model among a union's alternatives is told apart: the `schedule` value of a
+    masking-rate schedule (`linear`), else the model's name."""
+    field = model.model_fields.get("schedule")
+    if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+        return f"schedule: {typing.get_args(field.annotation)[0]}"
+    return model.__name__
+
+
+def _sections(model: type[StrictModel], prefix: str, title: str | None = None) -> Iterator[
         tuple[str, type[StrictModel], list[tuple[str, str, str, str]]]]:
-    """(dotted section name, its model, [(key, type, default, meaning)]) for `model` and,
-    after it, for every config model among its fields, depth first."""
+    """(section title, its model, [(key, type, default, meaning)]) for `model` and, after
+    it, for every config model among its fields, depth first. The title is the dotted
+    section name, with the alternative's tag for a model in a union (`title`)."""
     rows, nested = [], []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
@@ -130,18 +152,26 @@ def _sections(model: type[StrictModel], prefix: str) -> Iterator[
             kind = _type_name(field.annotation) + _bounds(field)
             default = _default(field)
             meaning = field.description or ""
-            for item in inner:  # e.g. eval.probes: a list of FillMaskProbe or str
-                nested.append((f"{key}[]", item))
-                meaning += f" Items: see [`{key}[]`](#{_anchor(key + '[]')})."
+            listed = typing.get_origin(field.annotation) in (list, tuple)
+            for item in inner:
+                if listed:  # e.g. eval.probes: a list of FillMaskProbe or str
+                    nested.append((f"{key}[]", item))
+                    meaning += f" Items: see [`{key}[]`](#{_anchor(key + '[]')})."
+                else:  # e.g. masking.mlm_probability: a float or one of two schedules
+                    alternative = f"{key} ({_tag(item)})"
+                    nested.append((alternative, item))
+                    meaning += f" As a mapping: see [`{alternative}`](#{_anchor(alternative)})."
         rows.append((f"`{key}`", _cell(kind), default, _cell(meaning)))
-    yield prefix.rstrip("."), model, rows
+    yield title or prefix.rstrip("."), model, rows
     for key, inner in nested:
-        yield from _sections(inner, f"{key}.")
+        yield from _sections(inner, f"{key.split(' ')[0]}.", title=key)
 
 
 def _anchor(key: str) -> str:
-    """The id Python-Markdown's `toc` extension gives the heading "`key`"."""
-    return "".join(c for c in key.lower() if c.isalnum() or c in "-_")
+    """The id Python-Markdown's `toc` extension gives the heading "`key`" (its `slugify`:
+    word characters, spaces and hyphens kept, runs of spaces and hyphens made one `-`)."""
+    kept = "".join(c for c in key.lower() if c.isalnum() or c in "-_ ")
+    return "-".join(kept.replace("-", " ").split())
 
 
 def config_reference() -> str:

@@ -7,6 +7,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from mlm_pipeline.config.base import NUM_SPECIAL, StrictModel
+from mlm_pipeline.config.masking_schedule import (
+    LinearRate,
+    MlmProbability,
+    StepwiseRate,
+    rate_at,
+)
 
 
 class IngestConfig(StrictModel):
@@ -123,8 +129,12 @@ class MaskingConfig(StrictModel):
     function, keyed by (seed, copy, row)) and training cycles through them by epoch."""
     dupe_factor: int = Field(default=1, ge=1, le=100)
     """Masked copies of each row written in `precomputed` mode (BERT used 10)."""
-    mlm_probability: float = Field(default=0.15, gt=0.0, lt=1.0)
-    """Share of maskable tokens selected for prediction."""
+    mlm_probability: MlmProbability = 0.15
+    """Share of maskable tokens selected for prediction: a constant in (0, 1), or a schedule
+    over the optimizer steps (`dynamic` mode only): `{schedule: linear, start: 0.3, end:
+    0.15}` (optional `end_step`, default the last step) or `{schedule: stepwise, rates:
+    [[0, 0.3], [800, 0.15]]}` (`[step, rate]` pairs from step 0); a schedule's `eval_rate`
+    (default 0.15) is what held-out evaluation masks at (`mlm_pipeline.config.masking_schedule`)."""
     mask_replace_prob: float = Field(default=0.8, ge=0.0, le=1.0)
     """Share of selected tokens replaced by [MASK]."""
     random_replace_prob: float = Field(default=0.1, ge=0.0, le=1.0)
@@ -146,13 +156,50 @@ class MaskingConfig(StrictModel):
         manifests record as `masking` next to `masking_seed` (and what digests hash)."""
         return self.model_dump(mode="json", exclude={"seed"})
 
+    @property
+    def scheduled(self) -> bool:
+        """True when `mlm_probability` is a schedule rather than a constant."""
+        return isinstance(self.mlm_probability, LinearRate | StepwiseRate)
+
+    def mlm_probability_at(self, step: int, max_steps: int) -> float:
+        """The selection rate of the optimizer step that follows `step` completed steps
+        (`masking_schedule.rate_at`): a pure function of the step, exact under resume."""
+        return rate_at(self.mlm_probability, step, max_steps)
+
+    @property
+    def eval_probability(self) -> float:
+        """The fixed rate held-out evaluation masks at: the constant `mlm_probability`, or
+        a schedule's `eval_rate`."""
+        value = self.mlm_probability
+        return value.eval_rate if isinstance(value, LinearRate | StepwiseRate) else value
+
+    @property
+    def peak_probability(self) -> float:
+        """The highest rate the schedule reaches (the constant itself): bounds how many
+        tokens a row may predict."""
+        value = self.mlm_probability
+        if isinstance(value, LinearRate):
+            return max(value.start, value.end)
+        if isinstance(value, StepwiseRate):
+            return max(rate for _, rate in value.rates)
+        return value
+
     @model_validator(mode="after")
     def _check_split(self) -> MaskingConfig:
+        problems = []
         total = self.mask_replace_prob + self.random_replace_prob
         if total > 1.0 + 1e-9:
-            raise ValueError(
+            problems.append(
                 f"masking: mask_replace_prob + random_replace_prob = {total:g} must be <= 1"
             )
+        if self.scheduled and self.mode == "precomputed":
+            problems.append(
+                "masking.mlm_probability: a schedule needs masking.mode: dynamic (precomputed "
+                "copies are written once, at one rate); set masking.mode: dynamic or a "
+                "constant masking.mlm_probability"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

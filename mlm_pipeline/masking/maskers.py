@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mlm_pipeline.config import NUM_SPECIAL, MaskingConfig
+from mlm_pipeline.config import NUM_SPECIAL, MaskingConfig, schedule_problems
 from mlm_pipeline.manifest import ShardManifest
 from mlm_pipeline.masking.keyed import MASKING_ALGORITHM, mask_tokens
 
@@ -30,7 +30,9 @@ class KeyedMasking:
     word starts, applied by `mask_tokens`.
 
     Args:
-        cfg: probabilities, `selection`, `whole_word` and (unless `seed` is given) `seed`.
+        cfg: probabilities, `selection`, `whole_word` and (unless `seed` is given) `seed`;
+            the rate used when a call names none is `cfg.eval_probability` (the constant
+            `mlm_probability`, or a schedule's fixed `eval_rate`).
         vocab_size: number of ids, the special tokens included.
         word_starts: bool (vocab_size,) tensor or array, True where an id begins a word
             (`Tokenizer.word_starts()`); required when `cfg.whole_word`, ignored otherwise.
@@ -55,6 +57,7 @@ class KeyedMasking:
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.seed = cfg.seed if seed is None else seed
+        self.mlm_probability = cfg.eval_probability
         self._word_starts: dict[torch.device, Tensor] = {}
         if cfg.whole_word:
             starts = torch.as_tensor(word_starts).to("cpu", torch.bool)
@@ -71,21 +74,24 @@ class KeyedMasking:
             self._word_starts[device] = next(iter(self._word_starts.values())).to(device)
         return self._word_starts[device]
 
-    def __call__(self, input_ids: Tensor, row_index: Tensor | None, epoch: int
-                 ) -> tuple[Tensor, Tensor]:
+    def __call__(self, input_ids: Tensor, row_index: Tensor | None, epoch: int,
+                 mlm_probability: float | None = None) -> tuple[Tensor, Tensor]:
         """Corrupt a batch: `mask_tokens` with these settings (shapes, dtypes, errors there).
 
         Args:
             input_ids: token ids (B, L), integer dtype; not modified.
             row_index: int64 (B,) global row ids (None: `arange(B)`).
             epoch: epoch number (copy number for precomputed copies, 0 for evaluation).
+            mlm_probability: the selection rate of this batch (a schedule's rate at the
+                step); None: `self.mlm_probability`.
 
         Returns:
             `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
         """
         return mask_tokens(
             input_ids, vocab_size=self.vocab_size, row_index=row_index, seed=self.seed,
-            epoch=epoch, mlm_probability=self.cfg.mlm_probability,
+            epoch=epoch,
+            mlm_probability=self.mlm_probability if mlm_probability is None else mlm_probability,
             mask_replace_prob=self.cfg.mask_replace_prob,
             random_replace_prob=self.cfg.random_replace_prob,
             selection=self.cfg.selection, word_starts=self._starts_on(input_ids.device),
@@ -96,8 +102,14 @@ class KeyedMasking:
 class Masker(Protocol):
     """Turns a batch of token ids into (input_ids, labels); stateful for checkpoints."""
 
-    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
-        """Corrupt `input_ids` (B, L) for rows `row_index` (B,) in `epoch`; see `mask_tokens`."""
+    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int, step: int = 0
+                 ) -> tuple[Tensor, Tensor]:
+        """Corrupt `input_ids` (B, L) for rows `row_index` (B,) in `epoch`, for the optimizer
+        step that follows `step` completed steps; see `mask_tokens`."""
+        ...
+
+    def mlm_probability_at(self, step: int) -> float:
+        """The selection rate of the optimizer step that follows `step` completed steps."""
         ...
 
     def state_dict(self) -> dict:
@@ -113,29 +125,41 @@ class DynamicMasker:
     """Dynamic masking (RoBERTa, Liu et al. 2019, §4.1): a fresh mask per epoch, keyed.
 
     Stateless apart from the seed: the mask of a row is a pure function of
-    (seed, epoch, row index, row ids), so a resume reproduces it without any RNG state.
+    (seed, epoch, row index, row ids) and, with a masking-rate schedule, of the step (the
+    rate), so a resume reproduces it without any RNG state. With Bernoulli selection a
+    lower rate selects a subset of a higher rate's tokens (the same draws, a lower
+    threshold).
 
     Args:
         masking: the settings (`KeyedMasking`: config, vocabulary, seed, word starts).
+        max_steps: `train.max_steps`, the span of a `linear` schedule without `end_step`.
     """
 
     mode = "dynamic"
 
-    def __init__(self, masking: KeyedMasking) -> None:
+    def __init__(self, masking: KeyedMasking, max_steps: int = 1) -> None:
         self.masking = masking
+        self.max_steps = max_steps
 
-    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
+    def mlm_probability_at(self, step: int) -> float:
+        """The selection rate after `step` completed optimizer steps
+        (`MaskingConfig.mlm_probability_at`)."""
+        return self.masking.cfg.mlm_probability_at(step, self.max_steps)
+
+    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int, step: int = 0
+                 ) -> tuple[Tensor, Tensor]:
         """Corrupt a batch; see `mask_tokens` for shapes, dtypes and errors.
 
         Args:
             input_ids: token ids (B, L), integer dtype; not modified.
             row_index: int64 (B,) global row ids.
             epoch: epoch number.
+            step: completed optimizer steps (selects the rate of a schedule).
 
         Returns:
             `(input_ids, labels)`, int64 (B, L).
         """
-        return self.masking(input_ids, row_index, epoch)
+        return self.masking(input_ids, row_index, epoch, self.mlm_probability_at(step))
 
     def state_dict(self) -> dict:
         """Return `{"mode", "seed", "vocab_size", "selection", "whole_word", "algorithm"}`
@@ -190,7 +214,12 @@ class PrecomputedMasker:
     def __init__(self, cfg: MaskingConfig, vocab_size: int, source: MaskedCopies) -> None:
         self.cfg, self.vocab_size, self.seed, self.source = cfg, vocab_size, cfg.seed, source
 
-    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
+    def mlm_probability_at(self, step: int) -> float:
+        """The copies' one rate (precomputed masking takes no schedule), at any `step`."""
+        return self.cfg.mlm_probability_at(step, 1)
+
+    def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int, step: int = 0
+                 ) -> tuple[Tensor, Tensor]:
         """The precomputed corruption of rows `row_index` in `epoch`.
 
         Args:
@@ -198,6 +227,7 @@ class PrecomputedMasker:
                 copies were made from the same rows by the shards stage).
             row_index: int64 (B,) global training row ids.
             epoch: epoch number; copy `epoch % dupe_factor` is read.
+            step: completed optimizer steps (unused: the copies have one rate).
 
         Returns:
             `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
@@ -237,6 +267,7 @@ class PrecomputedMasker:
 def build_masker(
     cfg: MaskingConfig, vocab_size: int, shards: ShardManifest | None = None,
     word_starts: Tensor | np.ndarray | None = None, copies: MaskedCopies | None = None,
+    max_steps: int | None = None,
 ) -> Masker:
     """Build the masker selected by `cfg.mode` (the single dispatch point, STYLE rule 6).
 
@@ -250,6 +281,7 @@ def build_masker(
             (precomputed copies already hold their whole-word masks), ignored otherwise.
         copies: the reader of the shards' masked copies
             (`train.data.PrecomputedShardDataset(shards)`); required by `precomputed` mode.
+        max_steps: `train.max_steps`; required when `cfg.mlm_probability` is a schedule.
 
     Returns:
         A `Masker`.
@@ -257,10 +289,18 @@ def build_masker(
     Raises:
         ValueError: unknown `cfg.mode`, `vocab_size <= NUM_SPECIAL`, in `dynamic` mode
             `cfg.whole_word` without `word_starts`, or in `precomputed` mode: no `shards` or
-            `copies`, or copies written with another masking config or seed than `cfg`.
+            `copies`, or copies written with another masking config or seed than `cfg`; a
+            schedule without `max_steps` or with steps beyond it.
     """
     if cfg.mode == "dynamic":
-        return DynamicMasker(KeyedMasking(cfg, vocab_size, word_starts if cfg.whole_word else None))
+        if cfg.scheduled:
+            if max_steps is None:
+                raise ValueError("masking.mlm_probability: a schedule needs train.max_steps "
+                                 "(pass max_steps)")
+            if problems := schedule_problems(cfg.mlm_probability, max_steps):
+                raise ValueError("; ".join(problems))
+        masking = KeyedMasking(cfg, vocab_size, word_starts if cfg.whole_word else None)
+        return DynamicMasker(masking, max_steps or 1)
     if cfg.mode == "precomputed":
         if shards is None or copies is None:
             raise ValueError("masking: precomputed mode needs the shard manifest and its copies")

@@ -195,7 +195,11 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
             lines.append("- Trained with document attention (tokens attend within their "
                          "document); the exported model attends over its whole input")
     if masking:
-        lines.append(f"- Masking: {masking.get('mlm_probability')} of tokens "
+        rate = masking.get("mlm_probability")
+        if isinstance(rate, dict):  # a masking-rate schedule (config.masking_schedule)
+            rate = ", ".join(f"{k} {v}" for k, v in rate.items() if v is not None)
+            rate = f"a schedule ({rate})"
+        lines.append(f"- Masking: {rate} of tokens "
                      f"({masking.get('mask_replace_prob')} [MASK], "
                      f"{masking.get('random_replace_prob')} random)")
     lines += ["", "## Evaluation", ""]

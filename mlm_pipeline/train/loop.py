@@ -262,12 +262,12 @@ def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tenso
         (`(input_ids, labels)` int64 (b, L) pairs on the device, plus document ids int32
         (b, L) with document attention; the epoch of the last micro-batch).
     """
-    micro, epoch = [], parts.cursor.epoch
+    micro, epoch, step = [], parts.cursor.epoch, parts.train_state.step
     for _ in range(count):
         rows, epoch = parts.cursor.next_batch()
         input_ids = parts.dataset.get(rows).to(parts.device, non_blocking=True)
         row_index = torch.from_numpy(rows).to(parts.device)
-        masked = parts.masker(input_ids, row_index, epoch)
+        masked = parts.masker(input_ids, row_index, epoch, step)
         if parts.document_attention:
             masked = (*masked, document_ids_from_sep(input_ids))
         micro.append(masked)
@@ -421,6 +421,10 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
                 step=state.step, lr=parts.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                 epoch=epoch, tokens_seen=state.tokens_seen,
                 skipped_steps=state.skipped_steps, empty_steps=state.empty_steps)
+            # The rate the step just applied masked at (`masking.mlm_probability`, a
+            # constant or a schedule of the completed steps before it).
+            last_metrics["train/mlm_probability"] = parts.masker.mlm_probability_at(
+                state.step - 1)
             sink.log(last_metrics, state.step)
         if (applied and parts.evaluator is not None and state.step < cfg.max_steps
                 and state.step % parts.evaluator.every_steps == 0 and parts.world.is_main):

@@ -72,16 +72,17 @@ logger = logging.getLogger(__name__)
 
 
 def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
-                       tokenizer: TokenizerManifest) -> Masker:
+                       tokenizer: TokenizerManifest, max_steps: int | None = None) -> Masker:
     """`build_masker` for this run: the masked copies' reader in precomputed mode, the
     tokenizer's word starts (bool (V,), True where a piece begins a word) when
-    `masking.whole_word` is set."""
+    `masking.whole_word` is set, and `train.max_steps` (`max_steps`, the span of a
+    masking-rate schedule)."""
     copies = PrecomputedShardDataset(shards) if masking.mode == "precomputed" else None
     word_starts = None
     if masking.whole_word and masking.mode == "dynamic":
         word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
     return build_masker(masking, shards.vocab_size, shards, word_starts=word_starts,
-                        copies=copies)
+                        copies=copies, max_steps=max_steps)
 
 
 def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
@@ -149,10 +150,10 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         dataset=dataset,
         cursor=RowCursor(len(dataset), cfg.micro_batch_size, cfg.seed, world.rank,
                          world.world_size),
-        masker=build_train_masker(masking, shards, tokenizer),
+        masker=build_train_masker(masking, shards, tokenizer, cfg.max_steps),
         meter=Meter(device, cfg.micro_batch_size * cfg.grad_accum_steps * world.world_size
                     * shards.seq_len,
-                    model.flops_per_token(shards.seq_len, masking.mlm_probability),
+                    model.flops_per_token(shards.seq_len, _mean_rate(masking, cfg.max_steps)),
                     _all_ranks_peak(peak_flops(device, precision), world)),
         train_state=TrainState(),
         rng=RngState(),
@@ -167,10 +168,18 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         # exact_k selects at most exact_k(L, p) tokens a row (whole words too): a static
         # head size, so the compiled forward neither breaks its graph at `nonzero` nor
         # recompiles as the masked count changes (tests/integration/test_compile_recompiles.py).
-        masked_per_row=(exact_k(shards.seq_len, masking.mlm_probability)
+        masked_per_row=(exact_k(shards.seq_len, masking.peak_probability)
                         if compiled and masking.selection == "exact_k" else None),
         recompile_limit=COMPILE_RECOMPILE_LIMIT if compiled else None,
     )
+
+
+def _mean_rate(masking: MaskingConfig, max_steps: int) -> float:
+    """The masking rate averaged over the run's steps (the constant itself): the masked
+    share MFU counts the prediction head's FLOPs at."""
+    if not masking.scheduled:
+        return masking.mlm_probability
+    return sum(masking.mlm_probability_at(s, max_steps) for s in range(max_steps)) / max_steps
 
 
 def _all_ranks_peak(peak: float | None, world: World) -> float | None:
