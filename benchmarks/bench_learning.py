@@ -2,6 +2,7 @@
 
     python benchmarks/bench_learning.py [--budget-s 300] [--threads 2] [--config tiny]
                                         [--work DIR] [--eval-rows 1000] [--out FILE]
+                                        [--set KEY=VALUE ...]
 
 Smoke test: `--smoke` (seconds, offline: the test corpus `tests/assets/tiny_fr.txt`,
 vocabulary 128, seq_len 32, a toy shape, a 1 s budget, one thread, in a temporary work
@@ -17,7 +18,9 @@ seq_len 128), micro-batch, peak lr, warm-up share, decay, grad clip and AdamW se
 the config, `--threads` torch threads, each for the same wall-clock budget:
 
 - `ours-bert`, `ours-modern`: our `train()` with `model.preset` `bert` / `modern` and the
-  config's masking recipe (tiny: mlm_probability 0.3, Bernoulli, 80/10/10).
+  config's masking recipe (tiny: mlm_probability 0.3, Bernoulli, 80/10/10; `--set` changes
+  it, e.g. a masking-rate schedule: `--set 'masking.mlm_probability={schedule: linear,
+  start: 0.3, end: 0.15}'`, which spans each run's own step count).
 - `hf-bert`: `BertForMaskedLM` (SDPA, dropout 0.1, like our `bert` preset);
   `hf-modernbert`: `ModernBertForMaskedLM` at our `modern` architecture (global attention
   in every layer, rope theta 10,000, no dropout, `sparse_prediction=True`; the same
@@ -304,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--out", default=None,
                         help="JSON results (default: WORK/bench_learning/bench_learning.json)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override (repeatable), as `mlm-pipeline run --set`")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds, offline: test corpus, toy shape, 1 s budget (see above)")
     args = parser.parse_args(argv)
@@ -322,7 +327,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
         extra_overrides: list[str] | None = None) -> int:
     """The comparison of `main` with its parsed `args` (and config overrides)."""
     torch.set_num_threads(args.threads)
-    overrides = ([f"work_dir={args.work}"] if args.work else []) + (extra_overrides or [])
+    overrides = (([f"work_dir={args.work}"] if args.work else []) + (extra_overrides or [])
+                 + args.set)
     cfg = load_config(args.config, overrides)
     work = Path(cfg.work_dir).expanduser().resolve() / "bench_learning"
     work.mkdir(parents=True, exist_ok=True)
