@@ -121,7 +121,7 @@ def _tracker(args: argparse.Namespace):
 
 
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.consumers import fill_mask_source
+    from mlm_pipeline.app.consumers import fill_mask_source
 
     results = fill_mask_source(args.source, args.args, top_k=args.top_k,
                                tracker=_tracker(args), trust_unverified=args.trust_unverified)
@@ -130,7 +130,7 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.consumers import export_source
+    from mlm_pipeline.app.consumers import export_source
 
     written = export_source(args.source, args.out_dir, tokenizer=args.tokenizer,
                             overwrite=args.force, tracker=_tracker(args),

@@ -6,7 +6,7 @@ params, lineage tags, data accounting, results and the run summary), `lineage` (
 as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
 fill-mask table), `plots` (`plots/loss.png`, the comparison figure), `compare` (the
 `runs` and `compare` commands' table), `resume` (continuing unfinished runs), `registry`
-(logging, registering and promoting the model), `consumers` (downstream readers), `gc`
+(logging, registering and promoting the model), `gc`
 (removing finished runs' local training state), `runlog` (the `run` command's terminal,
 log file, one-line errors and summary).
 """

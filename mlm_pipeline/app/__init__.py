@@ -1,0 +1,8 @@
+"""The application layer: the verbs a user runs, composed from the stages and tracking.
+
+Above the stage packages (ingest, tokenizer, masking, shards, train, evaluate, tracking) and
+below their two callers, the CLI (`mlm_pipeline.cli`) and the Prefect flows (`flows/`),
+which only call these functions. Nothing here imports Prefect or the flows.
+
+Rooms: `consumers` (`fill-mask` and `export` from any SOURCE).
+"""
