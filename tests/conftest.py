@@ -200,6 +200,9 @@ FULL_COST_S = {
     "tests/packaging/test_wheel.py": 180,
     "tests/integration/test_debian_fetch.py": 120,
     "tests/flows/test_interrupt_pipe.py": 120,
+    "tests/flows/test_warm_start_flow.py": 180,
+    "tests/integration/test_warm_start_mlflow.py": 90,
+    "tests/integration/test_warm_start.py": 70,
 }
 DEFAULT_FULL_COST_S = 60
 

@@ -15,6 +15,7 @@ from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 from tests.flows.test_pretraining_flow import ASSETS, NO_MODEL, _overrides
 
 
+@pytest.mark.full
 @pytest.mark.slow  # two tiny pipeline runs through Prefect: about two minutes on two cores
 def test_child_run_starts_from_the_parent_and_reuses_its_tokenizer(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

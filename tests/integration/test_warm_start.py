@@ -65,6 +65,7 @@ def test_refuses_other_architecture_naming_each_field(tmp_path, parents, tiny_mo
     assert not (tmp_path / "child" / "checkpoints").exists()
 
 
+@pytest.mark.full
 @pytest.mark.slow  # the export imports transformers: about 10 s
 def test_refuses_an_exported_model_naming_its_checkpoint(tmp_path, parents, tiny_model_config,
                                                         tiny_shard_manifest,
@@ -202,6 +203,7 @@ def test_config_level_tokenizer_reuse_is_what_the_flows_run(
     assert tok.output_dir == str((tmp_path / "work" / "tokenizer" / tok.digest[:16]).resolve())
 
 
+@pytest.mark.full
 @pytest.mark.slow  # torchrun starts two processes: about half a minute on two cores
 def test_two_ranks_start_from_the_checkpoint_the_launcher_fetched(
         tmp_path, monkeypatch, parents, tiny_model_config, tiny_shard_manifest,

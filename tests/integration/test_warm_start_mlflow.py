@@ -68,6 +68,7 @@ def _cfg(published, work, **over) -> PipelineConfig:
     return PipelineConfig.model_validate(data)
 
 
+@pytest.mark.full
 @pytest.mark.slow  # an MLflow store and a registered model: about a minute on two cores
 def test_alias_resolves_to_the_local_checkpoint_then_the_uploaded_one(
         published, tmp_path, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest,
@@ -102,6 +103,7 @@ def test_alias_resolves_to_the_local_checkpoint_then_the_uploaded_one(
         "mlm.init_checkpoint": str(fetched.checkpoint)}
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_run_id_source_and_unknown_alias(published, tmp_path):
     cfg = _cfg(published, tmp_path, **{"train.init_from": published["run_id"]})
