@@ -34,6 +34,7 @@ from mlm_pipeline.config.evaluation import (
     FillMaskProbe,
     LinearProbeConfig,
 )
+from mlm_pipeline.config.lr_auto import resolve_lr
 from mlm_pipeline.config.masking_schedule import (
     LinearRate,
     StepwiseRate,
@@ -81,6 +82,7 @@ __all__ = [
     "TokenizerConfig",
     "TrackingConfig",
     "TrainConfig",
+    "resolve_lr",
     "schedule_problems",
 ]
 
@@ -154,4 +156,6 @@ class PipelineConfig(StrictModel):
         problems += schedule_problems(self.masking.mlm_probability, self.train.max_steps)
         if problems:
             raise ValueError("; ".join(problems))
+        if self.train.lr == "auto":  # resolved once here: params and digests see numbers
+            return self.model_copy(update={"train": resolve_lr(self.train, self.model)})
         return self

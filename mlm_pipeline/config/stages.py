@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -328,8 +329,10 @@ class TrainConfig(StrictModel):
     a row."""
     max_skipped_steps: int = Field(default=10, ge=1)
     """Consecutive skipped (non-finite) steps after which `nonfinite: skip` stops the run."""
-    lr: float = Field(default=1e-3, gt=0)
-    """Peak learning rate."""
+    lr: Annotated[float, Field(gt=0)] | Literal["auto"] = 1e-3
+    """Peak learning rate; `auto`: chosen from the model's recipe (post-LN `bert`: BERT's
+    1e-4 with a 1 % warm-up unless one is set; pre-LN `modern`: 1e-3), resolved when the
+    config is loaded (`mlm_pipeline.config.lr_auto`)."""
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """Final LR as a share of the peak."""
     warmup_steps: int | None = Field(default=None, ge=0)
@@ -364,6 +367,24 @@ class TrainConfig(StrictModel):
     compile: Literal["auto", "on", "off"] = "auto"
     """`torch.compile` the model: `auto` = on CUDA only (compilation takes tens of seconds
     and needs a C++ compiler on CPU)."""
+
+    @field_validator("lr", mode="plain",
+                     json_schema_input_type=Annotated[float, Field(gt=0)] | Literal["auto"])
+    @classmethod
+    def _lr_number_or_auto(cls, value: Any) -> float | str:
+        """A number > 0 (YAML reads `1e-3` as a string: parsed here) or `auto`; one check
+        instead of a union's, so an error names `train.lr` alone."""
+        if value == "auto":
+            return value
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if math.isnan(number):
+            raise ValueError(f"Input should be a number greater than 0 or 'auto', got {value!r}")
+        if number <= 0:
+            raise ValueError(f"Input should be greater than 0, got {value!r}")
+        return number
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -418,7 +439,8 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainConfig:
-        if self.warmup > self.max_steps:
+        # `lr: auto` may bring its own warm-up: checked once resolved (`lr_auto.resolve_lr`).
+        if self.lr != "auto" and self.warmup > self.max_steps:
             raise ValueError(f"train: warmup_steps {self.warmup} exceeds max_steps "
                              f"{self.max_steps}; lower it or set train.warmup_ratio instead")
         return self

@@ -33,7 +33,8 @@ applied optimizer steps only.
 Evaluation during training: when `Parts.evaluator` is set, every `evaluator.every_steps`
 applied steps before the last it is called on the (uncompiled) model in eval mode and its
 metrics go to the sink at that step; its time is left out of `train/tokens_per_s`. It
-reads no global RNG, so a run with and without it trains bit-identically.
+reads no global RNG, so a run with and without it trains bit-identically. A held-out loss
+still at a uniform guess's after the warm-up is warned about once (`warn_not_learning`).
 
 Stopping early: `request_stop()` (the CLI's SIGINT/SIGTERM handler) makes the loop save a
 checkpoint of the step it reached and raise `TrainingInterrupted`; `train.max_time_s`
@@ -70,6 +71,10 @@ from mlm_pipeline.train.model import document_ids_from_sep
 from mlm_pipeline.train.perf import recompile_limit_hits
 
 logger = logging.getLogger(__name__)
+
+#: `warn_not_learning`: a held-out loss above this share of ln(vocab_size) after the
+#: warm-up has not fallen from where an untrained model starts.
+NOT_LEARNING_SHARE = 0.99
 
 
 _STOP = threading.Event()
@@ -179,6 +184,7 @@ class Parts:
         compile_fallback: `recompile_limit` once dynamo hit that limit and left part of the
             forward pass to run eagerly (warned once; the train manifest and the MLflow tag
             `mlm.compile_fallback` record it); None until then.
+        warned_not_learning: `warn_not_learning` has warned in this run.
     """
 
     model: torch.nn.Module
@@ -201,6 +207,7 @@ class Parts:
     world: World = field(default_factory=World.single)
     recompile_limit: int | None = None
     compile_fallback: str | None = None
+    warned_not_learning: bool = False
     #: Stateful overrides of `stateful()` entries (FSDP2: full-state gatherers).
     state_parts: dict[str, Stateful] = field(default_factory=dict)
 
@@ -351,9 +358,10 @@ def _check_finite(parts: Parts, checkpointer: Checkpointer) -> None:
             "train.nonfinite: skip)", bad, last)
 
 
-def _evaluate(parts: Parts, sink: MetricsSink) -> None:
+def _evaluate(parts: Parts, sink: MetricsSink, warmup_steps: int = 0) -> None:
     """Run the periodic evaluator at the current step and log its metrics; its wall time
-    is excluded from the meter's interval (it is not training throughput)."""
+    is excluded from the meter's interval (it is not training throughput). After
+    `warmup_steps`, a held-out loss that has not fallen is warned about once."""
     started = time.perf_counter()
     parts.model.eval()
     try:
@@ -361,7 +369,40 @@ def _evaluate(parts: Parts, sink: MetricsSink) -> None:
     finally:
         parts.model.train()
     sink.log(metrics, parts.train_state.step)
+    warn_not_learning(parts, metrics.get("eval/loss"), warmup_steps)
     parts.meter.exclude(time.perf_counter() - started)
+
+
+def warn_not_learning(parts: Parts, eval_loss: float | None, warmup_steps: int) -> bool:
+    """Warn once per run (`Parts.warned_not_learning`) when, after the warm-up, the
+    held-out loss has not fallen: it is still above `NOT_LEARNING_SHARE` of ln V (V =
+    vocabulary size), the loss of a uniform guess, which is where a freshly initialized
+    model starts (its logits are near zero). A model that learns anything, even the token
+    frequencies, falls well below it by then; one that does not has a learning rate too low
+    (or too high) for its recipe.
+
+    Args:
+        parts: the run (its `model.vocab_size`, `train_state.step`, warning flag).
+        eval_loss: the held-out masked-token loss in nats at this step (None: none).
+        warmup_steps: the run's warm-up (`TrainConfig.warmup`); nothing is said before.
+
+    Returns:
+        True when this call warned.
+    """
+    if (parts.warned_not_learning or eval_loss is None
+            or parts.train_state.step < warmup_steps):
+        return False
+    uniform = math.log(parts.model.vocab_size)
+    if eval_loss <= NOT_LEARNING_SHARE * uniform:
+        return False
+    parts.warned_not_learning = True
+    logger.warning(
+        "step %d: the held-out loss %.4f has not fallen after the warm-up (%d steps): it is "
+        "still that of a uniform guess, ln(vocab_size) = %.4f, so the model is not "
+        "learning; check train.lr (%s) against the model's recipe (train.lr: auto picks "
+        "one per model.preset)", parts.train_state.step, eval_loss, warmup_steps, uniform,
+        parts.optimizer.param_groups[0].get("initial_lr", "?"))
+    return True
 
 
 def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
@@ -428,7 +469,7 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
             sink.log(last_metrics, state.step)
         if (applied and parts.evaluator is not None and state.step < cfg.max_steps
                 and state.step % parts.evaluator.every_steps == 0 and parts.world.is_main):
-            _evaluate(parts, sink)
+            _evaluate(parts, sink, cfg.warmup)
         if stop:
             _STOP.clear()
             raise TrainingInterrupted(state.step, _save(parts, checkpointer, sink))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mlm_pipeline import store
-from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig
+from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig, resolve_lr
 from mlm_pipeline.manifest import (
     ShardManifest,
     Stopwatch,
@@ -253,7 +253,8 @@ def train(
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
     Args:
-        cfg: the optimization loop (`train` section).
+        cfg: the optimization loop (`train` section; `lr: auto` is resolved from `model`,
+            `config.lr_auto`).
         model: the encoder's shape (`model` section).
         masking: the masking (`masking` section; its `seed` keys the masks).
         shards: packed training rows.
@@ -287,6 +288,7 @@ def train(
             named).
     """
     watch = Stopwatch()
+    cfg = resolve_lr(cfg, model)  # `lr: auto` of a TrainConfig passed on its own
     out = Path(out_dir).expanduser().resolve()
     world = init_world(cfg.distributed, resolve_device(cfg.device))
     try:
