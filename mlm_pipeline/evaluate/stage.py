@@ -6,9 +6,10 @@ eval batch size sees the same masked positions and the same corrupted inputs, so
 are compared on identical predictions. Metrics are token-weighted: sums over all masked
 tokens divided once by their count, never a mean of per-batch means (so they do not
 depend on how masked tokens fall into batches). Evaluation masks with the training run's
-selection (`masking.selection`, `masking.whole_word`) at its `mlm_probability`, so it
-measures the task the model was trained on, and runs the model with document attention
-when `train.document_attention` is set.
+selection (`masking.selection`, `masking.whole_word`) at its `mlm_probability` (one fixed
+rate: with a masking-rate schedule, its `eval_rate`), so it measures the task the model
+was trained on, and runs the model with document attention when
+`train.document_attention` is set.
 
 Besides the model's metrics, `eval/baseline_accuracy` is the accuracy of always predicting
 the most frequent ordinary token of the training split, on the same positions: a model
@@ -210,7 +211,8 @@ def run_probes(model: torch.nn.Module, tok: Tokenizer, cfg: EvalConfig, seq_len:
 def eval_masking(cfg: EvalConfig, masking: MaskingConfig, shards: ShardManifest,
                  tok: Tokenizer) -> KeyedMasking:
     """The evaluation masks: the training run's masking (selection, whole words,
-    `mlm_probability`) keyed by `cfg.seed` instead of the training seed."""
+    `mlm_probability`, or a schedule's fixed `eval_rate`) keyed by `cfg.seed` instead of
+    the training seed."""
     word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
     return KeyedMasking(masking, shards.vocab_size, word_starts, seed=cfg.seed)
 
