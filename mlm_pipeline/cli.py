@@ -140,7 +140,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.compare import resolve_run_id
+    from mlm_pipeline.app.compare import resolve_run_id
     from mlm_pipeline.tracking.records import registry_lines, registry_summary
     from mlm_pipeline.tracking.registry import promote
 
@@ -164,7 +164,7 @@ def _print_runs(table, title: str, as_json: bool) -> None:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.compare import find_runs, newest_run_experiment, run_table
+    from mlm_pipeline.app.compare import find_runs, newest_run_experiment, run_table
 
     tracker = _tracker(args)
     experiment = args.experiment or newest_run_experiment(tracker) or tracker.experiment_name
@@ -176,7 +176,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.compare import compare_runs
+    from mlm_pipeline.app.compare import compare_runs
 
     table, _ = compare_runs(_tracker(args), args.runs, args.out, args.experiment)
     _print_runs(table, f"{len(table.rows)} runs; loss against tokens seen: {args.out}",

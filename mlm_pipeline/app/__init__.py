@@ -4,5 +4,6 @@ Above the stage packages (ingest, tokenizer, masking, shards, train, evaluate, t
 below their two callers, the CLI (`mlm_pipeline.cli`) and the Prefect flows (`flows/`),
 which only call these functions. Nothing here imports Prefect or the flows.
 
-Rooms: `consumers` (`fill-mask` and `export` from any SOURCE).
+Rooms: `consumers` (`fill-mask` and `export` from any SOURCE), `compare` (the `runs`
+and `compare` commands' table), `compare_plot` (the comparison figure of `compare`).
 """

@@ -4,8 +4,7 @@ Rooms: `tracker` (`MlflowTracker`: run lifecycle, params, tags, artifacts; track
 `sink` (`MlflowSink`: batched step metrics), `records` (what a pipeline run records:
 params, lineage tags, data accounting, results and the run summary), `lineage` (the shards
 as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
-fill-mask table), `plots` (`plots/loss.png`, the comparison figure), `compare` (the
-`runs` and `compare` commands' table), `resume` (continuing unfinished runs), `registry`
+fill-mask table), `plots` (`plots/loss.png`), `resume` (continuing unfinished runs), `registry`
 (logging, registering and promoting the model), `gc`
 (removing finished runs' local training state), `runlog` (the `run` command's terminal,
 log file, one-line errors and summary).

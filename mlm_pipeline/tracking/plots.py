@@ -1,6 +1,7 @@
-"""Pictures of runs, drawn from the metric histories MLflow holds: the loss plot a run logs
-at the end of training (`plots/loss.png`, `log_loss_plot`) and the eval-loss comparison of
-`mlm-pipeline compare` (`compare_figure`: train loss and eval loss in two panels).
+"""The loss plot a run logs at the end of training (`plots/loss.png`, `log_loss_plot`),
+drawn from the metric histories MLflow holds, and the pieces every picture of runs shares
+(`metric_series`, `tokens_at`, `new_figure`); the comparison figure of `mlm-pipeline
+compare` is `mlm_pipeline.app.compare_plot`.
 
 Figures use matplotlib's object API on the Agg canvas (`matplotlib.figure.Figure`), never
 `pyplot`: pyplot keeps every figure in a process-wide registry until it is closed, which
@@ -13,19 +14,18 @@ mlflow is imported lazily (through the caller's client), matplotlib inside the f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
-    from mlflow.entities import Run
 
     from mlm_pipeline.tracking.tracker import MlflowTracker
 
-__all__ = ["DPI", "FIGSIZE_IN", "LOSS_PLOT", "Curve", "compare_figure", "log_loss_plot",
-           "loss_figure", "metric_series", "run_curves", "tokens_at"]
+__all__ = ["DPI", "FIGSIZE_IN", "LOSS_PLOT", "Series", "log_loss_plot", "loss_figure",
+           "metric_series", "new_figure", "tokens_at"]
 
 #: Size of every figure here: 8 x 5 inches at 100 dots per inch, i.e. 800 x 500 pixels.
 FIGSIZE_IN = (8.0, 5.0)
@@ -35,16 +35,6 @@ LOSS_PLOT = "plots/loss.png"
 
 #: A metric history: (step, value) pairs sorted by step, one per step.
 Series = list[tuple[int, float]]
-
-
-class Curve(NamedTuple):
-    """One line of `compare_figure`: its legend label, x (tokens seen, float64 `(n,)`),
-    y (loss in nats, float64 `(n,)`) and the metric drawn (`eval/loss` or `train/loss`)."""
-
-    label: str
-    tokens: np.ndarray
-    values: np.ndarray
-    metric: str = "eval/loss"
 
 
 def _client(tracker_or_client: MlflowTracker | MlflowClient) -> MlflowClient:
@@ -95,7 +85,9 @@ def tokens_at(steps: Sequence[int], tokens_seen: Series) -> np.ndarray:
     return out
 
 
-def _new_figure() -> Figure:
+def new_figure() -> Figure:
+    """An empty `FIGSIZE_IN` figure at `DPI` on the Agg canvas (never `pyplot`: see the
+    module docstring), with the constrained layout."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -123,7 +115,7 @@ def loss_figure(train_loss: Series, eval_loss: Series, lr: Series, tokens_seen: 
     Raises:
         ValueError: `tokens_seen` is empty while some curve is not.
     """
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     handles = []
     if train_loss:
@@ -173,69 +165,3 @@ def log_loss_plot(tracker_or_client: MlflowTracker | MlflowClient, run_id: str) 
     fig = loss_figure(train_loss, eval_loss, lr, tokens, title=run.info.run_name)
     client.log_figure(run_id, fig, LOSS_PLOT, save_kwargs={"dpi": DPI})
     return LOSS_PLOT
-
-
-def run_curves(client: MlflowClient, run: Run, label: str | None = None) -> list[Curve]:
-    """The comparison curves of a run against tokens seen: `train/loss`, then `eval/loss`
-    when the run logged it (the eval curve is absent otherwise).
-
-    Args:
-        client: the run's store.
-        run: the run (`MlflowClient.get_run` or `search_runs`).
-        label: legend label of both curves; None uses the run name.
-
-    Raises:
-        ValueError: the run logged neither loss, or no `train/tokens_seen`.
-    """
-    run_id = run.info.run_id
-    label = label or run.info.run_name or run_id
-    series = {m: metric_series(client, run_id, m) for m in COMPARED}
-    if not any(series.values()):
-        raise ValueError(f"run {run_id} ({run.info.run_name}) logged neither train/loss nor "
-                         "eval/loss")
-    tokens = metric_series(client, run_id, "train/tokens_seen")
-    if not tokens:
-        raise ValueError(f"run {run_id} ({run.info.run_name}) logged no train/tokens_seen")
-    return [Curve(label, tokens_at([s for s, _ in points], tokens),
-                  np.array([v for _, v in points], dtype=np.float64), metric)
-            for metric, points in series.items() if points]
-
-
-#: The panels of `compare_figure`, left to right: metric and panel title.
-COMPARED = {"train/loss": "train/loss (training batches)",
-            "eval/loss": "eval/loss (held out, fixed masks)"}
-#: Size of the comparison figure: two panels side by side, 1200 x 500 pixels at `DPI`.
-COMPARE_FIGSIZE_IN = (12.0, 5.0)
-
-
-def compare_figure(curves: Sequence[Curve], title: str | None = None) -> Figure:
-    """Two panels, train loss left and eval loss right, one line (with markers) per run in
-    each against tokens seen: train and eval loss are never drawn on one axis.
-
-    Args:
-        curves: the lines (`run_curves`), in legend order; a run without an `eval/loss`
-            curve is named in the eval panel's note instead.
-        title: figure title (suptitle); None: none.
-
-    Returns:
-        A 1200 x 500 pixel figure (`COMPARE_FIGSIZE_IN` at `DPI`) on the Agg canvas with
-        two axes, `train/loss` then `eval/loss`; each holds exactly one `Line2D` per curve
-        of its metric, labelled with `Curve.label`.
-    """
-    fig = _new_figure()
-    fig.set_size_inches(*COMPARE_FIGSIZE_IN)
-    labels = list(dict.fromkeys(c.label for c in curves))
-    for ax, (metric, panel) in zip(fig.subplots(1, 2), COMPARED.items()):
-        mine = [c for c in curves if c.metric == metric]
-        for curve in mine:
-            ax.plot(curve.tokens, curve.values, marker="o", ms=3, lw=1.2, label=curve.label)
-        missing = [lab for lab in labels if lab not in {c.label for c in mine}]
-        ax.set_title(panel + (f"\nnot logged by: {', '.join(missing)}" if missing else ""))
-        ax.set_xlabel("tokens seen")
-        ax.set_ylabel(f"{metric} (nats per masked token)")
-        ax.grid(alpha=0.3)
-        if mine:
-            ax.legend(loc="best")  # clear of the lines (upper right hid their ends)
-    if title:
-        fig.suptitle(title)
-    return fig

@@ -144,7 +144,7 @@ def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged):
         img.load()
         assert img.format == "PNG" and img.size == (COMPARE_WIDTH_PX, HEIGHT_PX)
 
-    from mlm_pipeline.tracking.compare import compare_runs
+    from mlm_pipeline.app.compare import compare_runs
 
     table, fig = compare_runs(tracker, ["run-a", ids["run-b"]])
     train_ax, eval_ax = fig.axes  # one panel per loss, never both on one axis
@@ -167,7 +167,7 @@ def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logg
     tracker, ids = logged
     other = MlflowTracker(tracker.tracking_uri, "other-experiment")
     no_eval = _log_run(other, "run-c", RUNS["run-a"], with_eval=False)
-    from mlm_pipeline.tracking.compare import compare_runs
+    from mlm_pipeline.app.compare import compare_runs
 
     _, fig = compare_runs(tracker, [ids["run-a"], no_eval])
     train_ax, eval_ax = fig.axes
@@ -195,7 +195,7 @@ def test_compare_and_promote_take_the_id_prefix_that_runs_prints(tmp_path, logge
     assert out.returncode == 0, out.stderr
     assert [r["id"] for r in json.loads(out.stdout)] == [ids["run-b"], ids["run-a"]]
 
-    from mlm_pipeline.tracking.compare import resolve_run_id
+    from mlm_pipeline.app.compare import resolve_run_id
 
     # 17 more runs: with 16 hex digits, two of the 19 ids share their first character.
     other = MlflowTracker(tracker.tracking_uri, "prefix-experiment")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlm_pipeline.tracking.plots import compare_figure, metric_series, run_curves
+from mlm_pipeline.app.compare_plot import compare_figure, run_curves
+from mlm_pipeline.tracking.plots import metric_series
 from mlm_pipeline.tracking.registry import RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
@@ -300,7 +301,7 @@ def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | 
 
     The figure has two panels, `train/loss` and `eval/loss` (`plots.compare_figure`), one
     line per run in each, labelled with the run name (`name (id[:8])` when two runs share
-    a name), 1200 x 500 pixels (`plots.COMPARE_FIGSIZE_IN` at `plots.DPI`).
+    a name), 1200 x 500 pixels (`compare_plot.COMPARE_FIGSIZE_IN` at `plots.DPI`).
 
     Raises:
         ValueError: see `resolve_runs`; a run logged no loss or no `train/tokens_seen`.
