@@ -195,10 +195,12 @@ def record_results_task(
 @task(name="publish-model", **NOT_CACHED, **IO_RETRIES)
 def publish_model_task(
     cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest,
-    tokenizer: TokenizerManifest,
+    tokenizer: TokenizerManifest, shards: ShardManifest | None = None,
 ) -> dict[str, Any] | None:
     """Log the exported model as the run's MLflow model and register it: `challenger`
-    always, `champion` when better on the same data (None when `tracking.log_model` is off)."""
+    always, `champion` when better on the same data, the champion re-scored on this run's
+    validation rows (`shards`) when it was evaluated on others (None when
+    `tracking.log_model` is off)."""
     if not cfg.tracking.log_model:
         return None
     from mlm_pipeline.tracking import registry
@@ -206,7 +208,7 @@ def publish_model_task(
     name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
     return registry.publish(MlflowTracker.from_config(cfg.tracking), run_id, name, trained,
                             evaluated, tokenizer.output_dir,
-                            next((p.text for p in cfg.eval.probes), "[MASK]."))
+                            next((p.text for p in cfg.eval.probes), "[MASK]."), shards)
 
 
 @flow(name="train-evaluate", flow_run_name=flow_run_name, **tracking.CLOSING_HOOKS)
@@ -245,7 +247,7 @@ def train_evaluate_flow(
         trained = train_task(cfg, shards, tokenizer, run_id)
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)
-        registered = publish_model_task(cfg, run_id, trained, evaluated, tokenizer)
+        registered = publish_model_task(cfg, run_id, trained, evaluated, tokenizer, shards)
     except BaseException as exc:
         tracking.end_tracking(cfg, run_id, *resume.failure_tags(exc))
         raise

@@ -327,15 +327,20 @@ def summary(
 
 def registry_summary(registry: dict[str, Any] | None) -> dict[str, Any] | None:
     """The JSON-able part of a registry decision shown to users: model, version, model URI,
-    decision and reason, this version's and the previous champion's `eval/loss`, the eval
-    data digest and the champion version after the decision."""
+    decision and reason, the metric decided on, this version's and the previous champion's
+    `eval/loss` (the champion's on this version's eval data when it was re-scored:
+    `champion_rescored`; its own when not compared), the eval data digest and the
+    champion version after the decision."""
     if registry is None:
         return None
     before = registry.get("champion_before") or {}
+    theirs = registry.get("champion_eval_loss")
     return {"model": registry["name"], "version": registry["version"],
             "model_uri": registry.get("model_uri"), "decision": registry["decision"],
-            "reason": registry["reason"], "eval_loss": registry["eval_loss"],
-            "champion_eval_loss": before.get("eval_loss"),
+            "reason": registry["reason"], "metric": registry.get("metric", "eval/loss"),
+            "eval_loss": registry["eval_loss"],
+            "champion_eval_loss": before.get("eval_loss") if theirs is None else theirs,
+            "champion_rescored": bool(registry.get("champion_rescored")),
             "champion_before": before.get("version"),
             "champion_version": registry["champion_version"],
             "eval_data_digest": registry["eval_data"]}
@@ -348,8 +353,10 @@ def registry_lines(reg: dict[str, Any]) -> list[str]:
              f"(models:/{reg['model']}/{reg['version']})"),
             f"Decision: {reg['decision']}: {reg['reason']}",
             f"eval/loss: {reg['eval_loss']:.4f} (this version), "
-            + (f"{theirs:.4f} (champion before)" if theirs is not None else "no champion "
-               "loss compared") + f"; eval data digest {reg['eval_data_digest'][:16]}",
+            + (f"{theirs:.4f} (champion before"
+               + (", re-scored on this version's eval data)" if reg.get("champion_rescored")
+                  else ")") if theirs is not None else "no champion loss compared")
+            + f"; eval data digest {reg['eval_data_digest'][:16]}",
             (f"Champion now: version {reg['champion_version']} "
              f"(models:/{reg['model']}@champion)")]
 

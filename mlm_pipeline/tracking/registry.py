@@ -7,15 +7,21 @@ registers it under `tracking.registered_model_name` (default: the experiment nam
 decides the aliases (`decide`):
 
 - every new version gets the alias `challenger`;
-- `champion` moves to it only if its held-out `eval/loss` is lower than the champion's and
-  both were evaluated on the same data (`eval_data_digest`: the validation shards digest,
-  the evaluation seed and row cap, and the masking rates that place the masks); a version
-  evaluated on other data is never compared, and the decision says so;
+- `champion` moves to it only if its held-out `eval/loss` is lower than the champion's on
+  the same data (`eval_data_digest`: the validation shards digest, the evaluation seed and
+  row cap, and the masking rates that place the masks). When the champion was evaluated
+  on other data (a grown corpus) with the same tokenizer, it is re-scored on the new
+  version's evaluation data first (`tracking.rescore`: its checkpoint evaluated on the
+  same rows with the same masks and precision), and the two losses on that data decide.
+  With another tokenizer the losses are per-piece of other vocabularies: the versions are
+  not compared (a tokenizer-independent comparison is not implemented yet), nor when the
+  champion's checkpoint cannot be found; the decision says why;
 - `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`).
 
-The decision, both losses and the data digest are set on the run (tags `registry.*`,
-metrics `registry/eval_loss` and `registry/champion_eval_loss`) and on the model version
-(tags), and returned for the run summary.
+The decision, the metric, both losses and the eval data digest they were computed on are
+set on the run (tags `registry.*`, metrics `registry/eval_loss` and
+`registry/champion_eval_loss`) and on the model version (tags `decision`, `compared_*`),
+and returned for the run summary.
 
 `download_model` turns an MLflow run id or a `models:/...` URI back into a local
 `transformers` model directory (for `mlm-pipeline export` and `fill-mask`).
@@ -33,12 +39,19 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.errors import MissingDependencyError
-from mlm_pipeline.manifest import EvalManifest, TrainManifest
+from mlm_pipeline.manifest import EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.tracking.rescore import (
+    METRIC,
+    ChampionRescorer,
+    OtherTokenizer,
+    RescoreUnavailable,
+    champion_tokenizer_digest,
+)
 from mlm_pipeline.tracking.resume import log_missing_metrics
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
@@ -159,12 +172,13 @@ def _version_record(version) -> dict[str, Any]:
     tags = version.tags
     return {"version": int(version.version), "run_id": version.run_id,
             "eval_loss": float(tags["eval_loss"]) if "eval_loss" in tags else None,
-            "eval_data": tags.get("eval_data"), "shards": tags.get("digest.shards")}
+            "eval_data": tags.get("eval_data"), "shards": tags.get("digest.shards"),
+            "tokenizer": tags.get("digest.tokenizer")}
 
 
 def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
     """The version holding `champion` (version, run id, eval loss, eval data digest,
-    shards digest), or None when no version has it."""
+    shards digest, tokenizer digest when recorded), or None when no version has it."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -174,7 +188,9 @@ def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
 
 
 def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
-           eval_loss: float, eval_data: str, shards_digest: str) -> dict[str, Any]:
+           eval_loss: float, eval_data: str, shards_digest: str,
+           tokenizer_digest: str | None = None,
+           rescore: Callable[[dict[str, Any]], float] | None = None) -> dict[str, Any]:
     """Register `model_uri` as a new version of `name`, give it `challenger`, and move
     `champion` to it when it is better on the same data (see the module docstring). A
     version `run_id` registered from `model_uri` before (an attempt that stopped before
@@ -189,12 +205,23 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
         eval_loss: its held-out `eval/loss` (token-weighted mean, nats).
         eval_data: `eval_data_digest` of that evaluation.
         shards_digest: the shards digest of the validation data (shown to users).
+        tokenizer_digest: the digest of its tokenizer (None: unknown, the champion is
+            never re-scored).
+        rescore: the champion's `eval/loss` on this version's evaluation data, given the
+            champion's record (`tracking.rescore.ChampionRescorer`), called when the
+            champion was evaluated on other data with the same tokenizer; it raises
+            `RescoreUnavailable` when it cannot (None: never re-scored).
 
     Returns:
         `name`, `version`, `decision` (`first`: no champion before; `promoted`: lower
-        loss on the same data; `kept`: not lower; `not_compared`: the champion was
-        evaluated on other data), `reason` (a sentence), `eval_loss`, `champion_before`
-        (the previous champion's record, or None) and `champion_version` (after).
+        `eval/loss` on the same data; `kept`: not lower; `not_compared`: the champion
+        was evaluated on other data and could not be re-scored on this version's),
+        `reason` (a sentence naming the metric), `metric` (`eval/loss`), `eval_loss`,
+        `eval_data`, `shards`, `champion_eval_loss` (the champion's loss on `eval_data`,
+        re-scored or its own; None when not compared), `champion_rescored`,
+        `compared_on` (the eval data digest both losses were computed on; None when not
+        compared), `champion_before` (the previous champion's record, or None) and
+        `champion_version` (after).
     """
     version = _registered(tracker, name, run_id, model_uri)
     if version is None:
@@ -205,41 +232,93 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
             version = mlflow.register_model(model_uri, name, tags={
                 "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
                 "digest.shards": shards_digest,
+                **({"digest.tokenizer": tokenizer_digest} if tokenizer_digest else {}),
                 _BEFORE_TAG: str(before["version"]) if before else "none"})
     else:  # registered by an attempt that stopped before the aliases moved
         before = _champion_before(tracker, version)
         logger.info("registry %s: version %s of run %s exists: not registered again, "
                     "its aliases are set", name, version.version, run_id)
     new = int(version.version)
+    theirs, rescored = None, False
     if before is None:
         decision, reason = "first", f"version {new} is the first champion of {name!r}"
-    elif before["eval_data"] != eval_data or before["eval_loss"] is None:
-        decision = "not_compared"
-        reason = (f"not compared: version {new} was evaluated on other data than champion "
-                  f"version {before['version']} (shards {shards_digest[:12]} vs "
-                  f"{(before['shards'] or 'unknown')[:12]}, eval data {eval_data[:12]} vs "
-                  f"{(before['eval_data'] or 'unknown')[:12]}); champion stays")
-    elif eval_loss < before["eval_loss"]:
-        decision = "promoted"
-        reason = (f"eval/loss {eval_loss:.4f} < champion version {before['version']}'s "
-                  f"{before['eval_loss']:.4f} on the same data: version {new} is champion")
+    elif before["eval_data"] == eval_data and before["eval_loss"] is not None:
+        theirs = before["eval_loss"]
+        decision, reason = _compare(new, before, eval_loss, theirs, "on the same data")
     else:
-        decision = "kept"
-        reason = (f"eval/loss {eval_loss:.4f} >= champion version {before['version']}'s "
-                  f"{before['eval_loss']:.4f} on the same data: champion stays")
+        theirs, why = _rescored(tracker, before, tokenizer_digest, rescore)
+        if theirs is None:
+            decision = "not_compared"
+            reason = (f"not compared: version {new} was evaluated on other data than "
+                      f"champion version {before['version']} (shards {shards_digest[:12]} "
+                      f"vs {(before['shards'] or 'unknown')[:12]}, eval data "
+                      f"{eval_data[:12]} vs {(before['eval_data'] or 'unknown')[:12]}) "
+                      f"and {why}; champion stays")
+        else:
+            rescored = True
+            own = ("unknown" if before["eval_loss"] is None
+                   else f"{before['eval_loss']:.4f}")
+            decision, reason = _compare(
+                new, before, eval_loss, theirs,
+                f"re-scored on this version's eval data {eval_data[:12]} (its own "
+                f"{own} was on {(before['eval_data'] or 'unknown')[:12]})")
+    compared = theirs is not None
     client = tracker.client
     client.set_registered_model_alias(name, CHALLENGER, str(new))
     if decision in ("first", "promoted"):
         client.set_registered_model_alias(name, CHAMPION, str(new))
     client.set_model_version_tag(name, str(new), "decision", decision)
+    if compared:
+        for key, value in {"compared_metric": METRIC, "compared_eval_data": eval_data,
+                           "compared_eval_loss": repr(float(eval_loss)),
+                           "compared_champion_version": str(before["version"]),
+                           "compared_champion_eval_loss": repr(float(theirs)),
+                           "compared_champion_rescored": str(rescored).lower()}.items():
+            client.set_model_version_tag(name, str(new), key, value)
     result = {"name": name, "version": new, "decision": decision, "reason": reason,
-              "eval_loss": float(eval_loss), "eval_data": eval_data,
+              "metric": METRIC, "eval_loss": float(eval_loss), "eval_data": eval_data,
               "shards": shards_digest, "champion_before": before,
+              "champion_eval_loss": float(theirs) if compared else None,
+              "champion_rescored": rescored, "compared_on": eval_data if compared else None,
               "champion_version": new if decision in ("first", "promoted")
               else before["version"]}
     _record_on_run(tracker, run_id, result)
-    logger.info("registry %s: %s", name, reason)
+    logger.info("registry %s: %s: %s", name, decision, reason)
     return result
+
+
+def _compare(new: int, before: dict[str, Any], ours: float, theirs: float,
+             data: str) -> tuple[str, str]:
+    """(`promoted` or `kept`, the reason) for `eval/loss` `ours` vs the champion's
+    `theirs`, both computed on the data `data` describes."""
+    if ours < theirs:
+        return "promoted", (f"{METRIC} {ours:.4f} < champion version {before['version']}'s "
+                            f"{theirs:.4f} {data}: version {new} is champion")
+    return "kept", (f"{METRIC} {ours:.4f} >= champion version {before['version']}'s "
+                    f"{theirs:.4f} {data}: champion stays")
+
+
+def _rescored(tracker: MlflowTracker, before: dict[str, Any], tokenizer_digest: str | None,
+              rescore: Callable[[dict[str, Any]], float] | None
+              ) -> tuple[float | None, str]:
+    """(the champion's `eval/loss` re-scored on the new version's data, "") or (None,
+    why it was not: the end of the `not_compared` sentence)."""
+    if tokenizer_digest is None or rescore is None:
+        return None, ("the champion was not re-scored on its data (its tokenizer digest or "
+                      "shards were not given)")
+    theirs = champion_tokenizer_digest(tracker, before)
+    try:
+        if theirs is not None and theirs != tokenizer_digest:
+            raise OtherTokenizer(theirs)
+        return float(rescore(before)), ""
+    except OtherTokenizer as exc:
+        return None, (f"with another tokenizer (digest {tokenizer_digest[:12]} vs "
+                      f"{exc.digest[:12]}): {METRIC} is per piece of another vocabulary, "
+                      "and a tokenizer-independent comparison is not implemented yet")
+    except RescoreUnavailable as exc:
+        logger.warning("registry: champion version %s not re-scored: %s", before["version"],
+                       exc)
+        return None, f"the champion could not be re-scored on its data ({exc})"
 
 
 def _registered(tracker: MlflowTracker, name: str, run_id: str, model_uri: str):
@@ -266,27 +345,41 @@ def _champion_before(tracker: MlflowTracker, version) -> dict[str, Any] | None:
 
 def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) -> None:
     before = result["champion_before"]
+    compared_on = result.get("compared_on")
     tracker.set_tags(run_id, {
         "registry.model_name": result["name"], "registry.version": str(result["version"]),
         "registry.decision": result["decision"], "registry.reason": result["reason"],
         "registry.champion_version": str(result["champion_version"]),
         "registry.eval_data": result["eval_data"], "registry.shards": result["shards"],
+        "registry.metric": result.get("metric", METRIC),
         **({"registry.champion_before": str(before["version"]),
             "registry.champion_before_run_id": before["run_id"],
             "registry.champion_before_eval_data": before["eval_data"] or "unknown"}
            if before else {}),
+        **({"registry.compared_eval_data": compared_on,
+            "registry.champion_rescored": str(bool(result.get("champion_rescored"))).lower()}
+           if compared_on else {}),
     })
     metrics = {"registry/eval_loss": result["eval_loss"]}
-    if before and before["eval_loss"] is not None:
-        metrics["registry/champion_eval_loss"] = before["eval_loss"]
+    theirs = result.get("champion_eval_loss")
+    if theirs is None and before:  # not compared: the champion's own, on its own data
+        theirs = before["eval_loss"]
+    if theirs is not None:
+        metrics["registry/champion_eval_loss"] = theirs
     log_missing_metrics(tracker, run_id, metrics, 0)
 
 
 def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManifest,
             evaluated: EvalManifest, tokenizer_dir: str | Path,
-            input_example: str) -> dict[str, Any]:
+            input_example: str, shards: ShardManifest | None = None) -> dict[str, Any]:
     """Export the run's final checkpoint, log it as the run's model and register it
-    (`log_model`, then `decide`). Returns `decide`'s record with `model_uri`.
+    (`log_model`, then `decide`, which re-scores a champion evaluated on other data with
+    the same tokenizer on this run's validation rows: `tracking.rescore`). Returns
+    `decide`'s record with `model_uri`.
+
+    `shards` are the run's shards (its validation rows); None looks for them by digest
+    in the work directory above the training run (`train.export.find_stage_manifest`):
+    not found, a champion evaluated on other data is not compared.
 
     Idempotent, for a run finished after a failure: a model this run logged at this step
     (`logged_model_uri`) is not logged again, and a version registered from it is not
@@ -296,7 +389,7 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
         ValueError: the model cannot be exported (see `train.export.export_checkpoint`).
         MissingDependencyError: `transformers` is not installed.
     """
-    from mlm_pipeline.train.export import export_checkpoint
+    from mlm_pipeline.train.export import export_checkpoint, find_stage_manifest
 
     model_uri = logged_model_uri(tracker, run_id, trained.steps)
     if model_uri is not None:
@@ -307,8 +400,14 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
             out = export_checkpoint(trained.file(trained.checkpoint_dir),
                                     Path(tmp) / "model", tokenizer=tokenizer_dir)
             model_uri = log_model(tracker, run_id, out, trained.steps, input_example)
-    result = decide(tracker, name, run_id, model_uri, evaluated.metrics["eval/loss"],
-                    eval_data_digest(evaluated), evaluated.inputs["shards"])
+    if shards is None:
+        shards = find_stage_manifest(Path(trained.output_dir), "shards",
+                                     evaluated.inputs["shards"], ShardManifest)
+    rescore = None if shards is None else ChampionRescorer(
+        tracker, trained, evaluated, shards, tokenizer_dir)
+    result = decide(tracker, name, run_id, model_uri, evaluated.metrics[METRIC],
+                    eval_data_digest(evaluated), evaluated.inputs["shards"],
+                    evaluated.inputs.get("tokenizer"), rescore)
     return {**result, "model_uri": model_uri}
 
 

@@ -6,7 +6,11 @@ Four runs are trained, evaluated and published in order under one registered nam
 - A (6 steps) is the first version: champion;
 - B (2 steps, worse) gets challenger, champion stays A;
 - C (20 steps, better) takes champion;
-- D (20 steps on other shards: another `seq_len`) is not compared: challenger only.
+- D (20 steps on other shards: another `seq_len`) is not compared: challenger only (the
+  champion cannot be re-scored on D's data: these runs record no train manifest).
+
+Under a second name, a grown corpus: the champion re-scored on a warm-started
+challenger's evaluation data with the same tokenizer, and not compared across tokenizers.
 
 Then the consumers: `fill-mask` and `export` with each kind of SOURCE, one-line errors for
 bad ones, `promote`, and `mlflow.pyfunc` / `mlflow.transformers` loading by alias in a
@@ -38,7 +42,7 @@ from mlm_pipeline.evaluate import evaluate, fill_mask
 from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
 from mlm_pipeline.tracking import MlflowTracker, registry
-from mlm_pipeline.tracking.records import record_results
+from mlm_pipeline.tracking.records import record_results, registry_lines, registry_summary
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.export import export_checkpoint
@@ -270,3 +274,124 @@ def test_promote_forces_champion(runs, uri, client, capsys):
     assert _aliases(client)["champion"] == 3
     assert cli.main(["promote", "nope", "--tracking-uri", uri]) == 1
 
+
+
+# --- A grown corpus: the champion re-scored on the challenger's eval data --------------
+
+GROWN = "mlm-registry-grown"
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory, tiny_paragraphs, uri):
+    """Under `GROWN`: v1 trained and evaluated on corpus A; v2 warm-started from v1 with
+    the same tokenizer on corpus B (A and ten new documents, one of them a validation
+    document); v3 on B with another tokenizer (BPE). Each run records its results as a
+    pipeline run does (`record_results`: the train manifest the champion is found by)."""
+    from tests.conftest import build_corpus_manifest
+
+    work = tmp_path_factory.mktemp("grown-work")
+    new_docs = [" ".join(reversed(p.split())) for p in tiny_paragraphs[:10]]
+    corpus = {"A": build_corpus_manifest(work / "corpus-a", tiny_paragraphs),
+              "B": build_corpus_manifest(work / "corpus-b", tiny_paragraphs + new_docs)}
+    tok = train_tokenizer(TokenizerConfig(vocab_size=128), corpus["A"], work)
+    other_tok = train_tokenizer(TokenizerConfig(vocab_size=128, model_type="bpe"),
+                                corpus["B"], work)
+    shard_cfg = ShardConfig(seq_len=32, rows_per_shard=64, encode_batch_size=4)
+    shards = {"A": write_shards(shard_cfg, corpus["A"], tok, work),
+              "B": write_shards(shard_cfg, corpus["B"], tok, work),
+              "B-bpe": write_shards(shard_cfg, corpus["B"], other_tok, work)}
+    tracker = MlflowTracker(uri, experiment_name=GROWN)
+    model = ModelConfig(preset="bert", hidden_size=32, num_layers=2, num_heads=2,
+                        intermediate_size=64)
+    out = {}
+    plan = {"v1": ("A", tok, 6, None), "v2": ("B", tok, 6, "v1"),
+            "v3": ("B-bpe", other_tok, 4, None)}
+    for name, (data, tk, steps, parent) in plan.items():
+        init = None if parent is None else str(
+            out[parent]["trained"].file(out[parent]["trained"].checkpoint_dir))
+        cfg = TrainConfig(micro_batch_size=4, max_steps=steps, warmup_steps=1, lr=3e-3,
+                          checkpoint_every=steps, precision="fp32", seed=3, init_from=init)
+        trained = train(cfg, model, MaskingConfig(), shards[data], tk, work / "train" / name)
+        evaluated = evaluate(EvalConfig(), trained, shards[data], tk, work)
+        run_id = tracker.start_run({"run": name})
+        record_results(tracker, run_id, PipelineConfig(), trained, evaluated)
+        # v2 passes its shards as the flow does; v3 leaves them to be found by digest.
+        result = registry.publish(tracker, run_id, GROWN, trained, evaluated, tk.output_dir,
+                                  TEXT, shards[data] if name == "v2" else None)
+        tracker.end_run(run_id)
+        out[name] = {"run_id": run_id, "trained": trained, "evaluated": evaluated,
+                     "shards": shards[data], "tok": tk, "result": result,
+                     "loss": evaluated.metrics["eval/loss"]}
+    out["work"] = work
+    return out
+
+
+def _eval_data(evaluated) -> str:
+    """`eval_data_digest` written out: what the loss was measured on."""
+    data = {"shards": evaluated.inputs["shards"], "seed": EvalConfig().seed,
+            "max_rows": None, "masking": evaluated.config["masking"]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.slow  # three more models trained, logged, registered: ~30 s
+def test_grown_corpus_champion_is_rescored_on_the_challengers_data(grown, client):
+    v1, v2 = grown["v1"], grown["v2"]
+    assert v1["result"]["decision"] == "first"
+    assert v2["trained"].init["source"].endswith(v1["trained"].checkpoint_dir)
+    # The scenario: other eval data (the grown corpus adds a validation document).
+    assert v2["shards"].validation.rows > v1["shards"].validation.rows
+    assert _eval_data(v2["evaluated"]) != _eval_data(v1["evaluated"])
+    # The champion's loss on B, computed here by the evaluate stage itself: v1's
+    # checkpoint on B's validation rows with B's fixed masks (same seed, fp32, CPU).
+    want = evaluate(EvalConfig(), v1["trained"], v2["shards"], v2["tok"],
+                    grown["work"] / "independent").metrics["eval/loss"]
+    assert want != v1["loss"]
+    result = v2["result"]
+    assert result["champion_rescored"] is True
+    assert result["champion_eval_loss"] == want  # exact: same rows, masks and precision
+    assert result["compared_on"] == _eval_data(v2["evaluated"])
+    expected = "promoted" if v2["loss"] < want else "kept"
+    assert result["decision"] == expected
+    assert result["metric"] == "eval/loss" and result["reason"].startswith("eval/loss ")
+    assert f"{want:.4f}" in result["reason"] and "re-scored" in result["reason"]
+    champion = client.get_model_version_by_alias(GROWN, registry.CHAMPION)
+    assert int(champion.version) == (2 if expected == "promoted" else 1)
+    # On the run ...
+    run = client.get_run(v2["run_id"])
+    tags = run.data.tags
+    assert tags["registry.decision"] == expected and tags["registry.metric"] == "eval/loss"
+    assert tags["registry.compared_eval_data"] == _eval_data(v2["evaluated"])
+    assert tags["registry.champion_rescored"] == "true"
+    assert run.data.metrics["registry/eval_loss"] == v2["loss"]
+    assert run.data.metrics["registry/champion_eval_loss"] == want
+    # ... and on the model version.
+    vt = client.get_model_version(GROWN, "2").tags
+    assert vt["decision"] == expected and vt["compared_metric"] == "eval/loss"
+    assert vt["compared_eval_data"] == _eval_data(v2["evaluated"])
+    assert float(vt["compared_eval_loss"]) == v2["loss"]
+    assert float(vt["compared_champion_eval_loss"]) == want
+    assert vt["compared_champion_version"] == "1" and vt["digest.tokenizer"] == \
+        v2["tok"].digest
+    # The summary a user reads names the re-score.
+    lines = registry_lines(registry_summary(result))
+    assert "re-scored on this version's eval data" in lines[2] and f"{want:.4f}" in lines[2]
+
+
+@pytest.mark.slow  # three more models trained, logged, registered: ~30 s
+def test_another_tokenizer_is_not_compared_and_says_why(grown, client):
+    v2, v3 = grown["v2"], grown["v3"]
+    result = v3["result"]
+    assert result["decision"] == "not_compared" and result["champion_eval_loss"] is None
+    before = result["champion_before"]
+    assert before["version"] == v2["result"]["champion_version"]
+    assert "with another tokenizer" in result["reason"]
+    assert "a tokenizer-independent comparison is not implemented yet" in result["reason"]
+    assert v3["tok"].digest[:12] in result["reason"] and v2["tok"].digest[:12] in \
+        result["reason"]
+    assert result["reason"].endswith("champion stays")
+    assert int(client.get_model_version_by_alias(GROWN, registry.CHAMPION).version) == \
+        before["version"]
+    tags = client.get_run(v3["run_id"]).data.tags
+    assert tags["registry.decision"] == "not_compared"
+    assert "registry.compared_eval_data" not in tags
+    assert "compared_metric" not in client.get_model_version(GROWN, "3").tags

@@ -1,0 +1,164 @@
+"""The champion re-scored on a challenger's evaluation data (`tracking.registry.decide`).
+
+When a challenger was evaluated on other data than the champion (another corpus, shards,
+seed or row cap: another `eval_data_digest`) but with the same tokenizer, the two
+`eval/loss` values the versions carry are not comparable; the champion's model is then
+evaluated again on the challenger's data, and the registry decides on that pair.
+
+`champion_checkpoint` finds the champion's training checkpoint the way warm start finds a
+parent (`tracking.parents.fetch_parent_checkpoint`: where its run's train manifest says,
+else the checkpoint the run uploaded); `ChampionRescorer` loads it through the verified
+loader (`train.verified.load_verified`) and runs the evaluate stage's own function
+(`evaluate.stage.masked_lm_metrics`) on the challenger's validation rows, with the
+challenger's fixed masks (its masking record keyed by its `eval.seed`), its row cap and
+its precision and device: the champion's `eval/loss` is then computed exactly as the
+challenger's was, on the same rows and positions. Whether the model runs with document
+attention is the champion's own training setting, as its own evaluation ran it.
+
+torch and mlflow are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlm_pipeline.manifest import EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.tracking.tracker import MlflowTracker
+
+logger = logging.getLogger(__name__)
+
+#: The metric the registry decides on (lower is better).
+METRIC = "eval/loss"
+
+
+class RescoreUnavailable(ValueError):
+    """The champion cannot be re-scored on the challenger's data; the message says why."""
+
+
+class OtherTokenizer(RescoreUnavailable):
+    """The champion was trained with another tokenizer (its digest: `digest`)."""
+
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"the champion's tokenizer has digest {digest[:12]}")
+        self.digest = digest
+
+
+def champion_tokenizer_digest(tracker: MlflowTracker, champion: dict[str, Any]) -> str | None:
+    """The tokenizer digest a champion version was trained with: its version tag
+    `digest.tokenizer` (versions registered since the tag exists), else its run's tag
+    `digest.tokenizer` (`records.data_tags`); None when neither records it."""
+    if champion.get("tokenizer"):
+        return champion["tokenizer"]
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return tracker.get_run(champion["run_id"]).data.tags.get("digest.tokenizer")
+    except MlflowException:
+        return None
+
+
+def champion_checkpoint(tracker: MlflowTracker, champion: dict[str, Any],
+                        download_dir: str | Path) -> Path:
+    """The champion version's training checkpoint on this machine: where its run's train
+    manifest says, else the one its run uploaded, downloaded under `download_dir`.
+
+    Raises:
+        RescoreUnavailable: the version records no run, or the run has no train manifest
+            or checkpoint to be found (the reason of `fetch_parent_checkpoint`).
+    """
+    from mlm_pipeline.tracking.parents import fetch_parent_checkpoint
+
+    if not champion.get("run_id"):
+        raise RescoreUnavailable(f"champion version {champion['version']} records no run")
+    try:
+        return fetch_parent_checkpoint(tracker, champion["run_id"], download_dir)
+    except ValueError as exc:
+        raise RescoreUnavailable(
+            str(exc).replace("train.init_from ", "champion run ", 1)) from exc
+
+
+@dataclass(frozen=True)
+class ChampionRescorer:
+    """Evaluates a champion on a challenger's evaluation data (see the module docstring).
+
+    Attributes:
+        tracker: the MLflow backend the champion's run is read from.
+        trained: the challenger's training manifest (its device and precision).
+        evaluated: the challenger's evaluation (its eval config, masking record, inputs).
+        shards: the challenger's shards (their validation rows are evaluated).
+        tokenizer_dir: the challenger's tokenizer stage directory (whole-word starts).
+    """
+
+    tracker: MlflowTracker
+    trained: TrainManifest
+    evaluated: EvalManifest
+    shards: ShardManifest
+    tokenizer_dir: str | Path
+
+    def __call__(self, champion: dict[str, Any]) -> float:
+        """The champion version's `eval/loss` (token-weighted mean cross-entropy, nats per
+        masked token) on the challenger's validation rows and masks.
+
+        Args:
+            champion: the champion's version record (`registry.champion`).
+
+        Raises:
+            OtherTokenizer: its checkpoint was trained with another tokenizer.
+            RescoreUnavailable: its checkpoint cannot be found or verified, or has another
+                vocabulary or a shorter `seq_len` than the challenger's rows.
+        """
+        from mlm_pipeline.train.verified import CheckpointError, load_verified
+
+        with tempfile.TemporaryDirectory(prefix="mlm-champion-") as tmp:
+            checkpoint = champion_checkpoint(self.tracker, champion, tmp)
+            try:
+                model, state = load_verified(checkpoint, self.trained.device)
+            except (CheckpointError, FileNotFoundError) as exc:
+                raise RescoreUnavailable(f"its checkpoint {checkpoint}: {exc}") from exc
+        self._check_fits(state)
+        loss = self._loss(model, state)
+        logger.info("registry: champion version %s re-scored on eval data of shards %s: "
+                    "%s %.4f (its own: %s)", champion["version"], self.shards.digest[:12],
+                    METRIC, loss, champion.get("eval_loss"))
+        return loss
+
+    def _check_fits(self, state: dict[str, Any]) -> None:
+        """Refuse a champion whose ids or positions do not fit the challenger's rows.
+
+        Raises:
+            OtherTokenizer: it was trained with another tokenizer.
+            RescoreUnavailable: naming every other mismatch.
+        """
+        if state.get("tokenizer_digest") != self.evaluated.inputs.get("tokenizer"):
+            raise OtherTokenizer(str(state.get("tokenizer_digest")))
+        problems = []
+        if state.get("vocab_size") != self.shards.vocab_size:
+            problems.append(f"vocab_size {state.get('vocab_size')} vs {self.shards.vocab_size}")
+        if int(state.get("seq_len") or 0) < self.shards.seq_len:
+            problems.append(f"seq_len {state.get('seq_len')} < the rows' {self.shards.seq_len}")
+        if problems:
+            raise RescoreUnavailable("its checkpoint does not fit the challenger's data: "
+                                     + "; ".join(problems))
+
+    def _loss(self, model: Any, state: dict[str, Any]) -> float:
+        """`masked_lm_metrics(...)["eval/loss"]` of `model` on the challenger's data."""
+        from mlm_pipeline.config import EvalConfig, MaskingConfig
+        from mlm_pipeline.evaluate.stage import eval_masking, masked_lm_metrics
+        from mlm_pipeline.tokenizer import Tokenizer
+        from mlm_pipeline.train.data import ShardDataset
+
+        cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
+        masking = MaskingConfig.model_validate(self.evaluated.config["masking"])
+        tok = Tokenizer.load(self.tokenizer_dir)
+        train_cfg = (state.get("config") or {}).get("train") or {}
+        metrics = masked_lm_metrics(
+            model, ShardDataset(self.shards, "validation"),
+            masking=eval_masking(cfg, masking, self.shards, tok),
+            batch_size=cfg.batch_size, max_rows=cfg.max_rows, device=self.trained.device,
+            precision=self.trained.precision,
+            document_attention=bool(train_cfg.get("document_attention", False)))
+        return float(metrics[METRIC])
