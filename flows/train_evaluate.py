@@ -253,7 +253,7 @@ def train_evaluate_flow(
         raise
     tracking.end_tracking(cfg, run_id, "FINISHED")
     if cfg.tracking.keep_last_runs is not None:
-        from mlm_pipeline.tracking.gc import keep_last_runs
+        from mlm_pipeline.app.gc import keep_last_runs
 
         keep_last_runs(tracker, cfg)
     summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,

@@ -31,7 +31,7 @@ from typing import Any
 
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import ConfigError, dump_config, load_config
-from mlm_pipeline.tracking.runlog import one_line, print_summary, run_logging, versions
+from mlm_pipeline.app.runlog import one_line, print_summary, run_logging, versions
 
 #: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
 #: dict `mlm_pipeline.tracking.records.summary` builds).
@@ -185,7 +185,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from mlm_pipeline.tracking.gc import apply_gc, gc_report, plan_gc
+    from mlm_pipeline.app.gc import apply_gc, gc_report, plan_gc
 
     items = plan_gc(_tracker(args), args.work_dir, args.keep, args.experiment)
     if not args.dry_run:

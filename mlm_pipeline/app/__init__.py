@@ -4,6 +4,8 @@ Above the stage packages (ingest, tokenizer, masking, shards, train, evaluate, t
 below their two callers, the CLI (`mlm_pipeline.cli`) and the Prefect flows (`flows/`),
 which only call these functions. Nothing here imports Prefect or the flows.
 
-Rooms: `consumers` (`fill-mask` and `export` from any SOURCE), `compare` (the `runs`
-and `compare` commands' table), `compare_plot` (the comparison figure of `compare`).
+Rooms: `consumers` (`fill-mask` and `export` from any SOURCE), `compare` (the `runs` and
+`compare` commands' table), `compare_plot` (the comparison figure of `compare`), `gc`
+(removing finished runs' local training state), `runlog` (the `run` command's terminal,
+log file, one-line errors and summary).
 """

@@ -5,9 +5,7 @@ Rooms: `tracker` (`MlflowTracker`: run lifecycle, params, tags, artifacts; track
 params, lineage tags, data accounting, results and the run summary), `lineage` (the shards
 as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
 fill-mask table), `plots` (`plots/loss.png`), `resume` (continuing unfinished runs), `registry`
-(logging, registering and promoting the model), `gc`
-(removing finished runs' local training state), `runlog` (the `run` command's terminal,
-log file, one-line errors and summary).
+(logging, registering and promoting the model).
 """
 
 from mlm_pipeline.tracking.sink import MlflowSink

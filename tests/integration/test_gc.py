@@ -12,7 +12,7 @@ import pytest
 from mlm_pipeline.cli import main
 from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.tracking import MlflowTracker
-from mlm_pipeline.tracking.gc import plan_gc
+from mlm_pipeline.app.gc import plan_gc
 from mlm_pipeline.train import train
 
 
@@ -107,7 +107,7 @@ def test_keep_last_runs_after_a_run_applies_to_its_experiment_only(runs):
     keeps its two newest finished runs (f3, f4), the champion f1 and the unfinished ones;
     experiment b is not touched."""
     from mlm_pipeline.config import PipelineConfig
-    from mlm_pipeline.tracking.gc import keep_last_runs
+    from mlm_pipeline.app.gc import keep_last_runs
 
     tracker, work, ids = runs
     before = {name: _du(work / "train" / rid / "checkpoints") for name, rid in ids.items()}

@@ -223,7 +223,7 @@ def test_a_work_dir_that_cannot_be_written_fails_at_once_naming_it(s3_endpoint):
 def test_gc_removes_a_finished_runs_checkpoints_from_the_store_too(
         bucket, work, monkeypatch, tmp_path):
     from mlm_pipeline.tracking import MlflowTracker
-    from mlm_pipeline.tracking.gc import apply_gc, plan_gc
+    from mlm_pipeline.app.gc import apply_gc, plan_gc
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", experiment_name="gc")
     run_id = tracker.start_run({}, {})

@@ -367,7 +367,7 @@ def test_summary_ui_lines_open_the_runs_table_in_training_mode():
     """The UI links of the run summary: the experiment's runs and the run's charts with
     `workflowType=machine_learning` (a fresh browser profile would otherwise open MLflow's
     GenAI view), after the `mlflow ui` command for a SQLite store."""
-    from mlm_pipeline.tracking.runlog import ui_lines
+    from mlm_pipeline.app.runlog import ui_lines
 
     local = {"mlflow_tracking_uri": "sqlite:////tmp/x/mlflow.db", "mlflow_experiment_id": "4",
              "mlflow_run_id": "0123abcd"}
