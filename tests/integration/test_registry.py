@@ -6,8 +6,8 @@ Four runs are trained, evaluated and published in order under one registered nam
 - A (6 steps) is the first version: champion;
 - B (2 steps, worse) gets challenger, champion stays A;
 - C (20 steps, better) takes champion;
-- D (20 steps on other shards: another `seq_len`) is not compared: challenger only (the
-  champion cannot be re-scored on D's data: these runs record no train manifest).
+- D (2 steps on other shards: another `seq_len`, the same tokenizer): champion C is
+  re-scored on D's evaluation data, and stays.
 
 Under a second name, a grown corpus: the champion re-scored on a warm-started
 challenger's evaluation data with the same tokenizer, and not compared across tokenizers.
@@ -53,7 +53,7 @@ from mlflow import MlflowClient  # noqa: E402
 
 NAME = "mlm-registry-test"
 TEXT = "Le [MASK] du chat est doux et chaud."
-STEPS = {"A": 6, "B": 2, "C": 20, "D": 20}
+STEPS = {"A": 6, "B": 2, "C": 20, "D": 2}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def runs(tmp_path_factory, tiny_corpus_manifest, uri, client):
     tracker = MlflowTracker(uri, experiment_name=NAME)
     model = ModelConfig(preset="bert", hidden_size=32, num_layers=2, num_heads=2,
                         intermediate_size=64)
-    out = {}
+    out = {"work": work}
     for name, steps in STEPS.items():
         sh = shards[24 if name == "D" else 32]
         cfg = TrainConfig(micro_batch_size=4, max_steps=steps, warmup_steps=1, lr=3e-3,
@@ -92,8 +92,10 @@ def runs(tmp_path_factory, tiny_corpus_manifest, uri, client):
         evaluated = evaluate(EvalConfig(), trained, sh, tok, work)
         run_id = tracker.start_run({"run": name})
         tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
+        # As a pipeline run records it: how a later version finds this one's checkpoint.
+        tracker.log_artifacts(run_id, trained.path, "manifests/train")
         result = registry.publish(tracker, run_id, NAME, trained, evaluated, tok.output_dir,
-                                  TEXT)
+                                  TEXT, sh)
         tracker.end_run(run_id)
         out[name] = {"run_id": run_id, "trained": trained, "evaluated": evaluated,
                      "shards": sh, "tok": tok, "result": result, "aliases": _aliases(client),
@@ -126,13 +128,22 @@ def test_better_run_takes_champion(runs):
     assert c["result"]["champion_before"]["version"] == 1
 
 
-def test_run_on_other_data_is_not_compared(runs):
-    d = runs["D"]
-    assert d["result"]["decision"] == "not_compared"
+def test_run_on_other_data_rescores_the_champion(runs, client):
+    c, d = runs["C"], runs["D"]
+    # C's loss on D's data, computed here by the evaluate stage itself: C's checkpoint on
+    # D's validation rows with D's fixed masks (same eval seed, fp32, CPU).
+    want = evaluate(EvalConfig(), c["trained"], d["shards"], d["tok"],
+                    runs["work"] / "independent").metrics["eval/loss"]
+    result = d["result"]
+    assert want != c["loss"] and result["champion_rescored"] is True
+    assert result["champion_eval_loss"] == want  # exact: same rows, masks, precision
+    assert result["decision"] == "kept" and d["loss"] >= want
     assert d["aliases"] == {"champion": 3, "challenger": 4}
-    assert "not compared" in d["result"]["reason"] and "other data" in d["result"]["reason"]
-    assert d["shards"].digest[:12] in d["result"]["reason"]
-    assert runs["C"]["shards"].digest[:12] in d["result"]["reason"]
+    assert result["reason"].startswith(f"eval/loss {d['loss']:.4f} >= champion version 3's "
+                                       f"{want:.4f} re-scored on this version's eval data")
+    assert client.get_run(d["run_id"]).data.metrics["registry/champion_eval_loss"] == want
+    assert float(client.get_model_version(NAME, "4").tags["compared_champion_eval_loss"]) \
+        == want
 
 
 def test_decision_losses_and_digest_are_on_the_run(runs, client):
