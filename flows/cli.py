@@ -14,13 +14,14 @@ Ctrl-C reaches only this process (the flow can then checkpoint and close its MLf
 while the API is still there), with a parent-death signal, so it never outlives this process
 (not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine.
 
-Progress: in a terminal, one live `rich` line per stage (`mlm_pipeline_flows.progress_display.display`);
-otherwise log lines at a bounded rate (`mlm_pipeline.progress.LogProgress`).
+Progress: in a terminal, one live `rich` line per stage
+(`mlm_pipeline_flows.progress_display.display`); otherwise log lines at a bounded rate
+(`mlm_pipeline.progress.LogProgress`).
 
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
 is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
-handler is the train task's, `mlm_pipeline_flows.train_evaluate.stop_gracefully`). A second signal, or one
-outside training, stops at once.
+handler is the train task's, `mlm_pipeline_flows.train_evaluate.stop_gracefully`). A second
+signal, or one outside training, stops at once.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The library reports through `mlm_pipeline.progress.Progress`; the flow's data tasks take the
 reporter `current()` returns (with the Prefect progress artifacts beside it,
-`flows.task_support.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for its run
-(`display`): in a terminal, `RichProgress`, one live `rich` line per stage (description,
+`mlm_pipeline_flows.task_support.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for
+its run (`display`): in a terminal, `RichProgress`, one live `rich` line per stage (description,
 bar, count in its units, ETA) with the log lines printed above the bars (the training step
 lines left out: the `train` line shows them); otherwise nothing
 is set and the tasks use `LogProgress` (log lines at a bounded rate), as under a deployment.

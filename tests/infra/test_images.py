@@ -154,7 +154,6 @@ def _imports(path: Path) -> tuple[str, ...]:
 def third_party_imports(flow_files: frozenset[str]) -> dict[str, set[str]]:
     """Top-level third-party module -> the checkout files importing it, over every module
     reachable from `flow_files`."""
-    flow_names = {p.stem for p in (ROOT / "flows").glob("*.py")}
     todo = [ROOT / f for f in sorted(flow_files)]
     seen: set[Path] = set()
     found: dict[str, set[str]] = {}
@@ -163,11 +162,10 @@ def third_party_imports(flow_files: frozenset[str]) -> dict[str, set[str]]:
         if path in seen:
             continue
         seen.add(path)
-        in_flows = path.parent == ROOT / "flows"
         for name in _imports(path):
+            # the flows import each other as `mlm_pipeline_flows.x`, also when prefect.yaml
+            # runs one as a script: a bare neighbour name would be found as third-party
             top = name.split(".")[0]
-            if in_flows and top in flow_names:  # prefect.yaml loads flows/ as a folder
-                name, top = f"flows.{name}", "flows"
             if top in FIRST_PARTY:
                 parts = name.split(".")
                 for i in range(1, len(parts) + 1):  # a.b.c imports a, a.b and a.b.c
