@@ -7,5 +7,6 @@ which only call these functions. Nothing here imports Prefect or the flows.
 Rooms: `consumers` (`fill-mask` and `export` from any SOURCE), `compare` (the `runs` and
 `compare` commands' table), `compare_plot` (the comparison figure of `compare`), `gc`
 (removing finished runs' local training state), `runlog` (the `run` command's terminal,
-log file, one-line errors and summary).
+log file, one-line errors and summary), `prepared` (which stage outputs of a config exist:
+the `tokenize` command's tokenizer).
 """

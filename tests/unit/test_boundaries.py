@@ -11,16 +11,16 @@ Rules checked here, one test each:
    (`mlm_pipeline/__init__.py`, `config`, `config_files`, `errors`, `locks`, `manifest`,
    `progress`, `sinks`, `store`), then the stages `ingest`, `tokenizer`, `masking`,
    `shards`, `train`, `evaluate`, `tracking`, then the application layer `app` (the
-   verbs), then `cli`. A module may import its own level and the levels below it, so the
-   ground floor imports no stage, no stage imports `app` and nothing but `cli` imports
-   `cli`.
+   verbs), then the command line `cli` and `cli_commands`. A module may import its own
+   level and the levels below it, so the ground floor imports no stage, no stage imports
+   `app` and nothing but the command line imports it.
 5. Every file and folder under `mlm_pipeline/` has a level in rule 4 (a new top-level
    module must be placed before it can be imported).
 6. Importing any `mlm_pipeline` module in a fresh interpreter leaves `prefect` out of
    `sys.modules` (what rules 1 and 2 miss: an import through a third-party package).
 7. Importing a cheap module in a fresh interpreter leaves `torch` and `mlflow` out of
-   `sys.modules`. Cheap: the package itself, `config`, `config_files`, `manifest`, `cli`
-   and every module of `ingest/`, `tokenizer/`, `tracking/` and `app/` (mlflow and torch
+   `sys.modules`. Cheap: the package itself, `config`, `config_files`, `manifest`, `cli`,
+   `cli_commands` and every module of `ingest/`, `tokenizer/`, `tracking/` and `app/` (mlflow and torch
    are imported lazily there).
 8. No module is longer than 600 lines; past 400 a warning asks for the seam (STYLE rule 4).
 
@@ -64,7 +64,7 @@ GROUND_FLOOR = ("config", "config_files", "errors", "locks", "manifest", "progre
 STAGES = ("ingest", "tokenizer", "masking", "shards", "train", "evaluate", "tracking")
 #: The application layer: the verbs, composed from the stages, for the CLI and the flows.
 APP = ("app",)
-TOP = ("cli",)
+TOP = ("cli", "cli_commands")
 #: Level of each top-level name under `mlm_pipeline` (rule 4); `None` = the package itself.
 LEVELS = {
     None: 0,
@@ -76,6 +76,7 @@ LEVELS = {
 CHEAP_MODULES = sorted(
     m for m in ALL_MODULES
     if m.split(".")[1:2] in ([], ["config"], ["config_files"], ["errors"], ["manifest"], ["cli"],
+                             ["cli_commands"],
                              ["ingest"], ["tokenizer"], ["tracking"], ["app"])
 )
 
