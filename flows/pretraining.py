@@ -37,9 +37,6 @@ from mlm_pipeline.tracking import resume
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
 from mlm_pipeline_flows.prepare_data import (  # noqa: F401 - the tasks, re-exported
-    _ingest_key,
-    _shards_key,
-    _tokenizer_key,
     ingest_task,
     locate_prepared,
     prepare_data_flow,
@@ -105,7 +102,7 @@ def mlm_pretraining(
     # The library logs at INFO through Prefect's handlers (PREFECT_LOGGING_EXTRA_LOGGERS);
     # without this its level is the root logger's WARNING outside the CLI.
     logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
-    started_at = time.time()  # stages made before this are cache hits (summary)
+    started_at = time.time()  # stages made before this were reused (summary)
     cfg = params.load()
     run_id = start_tracking(cfg, ENTRYPOINT)
     passed = {"mlflow_run_id": run_id, "started_at": started_at, "entrypoint": ENTRYPOINT}

@@ -1,7 +1,7 @@
 """Deployments from prefect.yaml on a real Prefect server, worker and MLflow server.
 
 Slow (servers start in about 20 s): run with `pytest -m slow`. On every push CI runs the
-first deployment run (model registered, cache reused) and the checks that only read the
+first deployment run (model registered, data stages reused) and the checks that only read the
 server (schedule, trigger, concurrency limits, a rejected parameter); the event-started
 retrain, five runs at once and the two-pool split are the `full` tier (one slice per push,
 all with CI_FULL=1).
@@ -173,11 +173,23 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(deployed):
     assert load.returncode == 0, load.stderr[-3000:]
     assert "token_str" in load.stdout or "[" in load.stdout
 
-    # Second run of the same config: the data stages come from the cache.
+    # Second run of the same config: each data stage finds its output by digest and
+    # reuses it (the tasks complete; the run summary shows them reused).
     second_id, seconds = _run_deployment(deployed)
     states = _task_states(deployed, second_id)
-    assert {states["ingest"], states["tokenizer"], states["shards"]} == {"Cached"}
-    print(f"second deployment run (cached data): {seconds:.1f} s")
+    assert {states["ingest"], states["tokenizer"], states["shards"]} == {"Completed"}
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with _client(deployed) as client:
+        summaries = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["run-summary"])))
+    (summary,) = [a for a in summaries if str(a.flow_run_id) in map(
+        str, _run_tree(deployed, second_id))]
+    rows = {line.split("|")[1].strip(): line for line in summary.data.splitlines()
+            if line.startswith("| ")}
+    for stage in ("ingest", "tokenizer", "shards"):
+        assert "reused" in rows[stage], rows[stage]
+    print(f"second deployment run (reused data): {seconds:.1f} s")
     for name, proc in deployed["procs"].items():
         print(f"RSS {name}: {deployed['rss_mib'](proc.pid):.0f} MiB")
 
