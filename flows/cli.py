@@ -12,7 +12,9 @@ on that server. Without it, `run` starts a local Prefect API itself (`LocalPrefe
 rather than leaving it to Prefect's ephemeral server: in its own session, so the terminal's
 Ctrl-C reaches only this process (the flow can then checkpoint and close its MLflow run
 while the API is still there), with a parent-death signal, so it never outlives this process
-(not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine.
+(not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine
+(`PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`, default 180 s). How, and what of
+Prefect it relies on beyond the public API: `mlm_pipeline_flows.prefect_private`.
 
 Progress: in a terminal, one live `rich` line per stage
 (`mlm_pipeline_flows.progress_display.display`); otherwise log lines at a bounded rate
@@ -28,12 +30,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import importlib.util
 import logging
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -46,24 +45,15 @@ from typing import Any
 from mlm_pipeline import cli
 from mlm_pipeline.errors import TrainingInterrupted
 
-#: Seconds `run` waits for its local Prefect API to answer (a busy 2-core machine needed
-#: more than Prefect's 20 s); `MLM_PIPELINE_PREFECT_START_TIMEOUT_S` overrides it.
-PREFECT_START_TIMEOUT_S = 180.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+from mlm_pipeline_flows.prefect_private import start_server, startup_timeout_s
 
 
 class LocalPrefectApi:
     """A Prefect API server on a free loopback port for the lifetime of one `run`.
 
-    The command is the one Prefect's ephemeral server runs (uvicorn with
-    `prefect.server.api.server:create_app`, UI off; see `SubprocessASGIServer` in
-    prefect/server/api/server.py), started with `start_new_session=True` and
-    PR_SET_PDEATHSIG (Linux; elsewhere it is only stopped by `stop`).
+    Started by `mlm_pipeline_flows.prefect_private.start_server`: Prefect's temporary
+    server app under uvicorn, in its own session, with a parent-death signal (Linux;
+    elsewhere it is only stopped by `stop`).
     """
 
     def __init__(self) -> None:
@@ -94,16 +84,7 @@ class LocalPrefectApi:
             self._start(timeout_s)
 
     def _start(self, timeout_s: float) -> None:
-        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
-             str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-            # The child only calls prctl before exec: no lock a thread could hold is taken.
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
+        self.process = start_server(self.port)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -116,8 +97,8 @@ class LocalPrefectApi:
         self.stop()
         raise RuntimeError(
             f"the local Prefect API did not start within {timeout_s:.0f} s on this machine; "
-            "retry when it is less busy, raise MLM_PIPELINE_PREFECT_START_TIMEOUT_S, or run "
-            "a server (`prefect server start`) and set PREFECT_API_URL")
+            "retry when it is less busy, raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, "
+            "or run a server (`prefect server start`) and set PREFECT_API_URL")
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 10 s)."""
@@ -177,8 +158,7 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     if not os.environ.get("PREFECT_API_URL"):
         api = LocalPrefectApi()
-        api.start(float(os.environ.get("MLM_PIPELINE_PREFECT_START_TIMEOUT_S",
-                                       PREFECT_START_TIMEOUT_S)))
+        api.start(startup_timeout_s())
         os.environ["PREFECT_API_URL"] = api.url
         # Registered before prefect is imported, so it runs after Prefect's own exit
         # handlers have delivered the last logs and events to the API (atexit is LIFO).
