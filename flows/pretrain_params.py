@@ -19,16 +19,11 @@ from typing import Any, Literal, TypeVar
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field, field_validator
 
+from mlm_pipeline.app.prepared import check_prepared, read_prepared
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import load_config, shipped_configs
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    Manifest,
-    ShardManifest,
-    TokenizerManifest,
-    find_manifest,
-)
-from mlm_pipeline.store import remote_url, work_id, work_root
+from mlm_pipeline.manifest import CorpusManifest, Manifest, ShardManifest, TokenizerManifest
+from mlm_pipeline.store import remote_url
 from mlm_pipeline.tracking import records as pipeline
 
 #: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
@@ -196,17 +191,7 @@ class ManifestRef(BaseModel):
             ValueError: the file is not a valid `cls`, or its digest is not `digest`;
                 with `work_dir`, a path outside it (`OutsideWorkDirError`, nothing read).
         """
-        path = Path(self.path)
-        if self.url and work_dir and self.url.startswith(work_id(work_dir) + "/"):
-            path = work_root(work_dir) / self.url[len(work_id(work_dir)) + 1:]
-        manifest = find_manifest(path.parent, cls, work_dir)
-        if manifest.digest != self.digest:
-            raise ValueError(f"{self.path}: digest {manifest.digest[:16]}, the prepared data "
-                             f"names {self.digest[:16]}: the stage was rebuilt since")
-        if not pipeline.outputs_exist(manifest, work_dir):
-            raise FileNotFoundError(f"{self.path}: files it lists are missing or changed; "
-                                    "run prepare-data again")
-        return manifest
+        return read_prepared(cls, self.path, self.digest, self.url, work_dir)
 
 
 class PreparedData(BaseModel):
@@ -239,19 +224,10 @@ class PreparedData(BaseModel):
             ValueError: a digest differs (the data was prepared with other tokenizer,
                 shards or masking settings), or the errors of `ManifestRef.read`.
         """
-        from mlm_pipeline.shards import shards_digest
-        from mlm_pipeline.tracking.parents import tokenizer_digest_for
-
         corpus = self.corpus.read(CorpusManifest, cfg.work_dir)
         tokenizer = self.tokenizer.read(TokenizerManifest, cfg.work_dir)
         shards = self.shards.read(ShardManifest, cfg.work_dir)
-        if tokenizer.digest != tokenizer_digest_for(cfg, corpus):
-            raise ValueError(f"{self.tokenizer.path}: not the tokenizer this config's "
-                             "`tokenizer` section makes from this corpus; prepare the data "
-                             "with the same config")
-        if shards.digest != shards_digest(cfg.shards, corpus, tokenizer, cfg.masking):
-            raise ValueError(f"{self.shards.path}: not the shards this config's `shards` and "
-                             "`masking` sections make; prepare the data with the same config")
+        check_prepared(cfg, corpus, tokenizer, shards, self.tokenizer.path, self.shards.path)
         return corpus, tokenizer, shards
 
 

@@ -1,13 +1,26 @@
-"""Checks on prepared data outside a run: which stage outputs of a config already exist in
-its work directory, found by the stages' digests without computing anything (the
-`tokenize` command's tokenizer).
+"""Checks on prepared data: which stage outputs of a config already exist in its work
+directory, found by the stages' digests without computing anything (`find_tokenizer`, the
+`tokenize` command's tokenizer), and whether the data one flow prepared is what another
+flow's config needs (`read_prepared`, `check_prepared`: the `train-evaluate` flow reading
+what `prepare-data` made).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.manifest import (
+    CorpusManifest,
+    Manifest,
+    ShardManifest,
+    TokenizerManifest,
+    find_manifest,
+)
+from mlm_pipeline.store import work_id, work_root
+
+M = TypeVar("M", bound=Manifest)
 
 
 class StageMissingError(RuntimeError):
@@ -55,3 +68,67 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
         f"no {'ingest' if corpus is None else 'tokenizer'} output for config {cfg.name!r} in "
         f"work_dir {cfg.work_dir!r} (digest {digest[:16] or 'of this ingest config'}); run "
         "`mlm-pipeline run` with this config first, or pass --tokenizer PATH/TO/spm.model")
+
+
+def read_prepared(cls: type[M], path: str, digest: str, url: str | None = None,
+                  work_dir: str | None = None) -> M:
+    """Load the stage manifest at `path` as `cls` and check it is the one with `digest`,
+    with its files. With a `url` inside the URL work directory `work_dir`, it is read in
+    this machine's mirror of it, or from the store (the machine that prepared the data
+    had its own mirror).
+
+    Args:
+        cls: the manifest type.
+        path: absolute path of the stage's `manifest.json` where it was prepared.
+        digest: the manifest's digest the prepared data names.
+        url: the manifest's URL in the store of a URL work directory (None: local).
+        work_dir: the work directory every path must be inside (None: not checked).
+
+    Raises:
+        FileNotFoundError: the manifest, or a file it lists, is missing or changed
+            (a work directory other than the one `prepare-data` wrote, or cleaned).
+        ValueError: the file is not a valid `cls`, or its digest is not `digest`;
+            with `work_dir`, a path outside it (`OutsideWorkDirError`, nothing read).
+    """
+    from mlm_pipeline.tracking.records import outputs_exist
+
+    where = Path(path)
+    if url and work_dir and url.startswith(work_id(work_dir) + "/"):
+        where = work_root(work_dir) / url[len(work_id(work_dir)) + 1:]
+    manifest = find_manifest(where.parent, cls, work_dir)
+    if manifest.digest != digest:
+        raise ValueError(f"{path}: digest {manifest.digest[:16]}, the prepared data "
+                         f"names {digest[:16]}: the stage was rebuilt since")
+    if not outputs_exist(manifest, work_dir):
+        raise FileNotFoundError(f"{path}: files it lists are missing or changed; "
+                                "run prepare-data again")
+    return manifest
+
+
+def check_prepared(cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
+                   shards: ShardManifest, tokenizer_path: str, shards_path: str) -> None:
+    """Check that prepared data matches `cfg`: the tokenizer and shards must be what
+    `cfg.tokenizer`, `cfg.shards` and `cfg.masking` make from this corpus (their digests,
+    computed without reading any data). Settings outside the data sections (`train.*`,
+    `model.*`, `eval.*`) are free: a sweep.
+
+    Args:
+        cfg: the config that will train on the data.
+        corpus, tokenizer, shards: the prepared manifests (`read_prepared`).
+        tokenizer_path, shards_path: the tokenizer's and shards' `manifest.json` as the
+            prepared data names them (for the messages).
+
+    Raises:
+        ValueError: a digest differs (the data was prepared with other tokenizer, shards
+            or masking settings).
+    """
+    from mlm_pipeline.shards import shards_digest
+    from mlm_pipeline.tracking.parents import tokenizer_digest_for
+
+    if tokenizer.digest != tokenizer_digest_for(cfg, corpus):
+        raise ValueError(f"{tokenizer_path}: not the tokenizer this config's `tokenizer` "
+                         "section makes from this corpus; prepare the data with the same "
+                         "config")
+    if shards.digest != shards_digest(cfg.shards, corpus, tokenizer, cfg.masking):
+        raise ValueError(f"{shards_path}: not the shards this config's `shards` and "
+                         "`masking` sections make; prepare the data with the same config")
