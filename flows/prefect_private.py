@@ -31,9 +31,10 @@ Every remaining reliance on something Prefect does not document, and why it stay
    would then start Prefect's own server). Unset, the wait is `STARTUP_TIMEOUT_S`
    (Prefect's default of 20 s is too short on a busy 2-core machine).
 
-MLflow: `mlm_pipeline.tracking.registry` (the only package that imports MLflow) uses
-MLflow's private `mlflow.tracking._tracking_service.utils._use_tracking_uri` to restore an
-unset tracking URI as unset, with a public fallback when it is gone; no upstream issue found.
+MLflow (in `mlm_pipeline.tracking.registry`, the only package that imports MLflow): no
+private name; its `_tracking_uri` restores an unset tracking URI with the public
+`mlflow.set_tracking_uri(None)`, a value MLflow handles (it unsets the URI and
+$MLFLOW_TRACKING_URI) but does not document. No upstream issue found.
 
 This module imports neither Prefect nor the library at import: `flows/cli.py` uses it
 before Prefect may be imported, and `server_app` runs in the server's own process.

@@ -86,27 +86,21 @@ def eval_data_digest(evaluated: EvalManifest) -> str:
 def _tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent model API (`log_model`, `register_model`, `download_artifacts`)
     reads the process-wide tracking URI: use `uri` for the block, then restore the previous
-    setting. MLflow's own (private) `_use_tracking_uri` restores an unset URI as unset,
-    which `get_tracking_uri()` + `set_tracking_uri()` cannot (it would pin the default)."""
+    setting. A URI set before (`set_tracking_uri` or $MLFLOW_TRACKING_URI) is set again; an
+    unset one is unset again with `set_tracking_uri(None)` (what MLflow's own private helper
+    does; `get_tracking_uri()` would pin the default, `sqlite:///<cwd>/mlflow.db`, for the
+    rest of the process), and $MLFLOW_TRACKING_URI, which this process's later trackers
+    read, keeps its value. Checked by tests/flows/test_prefect_private.py."""
     import mlflow
+    from mlflow.tracking import is_tracking_uri_set
 
-    try:
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-    except ImportError:  # a later MLflow: fall back to the public API
-        before = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(uri)
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(before)
-        return
-    # Restoring an unset URI also unsets $MLFLOW_TRACKING_URI (MLflow 3.17
-    # `set_tracking_uri(None)`), which this process's later trackers read: keep it.
+    before = mlflow.get_tracking_uri() if is_tracking_uri_set() else None
     env = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
     try:
-        with _use_tracking_uri(uri):
-            yield
+        yield
     finally:
+        mlflow.set_tracking_uri(before)  # None: unset, as before the block
         if env is not None:
             os.environ["MLFLOW_TRACKING_URI"] = env
 

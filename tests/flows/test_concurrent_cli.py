@@ -55,7 +55,8 @@ def _config(tmp: Path) -> Path:
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="400")
+               MLFLOW_DISABLE_TELEMETRY="true",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="400")
     return env
 
 

@@ -1,10 +1,11 @@
-"""What `mlm_pipeline_flows.prefect_private` (and the registry's MLflow helper) rely on
-beyond the public APIs still exists with the expected shape: a Prefect or MLflow upgrade
-that removes it fails here, by name, before a user's `mlm-pipeline run` does."""
+"""What `mlm_pipeline_flows.prefect_private` (and the registry's MLflow tracking-URI helper)
+rely on beyond the documented APIs still exists with the expected shape: a Prefect or MLflow
+upgrade that removes it fails here, by name, before a user's `mlm-pipeline run` does."""
 
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 
@@ -66,11 +67,29 @@ def test_die_with_parent_arms_the_parent_death_signal():
     assert plain.stdout.strip() == "0"
 
 
-def test_mlflow_private_tracking_uri_helper_still_exists():
-    """`mlm_pipeline.tracking.registry` restores an unset tracking URI through it (with a
-    public fallback that pins the default URI instead): its removal is to be seen here."""
-    from mlflow.tracking._tracking_service import utils
+def test_the_registry_restores_the_mlflow_tracking_uri_it_found(monkeypatch, tmp_path):
+    """`tracking.registry._tracking_uri` (public MLflow API only): an unset URI is unset
+    again after the block (not pinned to the default), a URI from the environment comes
+    back with the environment variable."""
+    import mlflow
+    from mlflow.tracking import is_tracking_uri_set
 
-    helper = getattr(utils, "_use_tracking_uri", None)
-    assert callable(helper), "mlflow removed _use_tracking_uri: see tracking/registry.py"
-    assert list(inspect.signature(helper).parameters) == ["uri"]
+    from mlm_pipeline.tracking.registry import _tracking_uri
+
+    outer = mlflow.get_tracking_uri() if is_tracking_uri_set() else None
+    inner = f"sqlite:///{tmp_path / 'inner.db'}"
+    try:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mlflow.set_tracking_uri(None)
+        assert not is_tracking_uri_set()
+        with _tracking_uri(inner):
+            assert mlflow.get_tracking_uri() == inner
+        assert not is_tracking_uri_set() and "MLFLOW_TRACKING_URI" not in os.environ
+
+        env_uri = f"sqlite:///{tmp_path / 'env.db'}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
+        with _tracking_uri(inner):
+            assert mlflow.get_tracking_uri() == inner
+        assert mlflow.get_tracking_uri() == env_uri == os.environ["MLFLOW_TRACKING_URI"]
+    finally:
+        mlflow.set_tracking_uri(outer)
