@@ -203,6 +203,7 @@ FULL_COST_S = {
     "tests/flows/test_warm_start_flow.py": 180,
     "tests/integration/test_warm_start_mlflow.py": 90,
     "tests/integration/test_warm_start.py": 70,
+    "tests/integration/test_registry.py": 120,
 }
 DEFAULT_FULL_COST_S = 60
 

@@ -344,6 +344,7 @@ def _eval_data(evaluated) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+@pytest.mark.full
 @pytest.mark.slow  # three more models trained, logged, registered: ~30 s
 def test_grown_corpus_champion_is_rescored_on_the_challengers_data(grown, client):
     v1, v2 = grown["v1"], grown["v2"]
@@ -388,6 +389,7 @@ def test_grown_corpus_champion_is_rescored_on_the_challengers_data(grown, client
     assert "re-scored on this version's eval data" in lines[2] and f"{want:.4f}" in lines[2]
 
 
+@pytest.mark.full
 @pytest.mark.slow  # three more models trained, logged, registered: ~30 s
 def test_another_tokenizer_is_not_compared_and_says_why(grown, client):
     v2, v3 = grown["v2"], grown["v3"]
