@@ -21,6 +21,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import deployment, flow_run
 from prefect.utilities.urls import url_for
 
+from mlm_pipeline.app.open_run import open_or_continue
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
@@ -64,8 +65,8 @@ def keep_name(tracker: MlflowTracker, run_id: str) -> str:
 
 @task(name="start-tracking", **NOT_CACHED, **IO_RETRIES)
 def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) -> str:
-    """Open the MLflow run, or continue this job's unfinished one (`tracking.resume`,
-    `tracking.resume_run_id`; see `mlm_pipeline.tracking.resume`); returns its id.
+    """Open the MLflow run, or continue this job's unfinished one
+    (`mlm_pipeline.app.open_run.open_or_continue`); returns its id.
     A `train.max_steps` at or below the step it would continue from is refused
     (`ResumeRefusedError`, before any data stage).
     `entrypoint` (the flow's, e.g. `flows/pretraining.py:mlm_pretraining`) is recorded as
@@ -82,33 +83,11 @@ def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) ->
             extra["prefect.deployment_id"] = str(deployment.id)
             extra["prefect.deployment_name"] = str(deployment.name)
     tracker = MlflowTracker.from_config(cfg.tracking)
-    params = pipeline.run_params(cfg)
-    tags = {**pipeline.run_tags(extra, entrypoint, "JOB" if deployment.id else "LOCAL"),
-            **resume.process_tags(), resume.JOB_KEY_TAG: resume.job_key(cfg)}
-    newest = _newest_checkpoint(cfg)
-    if cfg.tracking.resume_run_id:
-        run_id = cfg.tracking.resume_run_id
-        _, incompatible = resume.config_changes(tracker.get_run(run_id).data.params, params)
-        if incompatible:
-            raise ValueError(f"cannot continue MLflow run {run_id}: these settings differ: "
-                             + ", ".join(f"{k} {a!r} -> {b!r}"
-                                         for k, (a, b) in incompatible.items()))
-        checkpoint = newest(run_id)
-        step = 0 if checkpoint is None else resume.checkpoint_step(checkpoint)
-        run = tracker.get_run(run_id)
-        how = resume.plan(run_id, step, resume.run_budget(run.data.params, run.data.tags),
-                          cfg.train.max_steps, named=True)
-        resume.continue_run(tracker, run_id, params, tags, step, finish=how == "finish")
-        return keep_name(tracker, run_id)
-    if cfg.tracking.resume == "auto" and not fresh:
-        found = resume.find_resumable(tracker, cfg, params, newest)
-        if found is not None:
-            resume.continue_run(tracker, found.run_id, params, tags, found.step,
-                                found.compatible, finish=found.finish)
-            return keep_name(tracker, found.run_id)
+    tags = pipeline.run_tags(extra, entrypoint, "JOB" if deployment.id else "LOCAL")
     # One name for both runs: the flow run's (`flow_run_name`), unless the config sets one.
-    name = cfg.tracking.run_name or (str(flow_run.name) if flow_run.id else None)
-    return tracker.start_run(params, tags, run_name=name or pipeline.run_name(cfg))
+    opened = open_or_continue(cfg, tracker, tags, _newest_checkpoint(cfg), fresh=fresh,
+                              run_name=str(flow_run.name) if flow_run.id else None)
+    return keep_name(tracker, opened.run_id) if opened.continued else opened.run_id
 
 
 @task(name="record-data", **NOT_CACHED, **IO_RETRIES)
