@@ -299,9 +299,10 @@ def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | 
     """The table and the loss-against-tokens figure of the runs `refs` (ids, unique id
     prefixes or names; see `resolve_runs`), the figure written as a PNG to `out` when given.
 
-    The figure has two panels, `train/loss` and `eval/loss` (`plots.compare_figure`), one
-    line per run in each, labelled with the run name (`name (id[:8])` when two runs share
-    a name), 1200 x 500 pixels (`compare_plot.COMPARE_FIGSIZE_IN` at `plots.DPI`).
+    The figure has two panels, `train/loss` and `eval/loss`
+    (`compare_plot.compare_figure`), one line per run in each, labelled with the run name
+    (`name (id[:8])` when two runs share a name), 1200 x 500 pixels
+    (`compare_plot.COMPARE_FIGSIZE_IN` at `plots.DPI`).
 
     Raises:
         ValueError: see `resolve_runs`; a run logged no loss or no `train/tokens_seen`.
