@@ -12,7 +12,7 @@ What is checked, independently of the code under test:
   (hashed here from the bytes boto3 reads), and exactly the checkpoints the run kept;
 * the MLflow run's artifacts are objects of the bucket, under the server's destination;
 * a second machine re-running the same config reads no byte of the corpus (no GET of a
-  corpus object: the cache key comes from the store's hash memo and the objects' ETags)
+  corpus object: the stage digest comes from the store's hash memo and the objects' ETags)
   and none of the ingested documents, trains from the store's shards, and adds no data
   stage output to the store;
 * a run killed on one machine after a checkpoint resumes on another from that checkpoint,
