@@ -2,7 +2,7 @@
 
 `resolve_init(source)` turns a local SOURCE (a checkpoint directory, or a training run
 directory: its newest intact checkpoint, as `fill-mask` and `export` take them through
-`tracking.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
+`app.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
 its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
 step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
 local checkpoint by the tracking layer first (`tracking.parents`), which passes it
