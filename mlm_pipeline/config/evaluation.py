@@ -63,6 +63,10 @@ class EvalConfig(StrictModel):
     """Masking key of the evaluation positions: the same seed gives the same positions."""
     max_rows: int | None = Field(default=None, ge=1)
     """Final evaluation on at most this many validation rows; None uses all."""
+    bpc_max_chars: int = Field(default=20_000, ge=1)
+    """Characters of validation text (the ingest stage's validation documents, whole
+    words) on which the registry scores a champion and a challenger with different
+    tokenizers in `eval/bits_per_char` (`evaluate.bpc`); each model runs on it once."""
     every_steps: int | None = Field(default=None, ge=1)
     """Evaluate during training every this many optimizer steps (`eval/*` at that step, a
     validation curve beside `train/loss`) on the first `periodic_rows` validation rows, with

@@ -13,9 +13,11 @@ decides the aliases (`decide`):
   on other data (a grown corpus) with the same tokenizer, it is re-scored on the new
   version's evaluation data first (`tracking.rescore`: its checkpoint evaluated on the
   same rows with the same masks and precision), and the two losses on that data decide.
-  With another tokenizer the losses are per-piece of other vocabularies: the versions are
-  not compared (a tokenizer-independent comparison is not implemented yet), nor when the
-  champion's checkpoint cannot be found; the decision says why;
+  With another tokenizer the losses are per piece of other vocabularies: both models
+  are then scored in `eval/bits_per_char` on the new version's validation text
+  (`evaluate.bpc`, through `tracking.rescore.BpcComparison`), and those two decide. When
+  the champion's checkpoint cannot be found (or the text or shards are not given), the
+  versions are not compared; the decision says why;
 - `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`).
 
 The decision, the metric, both losses and the eval data digest they were computed on are
@@ -44,9 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.errors import MissingDependencyError
-from mlm_pipeline.manifest import EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
 from mlm_pipeline.tracking.rescore import (
+    BPC_METRIC,
     METRIC,
+    BpcComparison,
     ChampionRescorer,
     OtherTokenizer,
     RescoreUnavailable,
@@ -184,7 +188,9 @@ def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
 def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
            eval_loss: float, eval_data: str, shards_digest: str,
            tokenizer_digest: str | None = None,
-           rescore: Callable[[dict[str, Any]], float] | None = None) -> dict[str, Any]:
+           rescore: Callable[[dict[str, Any]], float] | None = None,
+           bpc: Callable[[dict[str, Any]], tuple[float, float]] | None = None,
+           bpc_text: str | None = None) -> dict[str, Any]:
     """Register `model_uri` as a new version of `name`, give it `challenger`, and move
     `champion` to it when it is better on the same data (see the module docstring). A
     version `run_id` registered from `model_uri` before (an attempt that stopped before
@@ -205,12 +211,23 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
             champion's record (`tracking.rescore.ChampionRescorer`), called when the
             champion was evaluated on other data with the same tokenizer; it raises
             `RescoreUnavailable` when it cannot (None: never re-scored).
+        bpc: (this version's, the champion's) `eval/bits_per_char` on this version's
+            validation text, given the champion's record
+            (`tracking.rescore.BpcComparison`), called when the champion was trained
+            with another tokenizer; it raises `RescoreUnavailable` when it cannot (None:
+            such versions are not compared).
+        bpc_text: a digest of that text (`BpcComparison.text_digest`), recorded as
+            what the two scores were computed on.
 
     Returns:
         `name`, `version`, `decision` (`first`: no champion before; `promoted`: lower
-        `eval/loss` on the same data; `kept`: not lower; `not_compared`: the champion
+        `eval/loss` on the same data, or lower `eval/bits_per_char` on the same text
+        with another tokenizer; `kept`: not lower; `not_compared`: the champion
         was evaluated on other data and could not be re-scored on this version's),
-        `reason` (a sentence naming the metric), `metric` (`eval/loss`), `eval_loss`,
+        `reason` (a sentence naming the metric), `metric` (`eval/loss`, or
+        `eval/bits_per_char` when the tokenizers differ and both were scored),
+        `bits_per_char` and `champion_bits_per_char` (None unless that metric decided),
+        `eval_loss`,
         `eval_data`, `shards`, `champion_eval_loss` (the champion's loss on `eval_data`,
         re-scored or its own; None when not compared), `champion_rescored`,
         `compared_on` (the eval data digest both losses were computed on; None when not
@@ -233,7 +250,7 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
         logger.info("registry %s: version %s of run %s exists: not registered again, "
                     "its aliases are set", name, version.version, run_id)
     new = int(version.version)
-    theirs, rescored = None, False
+    theirs, rescored, metric, bpcs = None, False, METRIC, None
     if before is None:
         decision, reason = "first", f"version {new} is the first champion of {name!r}"
     elif before["eval_data"] == eval_data and before["eval_loss"] is not None:
@@ -241,7 +258,18 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
         decision, reason = _compare(new, before, eval_loss, theirs, "on the same data")
     else:
         theirs, why = _rescored(tracker, before, tokenizer_digest, rescore)
-        if theirs is None:
+        other = why.digest if isinstance(why, OtherTokenizer) else "unknown"
+        if isinstance(why, OtherTokenizer):
+            bpcs, why = _bpc_scores(before, tokenizer_digest, why, bpc)
+        if bpcs is not None:
+            metric = BPC_METRIC
+            decision, reason = _compare(
+                new, before, *bpcs, f"on this version's validation text "
+                f"{(bpc_text or 'unknown')[:12]} (another tokenizer: digest "
+                f"{(tokenizer_digest or 'unknown')[:12]} vs "
+                f"{other[:12]})",
+                BPC_METRIC)
+        elif theirs is None:
             decision = "not_compared"
             reason = (f"not compared: version {new} was evaluated on other data than "
                       f"champion version {before['version']} (shards {shards_digest[:12]} "
@@ -258,6 +286,13 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
                 f"{own} was on {(before['eval_data'] or 'unknown')[:12]})")
     compared = theirs is not None
     client = tracker.client
+    if bpcs is not None:
+        for key, value in {"compared_metric": BPC_METRIC,
+                           "compared_eval_data": bpc_text or "unknown",
+                           "compared_bits_per_char": repr(float(bpcs[0])),
+                           "compared_champion_version": str(before["version"]),
+                           "compared_champion_bits_per_char": repr(float(bpcs[1]))}.items():
+            client.set_model_version_tag(name, str(new), key, value)
     client.set_registered_model_alias(name, CHALLENGER, str(new))
     if decision in ("first", "promoted"):
         client.set_registered_model_alias(name, CHAMPION, str(new))
@@ -270,10 +305,13 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
                            "compared_champion_rescored": str(rescored).lower()}.items():
             client.set_model_version_tag(name, str(new), key, value)
     result = {"name": name, "version": new, "decision": decision, "reason": reason,
-              "metric": METRIC, "eval_loss": float(eval_loss), "eval_data": eval_data,
+              "metric": metric, "eval_loss": float(eval_loss), "eval_data": eval_data,
+              "bits_per_char": bpcs[0] if bpcs else None,
+              "champion_bits_per_char": bpcs[1] if bpcs else None,
               "shards": shards_digest, "champion_before": before,
               "champion_eval_loss": float(theirs) if compared else None,
-              "champion_rescored": rescored, "compared_on": eval_data if compared else None,
+              "champion_rescored": rescored, "compared_on": eval_data if compared
+              else (bpc_text or "unknown") if bpcs else None,
               "champion_version": new if decision in ("first", "promoted")
               else before["version"]}
     _record_on_run(tracker, run_id, result)
@@ -282,33 +320,51 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
 
 
 def _compare(new: int, before: dict[str, Any], ours: float, theirs: float,
-             data: str) -> tuple[str, str]:
-    """(`promoted` or `kept`, the reason) for `eval/loss` `ours` vs the champion's
-    `theirs`, both computed on the data `data` describes."""
+             data: str, metric: str = METRIC) -> tuple[str, str]:
+    """(`promoted` or `kept`, the reason) for `metric` (lower is better) `ours` vs the
+    champion's `theirs`, both computed on the data `data` describes."""
     if ours < theirs:
-        return "promoted", (f"{METRIC} {ours:.4f} < champion version {before['version']}'s "
+        return "promoted", (f"{metric} {ours:.4f} < champion version {before['version']}'s "
                             f"{theirs:.4f} {data}: version {new} is champion")
-    return "kept", (f"{METRIC} {ours:.4f} >= champion version {before['version']}'s "
+    return "kept", (f"{metric} {ours:.4f} >= champion version {before['version']}'s "
                     f"{theirs:.4f} {data}: champion stays")
+
+
+def _bpc_scores(before: dict[str, Any], tokenizer_digest: str | None, other: OtherTokenizer,
+                bpc: Callable[[dict[str, Any]], tuple[float, float]] | None
+                ) -> tuple[tuple[float, float] | None, str]:
+    """((this version's, the champion's) `eval/bits_per_char`, "") for a champion with
+    another tokenizer, or (None, why not: the end of the `not_compared` sentence)."""
+    head = (f"with another tokenizer (digest {(tokenizer_digest or 'unknown')[:12]} vs "
+            f"{other.digest[:12]})")
+    if bpc is None:
+        return None, (f"{head}: {METRIC} is per piece of another vocabulary, and its "
+                      f"validation text was not found for {BPC_METRIC}")
+    try:
+        ours, theirs = bpc(before)
+    except RescoreUnavailable as exc:
+        logger.warning("registry: champion version %s not scored in %s: %s",
+                       before["version"], BPC_METRIC, exc)
+        return None, f"{head}: {BPC_METRIC} could not be computed ({exc})"
+    return (float(ours), float(theirs)), ""
 
 
 def _rescored(tracker: MlflowTracker, before: dict[str, Any], tokenizer_digest: str | None,
               rescore: Callable[[dict[str, Any]], float] | None
-              ) -> tuple[float | None, str]:
+              ) -> tuple[float | None, str | OtherTokenizer]:
     """(the champion's `eval/loss` re-scored on the new version's data, "") or (None,
-    why it was not: the end of the `not_compared` sentence)."""
+    why it was not: the end of the `not_compared` sentence, or the `OtherTokenizer`
+    error when the champion was trained with another tokenizer)."""
+    theirs = None if tokenizer_digest is None else champion_tokenizer_digest(tracker, before)
+    if theirs is not None and theirs != tokenizer_digest:
+        return None, OtherTokenizer(theirs)
     if tokenizer_digest is None or rescore is None:
         return None, ("the champion was not re-scored on its data (its tokenizer digest or "
                       "shards were not given)")
-    theirs = champion_tokenizer_digest(tracker, before)
     try:
-        if theirs is not None and theirs != tokenizer_digest:
-            raise OtherTokenizer(theirs)
         return float(rescore(before)), ""
     except OtherTokenizer as exc:
-        return None, (f"with another tokenizer (digest {tokenizer_digest[:12]} vs "
-                      f"{exc.digest[:12]}): {METRIC} is per piece of another vocabulary, "
-                      "and a tokenizer-independent comparison is not implemented yet")
+        return None, exc
     except RescoreUnavailable as exc:
         logger.warning("registry: champion version %s not re-scored: %s", before["version"],
                        exc)
@@ -360,12 +416,16 @@ def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) 
         theirs = before["eval_loss"]
     if theirs is not None:
         metrics["registry/champion_eval_loss"] = theirs
+    if result.get("bits_per_char") is not None:
+        metrics["registry/bits_per_char"] = result["bits_per_char"]
+        metrics["registry/champion_bits_per_char"] = result["champion_bits_per_char"]
     log_missing_metrics(tracker, run_id, metrics, 0)
 
 
 def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManifest,
             evaluated: EvalManifest, tokenizer_dir: str | Path,
-            input_example: str, shards: ShardManifest | None = None) -> dict[str, Any]:
+            input_example: str, shards: ShardManifest | None = None,
+            corpus: CorpusManifest | None = None) -> dict[str, Any]:
     """Export the run's final checkpoint, log it as the run's model and register it
     (`log_model`, then `decide`, which re-scores a champion evaluated on other data with
     the same tokenizer on this run's validation rows: `tracking.rescore`). Returns
@@ -373,7 +433,11 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
 
     `shards` are the run's shards (its validation rows); None looks for them by digest
     in the work directory above the training run (`train.export.find_stage_manifest`):
-    not found, a champion evaluated on other data is not compared.
+    not found, a champion evaluated on other data is not compared. `corpus` is the run's
+    corpus (its validation documents are the text of `eval/bits_per_char` when the
+    champion has another tokenizer); None looks for it by the shards' corpus digest in
+    the same way (the ingest stage's directory): not found, such a champion is not
+    compared.
 
     Idempotent, for a run finished after a failure: a model this run logged at this step
     (`logged_model_uri`) is not logged again, and a version registered from it is not
@@ -399,9 +463,15 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
                                      evaluated.inputs["shards"], ShardManifest)
     rescore = None if shards is None else ChampionRescorer(
         tracker, trained, evaluated, shards, tokenizer_dir)
+    if corpus is None and shards is not None:
+        corpus = find_stage_manifest(Path(trained.output_dir), "ingest",
+                                     shards.inputs["corpus"], CorpusManifest)
+    bpc = None if corpus is None else BpcComparison(
+        tracker, trained, evaluated, corpus, tokenizer_dir)
     result = decide(tracker, name, run_id, model_uri, evaluated.metrics[METRIC],
                     eval_data_digest(evaluated), evaluated.inputs["shards"],
-                    evaluated.inputs.get("tokenizer"), rescore)
+                    evaluated.inputs.get("tokenizer"), rescore, bpc,
+                    None if bpc is None else bpc.text_digest())
     return {**result, "model_uri": model_uri}
 
 

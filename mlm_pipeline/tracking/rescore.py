@@ -20,19 +20,26 @@ torch and mlflow are imported inside the functions.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_pipeline.manifest import EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 logger = logging.getLogger(__name__)
 
 #: The metric the registry decides on (lower is better).
 METRIC = "eval/loss"
+#: The metric it decides on when the tokenizers differ (`evaluate.bpc.METRIC`; lower is
+#: better; the same string, kept here so that importing this module needs no torch).
+BPC_METRIC = "eval/bits_per_char"
+#: The share of words it scores (`evaluate.bpc.DEFAULT_RATE`).
+BPC_RATE = 0.15
 
 
 class RescoreUnavailable(ValueError):
@@ -162,3 +169,91 @@ class ChampionRescorer:
             precision=self.trained.precision,
             document_attention=bool(train_cfg.get("document_attention", False)))
         return float(metrics[METRIC])
+
+
+@dataclass(frozen=True)
+class BpcComparison:
+    """Scores a champion trained with another tokenizer and the challenger in
+    `eval/bits_per_char` (`evaluate.bpc`) on the challenger's validation text: the
+    ingest stage's validation documents, at most `eval.bpc_max_chars` characters, words
+    chosen with the challenger's `eval.seed`. Each model is loaded from its training
+    checkpoint and runs with its own tokenizer, on the challenger's device, in fp32.
+
+    Attributes:
+        tracker: the MLflow backend the champion's run is read from.
+        trained: the challenger's training manifest (its checkpoint and device).
+        evaluated: the challenger's evaluation (its eval config).
+        corpus: the challenger's corpus (its validation documents are the text).
+        tokenizer_dir: the challenger's tokenizer stage directory.
+    """
+
+    tracker: MlflowTracker
+    trained: TrainManifest
+    evaluated: EvalManifest
+    corpus: CorpusManifest
+    tokenizer_dir: str | Path
+
+    def text_digest(self) -> str:
+        """What the scores are computed on, as a sha256 (hex): the corpus digest (its
+        validation documents), the choosing seed, the character budget and the rate."""
+        from mlm_pipeline.config import EvalConfig
+
+        cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
+        data = {"corpus": self.corpus.digest, "seed": cfg.seed,
+                "max_chars": cfg.bpc_max_chars, "rate": BPC_RATE}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def __call__(self, champion: dict[str, Any]) -> tuple[float, float]:
+        """(the challenger's, the champion's) `eval/bits_per_char` on the challenger's
+        validation text.
+
+        Args:
+            champion: the champion's version record (`registry.champion`).
+
+        Raises:
+            RescoreUnavailable: the champion's checkpoint or its tokenizer cannot be
+                found or verified, or a model cannot score the text.
+        """
+        from mlm_pipeline.config import EvalConfig
+        from mlm_pipeline.evaluate.bpc import bits_per_char
+        from mlm_pipeline.ingest.stage import read_documents
+        from mlm_pipeline.tokenizer import Tokenizer
+        from mlm_pipeline.manifest import TokenizerManifest
+        from mlm_pipeline.train.export import find_stage_manifest
+        from mlm_pipeline.train.verified import CheckpointError, load_verified
+
+        cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
+        texts = [t for _, t in read_documents(
+            [self.corpus.file(e.path) for e in self.corpus.validation])]
+        device = self.trained.device
+
+        def score(model: Any, tok: Tokenizer) -> float:
+            return bits_per_char(model, tok, texts, seed=cfg.seed, rate=BPC_RATE,
+                                 max_chars=cfg.bpc_max_chars, batch_size=cfg.batch_size,
+                                 device=device).bits_per_char
+
+        with tempfile.TemporaryDirectory(prefix="mlm-champion-") as tmp:
+            checkpoint = champion_checkpoint(self.tracker, champion, tmp)
+            try:
+                model, state = load_verified(checkpoint, device)
+                digest = str(state.get("tokenizer_digest"))
+                found = find_stage_manifest(checkpoint, "tokenizer", digest,
+                                            TokenizerManifest)
+                if found is None:
+                    raise FileNotFoundError(f"its tokenizer (digest {digest[:12]}) is not in "
+                                            "a tokenizer/ directory of its work directory")
+                tok = Tokenizer.load(found)
+            except (CheckpointError, FileNotFoundError, ValueError) as exc:
+                raise RescoreUnavailable(f"its checkpoint {checkpoint}: {exc}") from exc
+        try:
+            theirs = score(model, tok)
+            del model
+            own = self.trained.file(self.trained.checkpoint_dir)
+            mine, _ = load_verified(own, device)
+            ours = score(mine, Tokenizer.load(self.tokenizer_dir))
+        except (CheckpointError, FileNotFoundError, ValueError) as exc:
+            raise RescoreUnavailable(f"bits per character: {exc}") from exc
+        logger.info("registry: %s on %s validation characters: challenger %.4f, champion "
+                    "version %s %.4f", "eval/bits_per_char", cfg.bpc_max_chars, ours,
+                    champion["version"], theirs)
+        return ours, theirs

@@ -10,7 +10,8 @@ Four runs are trained, evaluated and published in order under one registered nam
   re-scored on D's evaluation data, and stays.
 
 Under a second name, a grown corpus: the champion re-scored on a warm-started
-challenger's evaluation data with the same tokenizer, and not compared across tokenizers.
+challenger's evaluation data with the same tokenizer, and compared in bits per character
+across tokenizers.
 
 Then the consumers: `fill-mask` and `export` with each kind of SOURCE, one-line errors for
 bad ones, `promote`, and `mlflow.pyfunc` / `mlflow.transformers` loading by alias in a
@@ -326,14 +327,17 @@ def grown(tmp_path_factory, tiny_paragraphs, uri):
         evaluated = evaluate(EvalConfig(), trained, shards[data], tk, work)
         run_id = tracker.start_run({"run": name})
         record_results(tracker, run_id, PipelineConfig(), trained, evaluated)
-        # v2 passes its shards as the flow does; v3 leaves them to be found by digest.
+        # v2 passes its shards as the flow does; v3 leaves them to be found by digest,
+        # and passes its corpus (not in the work directory's ingest/ here).
         result = registry.publish(tracker, run_id, GROWN, trained, evaluated, tk.output_dir,
-                                  TEXT, shards[data] if name == "v2" else None)
+                                  TEXT, shards[data] if name == "v2" else None,
+                                  corpus["B"] if name == "v3" else None)
         tracker.end_run(run_id)
         out[name] = {"run_id": run_id, "trained": trained, "evaluated": evaluated,
                      "shards": shards[data], "tok": tk, "result": result,
                      "loss": evaluated.metrics["eval/loss"]}
     out["work"] = work
+    out["corpus"] = corpus
     return out
 
 
@@ -391,20 +395,50 @@ def test_grown_corpus_champion_is_rescored_on_the_challengers_data(grown, client
 
 @pytest.mark.full
 @pytest.mark.slow  # three more models trained, logged, registered: ~30 s
-def test_another_tokenizer_is_not_compared_and_says_why(grown, client):
-    v2, v3 = grown["v2"], grown["v3"]
+def test_another_tokenizer_is_compared_in_bits_per_char(grown, client):
+    import pyarrow.parquet as pq
+
+    from mlm_pipeline.evaluate.bpc import bits_per_char
+    from mlm_pipeline.train.verified import load_verified
+
+    v3 = grown["v3"]
     result = v3["result"]
-    assert result["decision"] == "not_compared" and result["champion_eval_loss"] is None
     before = result["champion_before"]
-    assert before["version"] == v2["result"]["champion_version"]
-    assert "with another tokenizer" in result["reason"]
-    assert "a tokenizer-independent comparison is not implemented yet" in result["reason"]
-    assert v3["tok"].digest[:12] in result["reason"] and v2["tok"].digest[:12] in \
+    champ = grown[f"v{before['version']}"]
+    assert champ["tok"].digest != v3["tok"].digest
+    # Both scores computed here: each checkpoint with its own tokenizer on corpus B's
+    # validation documents (read from the Parquet file), the default seed and budget.
+    corpus = grown["corpus"]["B"]
+    texts = [t for e in corpus.validation
+             for t in pq.read_table(corpus.file(e.path)).column("text").to_pylist()]
+    cfg = EvalConfig()
+
+    def bpc(run) -> float:
+        model, _ = load_verified(run["trained"].file(run["trained"].checkpoint_dir))
+        tok = Tokenizer.load(run["tok"].output_dir)
+        return bits_per_char(model, tok, texts, seed=cfg.seed,
+                             max_chars=cfg.bpc_max_chars).bits_per_char
+
+    ours, theirs = bpc(v3), bpc(champ)
+    assert ours != theirs
+    assert result["bits_per_char"] == ours and result["champion_bits_per_char"] == theirs
+    expected = "promoted" if ours < theirs else "kept"
+    assert result["decision"] == expected and result["metric"] == "eval/bits_per_char"
+    assert result["reason"].startswith("eval/bits_per_char ")
+    assert f"{ours:.4f}" in result["reason"] and f"{theirs:.4f}" in result["reason"]
+    assert "another tokenizer" in result["reason"]
+    assert v3["tok"].digest[:12] in result["reason"] and champ["tok"].digest[:12] in \
         result["reason"]
-    assert result["reason"].endswith("champion stays")
-    assert int(client.get_model_version_by_alias(GROWN, registry.CHAMPION).version) == \
-        before["version"]
-    tags = client.get_run(v3["run_id"]).data.tags
-    assert tags["registry.decision"] == "not_compared"
-    assert "registry.compared_eval_data" not in tags
-    assert "compared_metric" not in client.get_model_version(GROWN, "3").tags
+    assert result["champion_eval_loss"] is None  # losses of other vocabularies: not compared
+    champion = int(client.get_model_version_by_alias(GROWN, registry.CHAMPION).version)
+    assert champion == (3 if expected == "promoted" else before["version"])
+    run = client.get_run(v3["run_id"])
+    assert run.data.tags["registry.decision"] == expected
+    assert run.data.tags["registry.metric"] == "eval/bits_per_char"
+    assert run.data.metrics["registry/bits_per_char"] == ours
+    assert run.data.metrics["registry/champion_bits_per_char"] == theirs
+    tags = client.get_model_version(GROWN, "3").tags
+    assert tags["compared_metric"] == "eval/bits_per_char"
+    assert float(tags["compared_bits_per_char"]) == ours
+    assert float(tags["compared_champion_bits_per_char"]) == theirs
+    assert tags["compared_champion_version"] == str(before["version"])
