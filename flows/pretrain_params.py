@@ -12,6 +12,7 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -25,6 +26,13 @@ from mlm_pipeline.config_files import load_config, shipped_configs
 from mlm_pipeline.manifest import CorpusManifest, Manifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.store import remote_url
 from mlm_pipeline.tracking import records as pipeline
+
+#: `PretrainParams.retrain`: from scratch, or continue from the registered champion.
+RetrainMode = Literal["scratch", "continue"]
+
+#: The tag (`mlm.retrain`) a run of `retrain: continue` gets: it started from the champion,
+#: or there was none yet and it trained from scratch.
+RETRAIN_TAG = "mlm.retrain"
 
 #: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
 ShippedConfig = Literal[tuple(sorted(shipped_configs()))]  # type: ignore[valid-type]
@@ -70,6 +78,15 @@ class PretrainParams(BaseModel):
     config_dirs: list[str] = Field(
         default_factory=list, max_length=100, description="Directories (absolute) an "
         "event's `event_config_file` may lie in; empty: events name no config file.")
+    retrain: RetrainMode = Field(
+        "scratch", description="`scratch`: a new tokenizer and a model from random weights. "
+        "`continue`: start from the registered champion (`models:/<registered model "
+        "name>@champion`: its weights and its tokenizer) and train `retrain_steps`; a first "
+        "run, with no champion yet, trains from scratch (tag mlm.retrain). Resolved once by "
+        "the mlm-pretraining flow.")
+    retrain_steps: int | None = Field(
+        None, ge=1, le=100_000_000, description="Optimizer steps of a continued run "
+        "(`retrain: continue` with a champion); unset: the config's train.max_steps.")
 
     @field_validator("config_file", "event_config", "event_config_file", mode="before")
     @classmethod
@@ -163,6 +180,50 @@ class PretrainParams(BaseModel):
 
             cfg = with_event_sources(cfg, self.event_sources)
         return cfg
+
+
+    def resolve_retrain(self) -> tuple[PretrainParams, dict[str, str]]:
+        """These parameters with the retraining mode resolved against the MLflow registry of
+        the config they load, and the run tags that say how (`RETRAIN_TAG`; none with
+        `retrain: scratch`, which returns them unchanged).
+
+        With `retrain: continue` and a champion (`parents.champion_source`), the returned
+        parameters add the overrides `train.init_from=models:/<name>@champion`,
+        `tokenizer.from_init=true` and `train.max_steps=<retrain_steps>` (when set) after
+        the others, and `retrain` is `scratch` (resolved: children flows use them as they
+        are); the tag is `continued`. With no champion yet they are unchanged but for
+        `retrain`, and the tag is `scratch_no_champion`; both cases are logged.
+
+        Raises:
+            ValueError: `retrain: continue` with a config that already sets
+                `train.init_from` (two warm-start sources), or the errors of `load`.
+            mlflow.exceptions.MlflowException: the registry could not be asked.
+        """
+        if self.retrain == "scratch":
+            return self, {}
+        from mlm_pipeline.tracking.parents import champion_source, registered_model_name
+
+        cfg = self.load()
+        if cfg.train.init_from is not None:
+            raise ValueError(f"retrain=continue starts from the registered champion, but the "
+                             f"config already sets train.init_from={cfg.train.init_from!r}: "
+                             "set retrain=scratch to keep it, or drop it")
+        source = champion_source(cfg)
+        log = logging.getLogger(__name__)
+        if source is None:
+            log.info("retrain=continue: no champion of %r registered yet at %s: training "
+                     "from scratch", registered_model_name(cfg),
+                     cfg.tracking.tracking_uri or "the default tracking URI")
+            return (self.model_copy(update={"retrain": "scratch"}),
+                    {RETRAIN_TAG: "scratch_no_champion"})
+        added = [f"train.init_from={source}", "tokenizer.from_init=true"]
+        if self.retrain_steps is not None:
+            added.append(f"train.max_steps={self.retrain_steps}")
+        log.info("retrain=continue: starting from %s (its weights and tokenizer), %d steps",
+                 source, self.retrain_steps or cfg.train.max_steps)
+        return (self.model_copy(update={"retrain": "scratch",
+                                        "overrides": [*self.overrides, *added]}),
+                {RETRAIN_TAG: "continued"})
 
 
 class ManifestRef(BaseModel):

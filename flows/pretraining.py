@@ -32,7 +32,7 @@ from typing import Any
 
 from prefect import flow
 
-from mlm_pipeline.tracking import resume
+from mlm_pipeline.tracking import MlflowTracker, resume
 
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
@@ -91,7 +91,8 @@ def mlm_pretraining(
     `train-evaluate` flow run: its artifact `run-summary` and the MLflow run's note).
 
     Args:
-        params: the config and its overrides.
+        params: the config and its overrides; `retrain: continue` starts from the
+            registered champion when there is one (`PretrainParams.resolve_retrain`).
         stages: the deployments to run the two halves as (each on its own work pool);
             None runs them as subflows here.
 
@@ -103,8 +104,13 @@ def mlm_pretraining(
     # without this its level is the root logger's WARNING outside the CLI.
     logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
     started_at = time.time()  # stages made before this were reused (summary)
+    # `retrain: continue` becomes warm-start overrides (or not, with no champion) once,
+    # here: both halves then load the same resolved parameters.
+    params, retrain_tags = params.resolve_retrain()
     cfg = params.load()
     run_id = start_tracking(cfg, ENTRYPOINT)
+    if retrain_tags:
+        MlflowTracker.from_config(cfg.tracking).set_tags(run_id, retrain_tags)
     passed = {"mlflow_run_id": run_id, "started_at": started_at, "entrypoint": ENTRYPOINT}
     try:
         if stages is None:

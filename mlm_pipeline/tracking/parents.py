@@ -28,7 +28,7 @@ from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest, TrainManifest, read_manifest
 from mlm_pipeline.progress import Progress
 from mlm_pipeline.store import work_root
-from mlm_pipeline.tracking.registry import RUN_ID
+from mlm_pipeline.tracking.registry import CHAMPION, RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,6 +73,39 @@ def source_run_id(tracker: MlflowTracker, source: str) -> str:
     if not run_id:
         raise ValueError(f"train.init_from {source!r}: the model records no source run")
     return run_id
+
+
+def registered_model_name(cfg: PipelineConfig) -> str:
+    """The name a run of `cfg` registers its model under: `tracking.registered_model_name`,
+    else `tracking.experiment_name` (as `train-evaluate`'s publish step uses)."""
+    return cfg.tracking.registered_model_name or cfg.tracking.experiment_name
+
+
+def champion_source(cfg: PipelineConfig) -> str | None:
+    """The warm-start SOURCE of the registered champion of `cfg`'s model,
+    `models:/<registered_model_name>@champion`, when that alias exists in `cfg`'s MLflow
+    registry; None when it does not yet (no SQLite database, no registered model, or no
+    version holds the alias: a first run trains from scratch).
+
+    Raises:
+        mlflow.exceptions.MlflowException: the registry could not be asked (a server that
+            does not answer, a corrupt database): never read as "no champion".
+    """
+    from mlflow.exceptions import MlflowException
+
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    db = sqlite_db_path(tracker.tracking_uri)
+    if db is not None and not db.is_file():
+        return None
+    name = registered_model_name(cfg)
+    try:
+        tracker.client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException as exc:
+        # the model is not registered yet / no version holds the alias
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+    return f"models:/{name}@{CHAMPION}"
 
 
 def fetch_parent_checkpoint(tracker: MlflowTracker, source: str,
