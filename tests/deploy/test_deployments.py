@@ -200,6 +200,13 @@ def test_schedule_and_trigger_are_registered(deployed):
         assert [s.schedule.cron for s in dep.schedules] == ["0 2 * * 1"]
         assert dep.schedules[0].parameters["params"]["overrides"] == [
             "tracking.run_name=weekly-retrain"]
+        # retraining continues from the champion: the deployment, its schedule, its trigger
+        assert dep.parameters["params"]["retrain"] == "continue"
+        assert dep.schedules[0].parameters["params"]["retrain"] == "continue"
+        # the server checks parameters against the flow's schema: the mode is one of two
+        retrain = dep.parameter_openapi_schema["definitions"]["PretrainParams"][
+            "properties"]["retrain"]
+        assert retrain["enum"] == ["scratch", "continue"] and retrain["default"] == "scratch"
         automations = [a for a in client.read_automations()
                        if any(getattr(act, "deployment_id", None) == dep.id for act in a.actions)]
     assert len(automations) == 1
@@ -207,6 +214,7 @@ def test_schedule_and_trigger_are_registered(deployed):
     assert trigger.expect == {"corpus.updated"}
     action = automations[0].actions[0]
     assert "event.payload.corpus" in json.dumps(action.parameters)
+    assert action.parameters["params"]["retrain"] == "continue"
 
 
 @pytest.mark.full
