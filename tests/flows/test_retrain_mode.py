@@ -98,3 +98,31 @@ def test_continue_refuses_a_config_with_its_own_init_from(tmp_path):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="retrain"):
         PretrainParams(retrain="resume")
+
+
+@pytest.mark.full
+@pytest.mark.slow  # two tiny pipeline runs with export and registry: minutes on two cores
+def test_second_continue_run_starts_from_the_first_runs_champion(tmp_path):
+    from mlm_pipeline_flows.pretraining import mlm_pretraining
+    from tests.flows.test_pretraining_flow import _overrides
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    base = _overrides(tmp_path, uri) + ["train.max_steps=2", "train.warmup_steps=1",
+                                        "eval.probes=[]"]
+    first = mlm_pretraining(PretrainParams(config="tiny", overrides=base, retrain="continue"))
+    second = mlm_pretraining(PretrainParams(config="tiny", overrides=base, retrain="continue",
+                                            retrain_steps=3))
+    client = MlflowClient(tracking_uri=uri)
+    before = client.get_run(first["mlflow_run_id"]).data
+    after = client.get_run(second["mlflow_run_id"]).data
+    assert before.tags["mlm.retrain"] == "scratch_no_champion"
+    assert before.params.get("train.init_from", "None") == "None"  # random weights
+    assert after.tags["mlm.retrain"] == "continued"
+    # flow-test: the experiment name, the registered name by default
+    assert after.params["train.init_from"] == "models:/flow-test@champion"
+    assert after.params["tokenizer.from_init"] == "True"
+    assert after.params["train.max_steps"] == "3"
+    assert after.tags["digest.tokenizer"] == before.tags["digest.tokenizer"]
+    # the parent is the first run: its step, and one tokenizer trained in all
+    assert after.tags["mlm.init_step"] == "2"
+    assert len(list((tmp_path / "work" / "tokenizer").glob("*/manifest.json"))) == 1
