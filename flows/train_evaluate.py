@@ -28,6 +28,8 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
+from mlm_pipeline.app.summary import summary as run_summary
+from mlm_pipeline.app.summary import summary_markdown
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -256,9 +258,9 @@ def train_evaluate_flow(
         from mlm_pipeline.app.gc import keep_last_runs
 
         keep_last_runs(tracker, cfg)
-    summary = pipeline.summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
-                               started_at, registered)
-    markdown = pipeline.summary_markdown(summary)
+    summary = run_summary(tracker, run_id, corpus, tokenizer, shards, trained, evaluated,
+                          started_at, registered)
+    markdown = summary_markdown(summary)
     tracker.set_tags(run_id, {"mlflow.note.content": markdown})  # the run's description
     create_markdown_artifact(key="run-summary", markdown=markdown,
                              description="final metrics and the MLflow run")

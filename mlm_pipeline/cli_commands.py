@@ -20,7 +20,7 @@ from mlm_pipeline.app.runlog import one_line, print_summary, run_logging
 from mlm_pipeline.config_files import dump_config, load_config
 
 #: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
-#: dict `mlm_pipeline.tracking.records.summary` builds).
+#: dict `mlm_pipeline.app.summary.summary` builds).
 RunFlow = Callable[[str, list[str]], dict[str, Any]]
 
 #: What `run` says when the entry point gave it no flow.
@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
         print(f"mlm-pipeline: error: {stage}{one_line(exc)}{where}", file=sys.stderr)
         return 1
     if args.summary_json:
-        from mlm_pipeline.tracking.records import write_summary
+        from mlm_pipeline.app.summary import write_summary
 
         write_summary(result, args.summary_json)
     print_summary(result, cfg.tracking.experiment_name)
@@ -150,7 +150,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         The exit status.
     """
     from mlm_pipeline.app.compare import resolve_run_id
-    from mlm_pipeline.tracking.records import registry_lines, registry_summary
+    from mlm_pipeline.app.summary import registry_lines, registry_summary
     from mlm_pipeline.tracking.registry import promote
 
     tracker = _tracker(args)

@@ -139,7 +139,7 @@ def print_summary(result: dict, experiment: str) -> None:
     training figures, the reused stages, an early stop and the registry's decision.
 
     Args:
-        result: the run summary (`mlm_pipeline.tracking.records.summary`).
+        result: the run summary (`mlm_pipeline.app.summary.summary`).
         experiment: the MLflow experiment's name.
     """
     from rich.console import Console
@@ -160,7 +160,7 @@ def print_summary(result: dict, experiment: str) -> None:
         f"Checkpoint:    {result['checkpoint']}",
         f"Tokenizer:     {result['tokenizer_model']}",
     ]
-    from mlm_pipeline.tracking.records import training_lines
+    from mlm_pipeline.app.summary import training_lines
 
     lines += training_lines(result)
     if result.get("reused_stages"):
@@ -170,7 +170,7 @@ def print_summary(result: dict, experiment: str) -> None:
         lines.append(f"WARNING: training stopped early ({result['stop_reason']}) after "
                      f"{result['steps']:,} steps; the metrics are those of a shorter run")
     if reg := result.get("registry"):
-        from mlm_pipeline.tracking.records import registry_lines
+        from mlm_pipeline.app.summary import registry_lines
 
         lines += registry_lines(reg)
     for line in lines:  # paths and commands must stay copyable: never wrap them

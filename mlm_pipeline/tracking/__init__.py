@@ -4,7 +4,8 @@ clean up after runs (runs/compare, gc, fill-mask/export, the run log) are in
 
 Rooms: `tracker` (`MlflowTracker`: run lifecycle, params, tags, artifacts; tracking URIs),
 `sink` (`MlflowSink`: batched step metrics), `records` (what a pipeline run records:
-params, lineage tags, data accounting, results and the run summary), `lineage` (the shards
+params, lineage tags, data accounting and results; the run summary is
+`mlm_pipeline.app.summary`), `lineage` (the shards
 as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
 fill-mask table), `plots` (`plots/loss.png`), `resume` (the records of continuing
 unfinished runs), `registry` (logging, registering and promoting the model).

@@ -1,15 +1,15 @@
-"""What a pipeline run records: lineage tags, data accounting, results and the summary.
+"""What a pipeline run records: lineage tags, data accounting and results.
 
 The flow in `flows/` calls these between stages; they turn stage manifests into MLflow
 tags, metrics and artifacts (through the `mlm_pipeline.tracking.tracker` package, the only MLflow
-user) and into the summary a user reads at the end of a run. No torch, no prefect.
+user). The summary a user reads at the end of a run is `mlm_pipeline.app.summary`.
+No torch, no prefect.
 """
 
 from __future__ import annotations
 
 import getpass
 import importlib.metadata
-import json
 import logging
 import re
 import secrets
@@ -31,7 +31,7 @@ from mlm_pipeline.manifest import (
     load_if_complete,
 )
 from mlm_pipeline.tracking.lineage import shard_inputs
-from mlm_pipeline.tracking.plots import LOSS_PLOT, log_loss_plot
+from mlm_pipeline.tracking.plots import log_loss_plot
 
 logger = logging.getLogger(__name__)
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
@@ -251,124 +251,6 @@ def record_results(
         tracker.log_artifacts(run_id, ckpt, f"checkpoints/{ckpt.name}")
 
 
-def summary(
-    tracker: MlflowTracker,
-    run_id: str,
-    corpus: CorpusManifest,
-    tokenizer: TokenizerManifest,
-    shards: ShardManifest,
-    trained: TrainManifest,
-    evaluated: EvalManifest,
-    started_at: float | None = None,
-    registry: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able).
-
-    Args:
-        tracker, run_id: the MLflow run (its id, tracking URI and page).
-        corpus, tokenizer, shards, trained, evaluated: the stages' manifests.
-        started_at: Unix time (s) at which this run started. A stage whose manifest was
-            created before it was reused from an earlier run (cache hit): it is listed in
-            `reused_stages`, and its `wall_time_s` is the time it took when it was made.
-        registry: what `tracking.registry.publish` decided (None: no model registered).
-
-    Returns:
-        Run id, tracking URI and run page, final metrics (the training loop's last log
-        interval and evaluation), steps, `max_steps` (the budget trained to: a continued
-        run's, which its MLflow param may not show), tokens seen, the tokenizer's `spm.model`,
-        `train_time_s` (seconds of training loop over every segment of a resumed run:
-        `TrainManifest.train_time_s`, else the training stage's wall time),
-        `train_tokens_per_s_mean` (tokens seen / `train_time_s`),
-        `train_tokens_per_s_last` (the last log interval's, None without one), whether
-        training stopped early and `stop_reason` (`max_steps` or `time_cap`: a run stopped
-        by a non-finite loss or an interruption fails and has no summary), `device` and
-        `precision` trained with, `mfu_peak_tflops` and `mfu_peak_source`, checkpoint,
-        manifests, per-stage wall times (s), `reused_stages`, `versions`
-        (`package_versions`), `files_rejected` (path and reason of every input file
-        ingestion rejected as bad) and `registry` (model name, version, decision and
-        reason, both losses, eval data digest; None when not registered).
-    """
-    stages = (corpus, tokenizer, shards, trained, evaluated)
-    reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
-    train_time = trained.train_time_s if trained.train_time_s is not None else trained.wall_time_s
-    last = trained.final_metrics.get("train/tokens_per_s")
-    return {
-        "mlflow_run_id": run_id,
-        "mlflow_tracking_uri": tracker.tracking_uri,
-        "mlflow_run_url": tracker.run_url(run_id),
-        "mlflow_experiment_id": tracker.run_experiment_id(run_id),
-        "loss_plot": LOSS_PLOT,
-        "metrics": {**trained.final_metrics, **evaluated.metrics},
-        "steps": trained.steps,
-        "max_steps": trained.config.get("train", {}).get("max_steps"),
-        "tokens_seen": trained.tokens_seen,
-        "train_time_s": round(train_time, 2),
-        "train_tokens_per_s_mean": round(trained.tokens_seen / max(train_time, 1e-9), 1),
-        "train_tokens_per_s_last": None if last is None else round(last, 1),
-        "stopped_early": trained.stopped_early,
-        "stop_reason": trained.stop_reason,
-        "device": trained.device,
-        "precision": trained.precision,
-        "mfu_peak_tflops": trained.peak_tflops,
-        "mfu_peak_source": trained.peak_source,
-        "versions": package_versions(),
-        "checkpoint": str(trained.file(trained.checkpoint_dir)),
-        "tokenizer_model": str(tokenizer.file(tokenizer.model.path)),
-        "manifests": {
-            m.stage: str(m.path) for m in (corpus, tokenizer, shards, trained, evaluated)
-        },
-        "wall_time_s": {m.stage: round(m.wall_time_s, 2) for m in stages},
-        "reused_stages": reused,
-        "files_rejected": [{"path": b.path, "reason": b.reason}
-                           for b in getattr(corpus, "bad_files", [])],
-        "registry": registry_summary(registry),
-    }
-
-
-def registry_summary(registry: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The JSON-able part of a registry decision shown to users: model, version, model URI,
-    decision and reason, the metric decided on, this version's and the previous champion's
-    `eval/loss` (the champion's on this version's eval data when it was re-scored:
-    `champion_rescored`; its own when not compared), the eval data digest and the
-    champion version after the decision."""
-    if registry is None:
-        return None
-    before = registry.get("champion_before") or {}
-    theirs = registry.get("champion_eval_loss")
-    return {"model": registry["name"], "version": registry["version"],
-            "model_uri": registry.get("model_uri"), "decision": registry["decision"],
-            "reason": registry["reason"], "metric": registry.get("metric", "eval/loss"),
-            "eval_loss": registry["eval_loss"],
-            "champion_eval_loss": before.get("eval_loss") if theirs is None else theirs,
-            "champion_rescored": bool(registry.get("champion_rescored")),
-            "champion_before": before.get("version"),
-            "champion_version": registry["champion_version"],
-            "eval_data_digest": registry["eval_data"]}
-
-
-def registry_lines(reg: dict[str, Any]) -> list[str]:
-    """The registry decision of a summary as lines of text (CLI and Markdown)."""
-    theirs = reg.get("champion_eval_loss")
-    return [(f"Registered model: {reg['model']} version {reg['version']} "
-             f"(models:/{reg['model']}/{reg['version']})"),
-            f"Decision: {reg['decision']}: {reg['reason']}",
-            f"eval/loss: {reg['eval_loss']:.4f} (this version), "
-            + (f"{theirs:.4f} (champion before"
-               + (", re-scored on this version's eval data)" if reg.get("champion_rescored")
-                  else ")") if theirs is not None else "no champion loss compared")
-            + f"; eval data digest {reg['eval_data_digest'][:16]}",
-            (f"Champion now: version {reg['champion_version']} "
-             f"(models:/{reg['model']}@champion)")]
-
-
-def write_summary(summary_dict: dict[str, Any], path: str | Path) -> Path:
-    """Write the run summary as indented JSON; returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(summary_dict, indent=2, sort_keys=True) + "\n")
-    return p
-
-
 def outputs_exist(manifest: Manifest, work_dir: str | Path | None = None) -> bool:
     """True when every file a manifest lists is still on disk with its recorded size and
     sha256 (through the work directory's hash memo, `HashMemo.of_stage_dir`): a result
@@ -406,72 +288,3 @@ def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:
     rows += [{"what": "file rejected", "reason": f"{b.reason}: {b.path}", "documents": b.documents}
              for b in corpus.bad_files]
     return rows
-
-
-#: What each `stop_reason` means, for a reader of the summary.
-STOP_REASONS = {"max_steps": "all train.max_steps trained",
-                "time_cap": "stopped early: train.max_time_s was reached",
-                "nonfinite": "stopped: the loss or gradient norm became non-finite",
-                "interrupted": "stopped: interrupted (SIGINT/SIGTERM)"}
-
-
-def training_lines(summary_dict: dict[str, Any]) -> list[str]:
-    """How training went, as lines of plain text (CLI and Markdown): steps, tokens, training
-    time and the mean and last-interval tokens/s, the stop reason, device and precision, the
-    MFU peak and its source, and the package versions. Keys missing from an older summary
-    are left out."""
-    d = summary_dict
-    lines = [f"Training: {d['steps']:,} steps, {d['tokens_seen']:,} tokens"
-             + (f" in {d['train_time_s']:,.1f} s of training loop" if "train_time_s" in d else "")
-             + f"; mean {d.get('train_tokens_per_s_mean', 0):,.0f} tokens/s over the run"
-             + (f", {d['train_tokens_per_s_last']:,.0f} tokens/s in the last log interval"
-                if d.get("train_tokens_per_s_last") is not None else "")]
-    reason = d.get("stop_reason", "max_steps")
-    why = STOP_REASONS.get(reason, reason)
-    if reason == "max_steps" and d.get("max_steps"):  # the budget this run trained to
-        why = f"all {d['max_steps']:,} train.max_steps trained"
-    lines.append(f"Stop reason: {reason} ({why})")
-    if "device" in d:
-        lines.append(f"Device: {d['device']}, precision {d['precision']}"
-                     + (f"; MFU peak {d['mfu_peak_tflops']:.4g} TFLOP/s "
-                        f"({d['mfu_peak_source']})" if d.get("mfu_peak_tflops") else ""))
-    if versions := d.get("versions"):
-        lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
-    return lines
-
-
-def summary_markdown(summary_dict: dict[str, Any]) -> str:
-    """A Markdown report of a finished run: MLflow run (with link when served), how
-    training went (`training_lines`), the final metrics, per-stage wall times and reuse,
-    and where the checkpoint and manifests are."""
-    run = summary_dict["mlflow_run_id"]
-    link = summary_dict.get("mlflow_run_url")
-    lines = [
-        "# mlm-pretraining run",
-        "",
-        f"MLflow run: [{run}]({link})" if link else
-        f"MLflow run: `{run}` (tracking URI `{summary_dict['mlflow_tracking_uri']}`)",
-        "",
-        f"Loss plot: [{LOSS_PLOT}]({link}/artifacts/{LOSS_PLOT})" if link else
-        f"Loss plot: run artifact `{LOSS_PLOT}`",
-        "",
-        *(f"- {line}" for line in training_lines(summary_dict)),
-        "",
-        "| metric | value |",
-        "|---|---:|",
-    ]
-    for key, value in sorted(summary_dict["metrics"].items()):
-        lines.append(f"| `{key}` | {value:,.4f} |")
-    if rejected := summary_dict.get("files_rejected"):
-        lines += ["", f"Input files rejected as bad ({len(rejected)}; see the ingest "
-                  "manifest): " + ", ".join(f"`{r['path']}` ({r['reason']})" for r in rejected)]
-    if reg := summary_dict.get("registry"):
-        lines += ["", "## Model registry", ""] + [f"- {line}" for line in registry_lines(reg)]
-    lines += ["", f"Checkpoint: `{summary_dict['checkpoint']}`", "", "| stage | seconds | manifest |",
-              "|---|---:|---|"]
-    reused = set(summary_dict.get("reused_stages", ()))
-    for stage, path in summary_dict["manifests"].items():
-        seconds = summary_dict["wall_time_s"][stage]
-        shown = f"reused ({seconds} when made)" if stage in reused else seconds
-        lines.append(f"| {stage} | {shown} | `{path}` |")
-    return "\n".join(lines) + "\n"

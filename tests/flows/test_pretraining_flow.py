@@ -96,7 +96,7 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     logged = client.get_logged_model(run.data.tags["mlm.model_uri"].removeprefix("models:/"))
     assert logged.source_run_id == run.info.run_id
     assert {m.key: m.step for m in logged.metrics}["eval/loss"] == 6  # step = final step
-    from mlm_pipeline.tracking.records import summary_markdown
+    from mlm_pipeline.app.summary import summary_markdown
 
     assert "## Model registry" in summary_markdown(summary)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlm_pipeline.manifest import EvalManifest, Manifest, TrainManifest
-from mlm_pipeline.tracking.records import summary, summary_markdown
+from mlm_pipeline.app.summary import summary, summary_markdown
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from mlm_pipeline import cli
+from mlm_pipeline.app.summary import registry_lines, registry_summary
 from mlm_pipeline.config import (
     EvalConfig,
     MaskingConfig,
@@ -43,7 +44,7 @@ from mlm_pipeline.evaluate import evaluate, fill_mask
 from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
 from mlm_pipeline.tracking import MlflowTracker, registry
-from mlm_pipeline.tracking.records import record_results, registry_lines, registry_summary
+from mlm_pipeline.tracking.records import record_results
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.export import export_checkpoint

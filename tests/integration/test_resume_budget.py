@@ -92,7 +92,7 @@ def test_a_larger_budget_continues_the_training(tmp_path):
 
 
 def test_the_summary_names_the_budget_trained_to():
-    from mlm_pipeline.tracking.records import training_lines
+    from mlm_pipeline.app.summary import training_lines
 
     lines = training_lines({"steps": 300, "max_steps": 300, "tokens_seen": 9600,
                             "stop_reason": "max_steps"})

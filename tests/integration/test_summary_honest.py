@@ -48,7 +48,7 @@ class _StopAt(MetricsSink):
 
 def test_train_time_spans_both_segments_of_a_resumed_run(
         tmp_path, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest):
-    from mlm_pipeline.tracking.records import summary
+    from mlm_pipeline.app.summary import summary
     from mlm_pipeline.tracking.tracker import MlflowTracker
 
     cfg = TrainConfig(micro_batch_size=4, max_steps=8, warmup_steps=2, log_every=1,
