@@ -1,9 +1,10 @@
 """Stage 1, ingestion: sources (paths, globs, URLs, built-in Debian corpora) are read,
 decoded, cleaned, deduplicated and split into train / validation Parquet document files.
 
-Rooms: `stage` (the verb), `accounting` (records -> cleaned documents, every record and
-bad file counted), `sources` (what to read, hashes, byte streams), `listing` (what a
-directory or glob holds; special entries named and skipped), `readers` (file formats),
+Rooms: `stage` (the verb), `writer` (the Parquet document files of each split),
+`accounting` (records -> cleaned documents, every record and bad file counted),
+`sources` (what to read, hashes, byte streams), `listing` (what a directory or glob
+holds; special entries named and skipped), `readers` (file formats),
 `json_array` (`.json` arrays, resynchronised after a syntax error), `cleaning`
 (screening, splitting, dedup, filters), `corpora` and `page_text` (the built-in French
 corpora), `documents` (reading the ingested files back for later stages).

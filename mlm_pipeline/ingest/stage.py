@@ -52,11 +52,11 @@ the kept document with the smallest such hash is moved to validation, so evaluat
 always has data.
 
 Output: `train-NNNNN.parquet` and `validation-NNNNN.parquet` (string columns `id`,
-`text`, `source`; zstd; a new file every `DOCS_PER_FILE` documents) written streaming in
-batches of `BATCH_DOCS` (one row group each), in reading order. Memory: one batch (its
-texts once, as UTF-8, plus the Parquet encoder's pages) and the exact-dedup digests, 24-49
-bytes per distinct document (`cleaning.DigestSet`; 10 M documents: under 0.5 GiB); it
-does not grow with the corpus otherwise.
+`text`, `source`; zstd; a new file every `writer.DOCS_PER_FILE` documents) written streaming
+in batches of `writer.BATCH_DOCS` (one row group each; `writer.SplitWriter`), in reading
+order. Memory: one batch (its texts once, as UTF-8, plus the Parquet encoder's pages) and
+the exact-dedup digests, 24-49 bytes per distinct document (`cleaning.DigestSet`; 10 M
+documents: under 0.5 GiB); it does not grow with the corpus otherwise.
 
 Reuse: a stage directory with this digest is reused only when every Parquet file still has
 the sha256 its manifest records; a changed file is named in a warning and the stage is
@@ -70,18 +70,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest.accounting import Accounting, bad_files_error
 from mlm_pipeline.ingest.cleaning import DigestSet, NearDuplicateFilter
 from mlm_pipeline.ingest.hashing import HashMemo
+from mlm_pipeline.ingest import writer
 from mlm_pipeline.ingest.sources import (
     Source,
     content_hash,
@@ -89,15 +87,13 @@ from mlm_pipeline.ingest.sources import (
     source_name,
     source_size,
 )
-from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build, temp_path
+from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
     CorpusManifest,
-    FileEntry,
     SkippedFile,
     SourceEntry,
     Stopwatch,
     compute_digest,
-    file_entry,
     load_if_complete,
     stage_dir,
     write_manifest,
@@ -106,12 +102,6 @@ from mlm_pipeline.progress import NullProgress, Progress, reporting
 
 logger = logging.getLogger(__name__)
 
-#: Documents per Parquet file before rolling over to the next one.
-DOCS_PER_FILE = 50_000
-#: Documents buffered per Parquet write (one row group each).
-BATCH_DOCS = 1_000
-_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string())])
-_MAX_OFFSET = 2**31 - 1  # bytes one Arrow `string` array can hold (int32 offsets)
 
 
 
@@ -184,8 +174,8 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # left by an interrupted run
     reader = accounting(cfg)
-    writers = {"train": _SplitWriter(out_dir, "train"),
-               "validation": _SplitWriter(out_dir, "validation")}
+    writers = {"train": writer.SplitWriter(out_dir, "train"),
+               "validation": writer.SplitWriter(out_dir, "validation")}
     seen = DigestSet()
     near = NearDuplicateFilter(cfg.near_dedup_threshold) if cfg.near_dedup_threshold else None
     smallest: tuple[bytes, int, int] | None = None  # train doc with the smallest split hash
@@ -214,7 +204,7 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         train, validation = writers["train"].close(), writers["validation"].close()
         n_val = sum(e.rows or 0 for e in validation)
         if n_val == 0 and threshold > 0 and kept >= 2 and smallest is not None:
-            train, validation = _move_to_validation(out_dir, train, smallest[1], smallest[2])
+            train, validation = writer.move_to_validation(out_dir, train, smallest[1], smallest[2])
             n_val = 1
             logger.info("ingest: validation split was empty; moved the document with the "
                         "smallest split hash from train to validation")
@@ -281,7 +271,8 @@ def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str]) -> str:
 
 
 def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
-    """Stream `(id, text)` from ingest Parquet files, in file order, `BATCH_DOCS` at a time.
+    """Stream `(id, text)` from ingest Parquet files, in file order, `writer.BATCH_DOCS` at
+    a time.
 
     Args:
         files: Parquet files written by `ingest` (e.g. `[m.file(e.path) for e in m.train]`).
@@ -290,7 +281,9 @@ def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
         `(id, text)` of every document.
     """
     for f in files:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_DOCS, columns=["id", "text"]):
+        batches = pq.ParquetFile(f).iter_batches(batch_size=writer.BATCH_DOCS,
+                                                 columns=["id", "text"])
+        for batch in batches:
             yield from zip(batch.column("id").to_pylist(), batch.column("text").to_pylist())
 
 
@@ -320,126 +313,3 @@ class _BytesMeter:
         self.done = max(self.done, self.before[current] + min(self.in_file, self.sizes[current]))
         self.progress.update("ingest", float(self.done), read=reader.read, kept=kept,
                              dropped=sum(reader.dropped.values()))
-
-
-# ---------------------------------------------------------------------------------- writing
-class _SplitWriter:
-    """Streams one split into Parquet files of at most `DOCS_PER_FILE` documents, one
-    row group per `BATCH_DOCS` documents.
-
-    Memory per batch: the texts' UTF-8 once, in one buffer that the Arrow array wraps
-    without a copy. Python `str` lists held each text three times (the `str`, 2 bytes per
-    character once a text has one beyond Latin-1 such as ’; the UTF-8 copy CPython caches
-    in it when pyarrow converts it; the Arrow array). The bytes written are the same.
-    Peak RSS of the stage on the corpora of benchmarks/bench_data.py at 1x / 4x / 16x:
-    162 / 178 / 182 MiB before, 157 / 169 / 173 with this buffer, 150 / 158 / 164 with it
-    and the pool release in `_flush`.
-    """
-
-    def __init__(self, out_dir: Path, split: str) -> None:
-        self.out_dir, self.split = out_dir, split
-        self.entries: list[FileEntry] = []
-        self.writer: pq.ParquetWriter | None = None
-        self.tmp: Path | None = None
-        self.rows_in_file = 0
-        self._new_batch()
-
-    def _new_batch(self) -> None:
-        self.ids: list[str] = []
-        self.sources: list[str] = []
-        self.text = bytearray()  # UTF-8 of the buffered texts, back to back
-        self.offsets = array("i", [0])  # int32, as Arrow `string` offsets
-        self.chunks: list[pa.Array] = []  # text arrays sealed before 2 GiB (int32 offsets)
-
-    def add(self, doc_id: str, data: bytes, source: str) -> None:
-        """Buffer one document (`data`: its text, UTF-8); flush a batch and roll files
-        over as needed."""
-        if self.writer is None:
-            self.tmp = temp_path(self.out_dir / f"{self.split}-{len(self.entries):05d}.parquet")
-            self.writer = pq.ParquetWriter(self.tmp, _SCHEMA, compression="zstd")
-        if len(self.text) + len(data) > _MAX_OFFSET and len(self.offsets) > 1:
-            self.chunks.append(self._seal())
-        self.text += data
-        self.offsets.append(len(self.text))  # OverflowError for one text over 2 GiB
-        self.ids.append(doc_id)
-        self.sources.append(source)
-        self.rows_in_file += 1
-        if len(self.ids) >= BATCH_DOCS:
-            self._flush()
-        if self.rows_in_file >= DOCS_PER_FILE:
-            self._finish_file()
-
-    def _seal(self) -> pa.Array:
-        """The buffered texts as one Arrow `string` array (wrapping the buffers, no copy);
-        starts a new buffer."""
-        texts = pa.StringArray.from_buffers(len(self.offsets) - 1, pa.py_buffer(self.offsets),
-                                            pa.py_buffer(self.text))
-        self.text, self.offsets = bytearray(), array("i", [0])
-        return texts
-
-    def _flush(self) -> None:
-        if self.ids and self.writer is not None:
-            texts = [*self.chunks, self._seal()]
-            columns = [pa.array(self.ids, pa.string()), pa.chunked_array(texts, pa.string()),
-                       pa.array(self.sources, pa.string())]
-            if len(texts) == 1:  # the common case: the same table as from Python lists
-                columns[1] = texts[0]
-            self.writer.write_table(pa.Table.from_arrays(columns, schema=_SCHEMA))
-            del texts, columns
-            self._new_batch()
-            # Arrow's default pool (mimalloc) keeps the pages the encoder freed: RSS crept
-            # up batch after batch, ~35 MiB above use at the end of the 16x corpus. Hand
-            # them back once per row group; jemalloc with decay 0 (as in shards.py) kept
-            # more here (https://arrow.apache.org/docs/python/memory.html#memory-pools).
-            pa.default_memory_pool().release_unused()
-
-    def _finish_file(self) -> None:
-        self._flush()
-        assert self.writer is not None and self.tmp is not None
-        self.writer.close()
-        final = self.out_dir / f"{self.split}-{len(self.entries):05d}.parquet"
-        os.replace(self.tmp, final)
-        self.entries.append(file_entry(self.out_dir, final, rows=self.rows_in_file))
-        self.writer, self.tmp, self.rows_in_file = None, None, 0
-
-    def close(self) -> list[FileEntry]:
-        """Finish the open file; returns every file written (none for an empty split)."""
-        if self.writer is not None:
-            self._finish_file()
-        return self.entries
-
-    def abort(self) -> None:
-        """Close and delete the open temporary file after a failure."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.tmp is not None:
-            self.tmp.unlink(missing_ok=True)
-        self.writer = self.tmp = None
-
-
-def _move_to_validation(out_dir: Path, train: list[FileEntry], file_index: int,
-                        row: int) -> tuple[list[FileEntry], list[FileEntry]]:
-    """Move row `row` of train file `file_index` into `validation-00000.parquet`.
-
-    Rewrites that one train file (at most `DOCS_PER_FILE` documents in memory); a file
-    left empty is deleted (only the last file can hold a single document).
-    """
-    path = out_dir / train[file_index].path
-    table = pq.read_table(path, schema=_SCHEMA)
-    val = out_dir / "validation-00000.parquet"
-    _write_table(val, table.slice(row, 1))
-    rest = pa.concat_tables([table.slice(0, row), table.slice(row + 1)])
-    train = list(train)
-    if rest.num_rows:
-        _write_table(path, rest)
-        train[file_index] = file_entry(out_dir, path, rows=rest.num_rows)
-    else:
-        path.unlink()
-        del train[file_index]
-    return train, [file_entry(out_dir, val, rows=1)]
-
-
-def _write_table(path: Path, table: pa.Table) -> None:
-    tmp = temp_path(path)
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlm_pipeline.config import IngestConfig
-from mlm_pipeline.ingest import stage as ingest_mod
+from mlm_pipeline.ingest import writer as ingest_writer
 from mlm_pipeline.ingest.stage import ingest
 
 # Texts of 1-, 2- and 4-byte UTF-8 characters (Latin-1, CJK, emoji), of uneven lengths.
@@ -39,8 +39,8 @@ def run(tmp_path, corpus):
 
 
 def test_row_groups_hold_batch_docs_and_bytes_match_reference(tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest_mod, "BATCH_DOCS", 3)
-    monkeypatch.setattr(ingest_mod, "DOCS_PER_FILE", 7)
+    monkeypatch.setattr(ingest_writer, "BATCH_DOCS", 3)
+    monkeypatch.setattr(ingest_writer, "DOCS_PER_FILE", 7)
     m = run(tmp_path, write_corpus(tmp_path))
     docs = [(f"docs.jsonl:{i + 1}", t, "docs.jsonl") for i, t in enumerate(TEXTS)]
     # 11 documents, 7 per file, 3 per row group: files of 7 and 4, row groups 3+3+1, 3+1.
@@ -57,8 +57,8 @@ def test_row_groups_hold_batch_docs_and_bytes_match_reference(tmp_path, monkeypa
 def test_text_buffer_sealed_before_offset_overflow(tmp_path, monkeypatch):
     # A batch whose texts exceed what int32 offsets address is written as several Arrow
     # chunks of one row group; a 40-byte limit stands in for 2 GiB.
-    monkeypatch.setattr(ingest_mod, "_MAX_OFFSET", 40)
-    monkeypatch.setattr(ingest_mod, "BATCH_DOCS", 4)
+    monkeypatch.setattr(ingest_writer, "_MAX_OFFSET", 40)
+    monkeypatch.setattr(ingest_writer, "BATCH_DOCS", 4)
     m = run(tmp_path, write_corpus(tmp_path))
     f = pq.ParquetFile(m.file(m.train[0].path))
     assert [f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)] == [4, 4, 3]

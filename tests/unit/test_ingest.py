@@ -18,7 +18,7 @@ import pytest
 
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest import cleaning, sources
-from mlm_pipeline.ingest import stage as ingest_mod
+from mlm_pipeline.ingest import writer as ingest_writer
 from mlm_pipeline.ingest.stage import ingest, read_documents
 
 # The bytes: BOM, CRLF line, lone-CR line, LF line, U+2028 inside a line, an
@@ -247,8 +247,8 @@ def test_split_deterministic_order_and_directory_independent(tmp_path):
 
 
 def test_read_documents_in_file_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest_mod, "DOCS_PER_FILE", 4)
-    monkeypatch.setattr(ingest_mod, "BATCH_DOCS", 3)
+    monkeypatch.setattr(ingest_writer, "DOCS_PER_FILE", 4)
+    monkeypatch.setattr(ingest_writer, "BATCH_DOCS", 3)
     texts = [f"texte {i}" for i in range(10)]
     (tmp_path / "a.txt").write_text("\n\n".join(texts))
     m = run(tmp_path, [tmp_path / "a.txt"])
@@ -259,7 +259,7 @@ def test_read_documents_in_file_order(tmp_path, monkeypatch):
 
 
 def test_empty_validation_gets_smallest_hash(tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest_mod, "DOCS_PER_FILE", 2)
+    monkeypatch.setattr(ingest_writer, "DOCS_PER_FILE", 2)
     texts = ["alpha", "beta", "gamma", "delta", "epsilon"]
     (tmp_path / "a.txt").write_text("\n\n".join(texts))
     frac = 1e-12
