@@ -1,5 +1,6 @@
 """Stage 4, the shards: documents encoded, packed into fixed-length rows and written as
-Arrow IPC shards (`stage`), the shard format itself (`format`: write, memory-map, verify)
+Arrow IPC shards (`stage`, the verb; `packing`, encoding and packing one split; `parallel`,
+the encoder threads), the shard format itself (`format`: write, memory-map, verify)
 and, with precomputed masking, the masked copies of the training split (`masked_copies`,
 the only module here that imports torch).
 """
