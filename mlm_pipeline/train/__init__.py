@@ -2,7 +2,8 @@
 
 `train()` (`stage`) is the stage function; it wires the Stateful parts (`loop.Parts`,
 `meter.Meter`, `schedule`, `data.RowCursor`, the masker) that `run_steps` (`loop`) drives
-and the `Checkpointer` (`checkpoint`) saves. `BertMLM` is the model.
+and the `Checkpointer` (`checkpoint`) saves. `BertMLM` is the model (`model`;
+its layers in `layers`, attention in `attention`).
 """
 
 from mlm_pipeline.train.model import BertMLM
