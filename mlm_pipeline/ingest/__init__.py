@@ -6,8 +6,8 @@ Rooms: `stage` (the verb), `writer` (the Parquet document files of each split),
 `sources` (what to read, hashes, byte streams), `listing` (what a directory or glob
 holds; special entries named and skipped), `readers` (file formats),
 `json_array` (`.json` arrays, resynchronised after a syntax error), `cleaning`
-(screening, splitting, dedup, filters), `corpora` and `page_text` (the built-in French
-corpora), `documents` (reading the ingested files back for later stages).
+(screening, splitting, dedup, filters), `corpora`, `corpus_extract` and `page_text` (the
+built-in French corpora), `documents` (reading the ingested files back for later stages).
 """
 
 from mlm_pipeline.ingest.stage import ingest, ingest_digest

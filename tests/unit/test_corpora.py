@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from mlm_pipeline.ingest import corpora, page_text
+from mlm_pipeline.ingest import corpora, corpus_extract, page_text
 
 
 def test_html_to_text_keeps_visible_text_and_pre_layout():
@@ -103,7 +103,7 @@ def test_littre_articles_keep_definitions_and_quotations(tmp_path):
     _write_stardict(base, "XMLittre", [(["CHAT", "CHATS"], chat), (["POIL"], poil),
                                        (["POIL"], "Second article, homographe.")])
     spec = corpora.DEBIAN_CORPORA["littre-fr"]
-    docs = corpora._extract(spec, "stardict-xmlittre", tmp_path / "tree" / spec.subdir)
+    docs = corpus_extract.extract_documents(spec, "stardict-xmlittre", tmp_path / "tree" / spec.subdir)
     assert docs == [
         {"id": "stardict-xmlittre:XMLittre/CHAT", "source": "stardict-xmlittre", "lang": "fr",
          "text": "1° Animal domestique.\nLe chat est doux. Proverbe & suite."},
@@ -119,7 +119,7 @@ def test_stardict_record_past_the_dictionary_is_named(tmp_path):
     _write_stardict(base, "D", [(["MOT"], "texte")])
     (base / "D.idx").write_bytes(b"MOT\0" + struct.pack(">II", 0, 99))
     with pytest.raises(RuntimeError, match=r"D\.idx.*'MOT'.*past the end"):
-        corpora._stardict_docs(base / "D.idx", None)
+        corpus_extract.stardict_docs(base / "D.idx", None)
     (base / "D.dict.dz").write_bytes(b"not gzip")
     with pytest.raises(RuntimeError, match=r"D\.dict\.dz"):
-        corpora._stardict_docs(base / "D.idx", None)
+        corpus_extract.stardict_docs(base / "D.idx", None)
