@@ -32,6 +32,7 @@ from mlm_pipeline.config.evaluation import (
     GUIDE_PROBES,
     EvalConfig,
     FillMaskProbe,
+    FinetuneConfig,
     LinearProbeConfig,
 )
 from mlm_pipeline.config.lr_auto import resolve_lr
@@ -70,6 +71,7 @@ __all__ = [
     "DistributedConfig",
     "EvalConfig",
     "FillMaskProbe",
+    "FinetuneConfig",
     "IngestConfig",
     "LinearProbeConfig",
     "LinearRate",
@@ -136,6 +138,8 @@ class PipelineConfig(StrictModel):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     linear_probe: LinearProbeConfig = LinearProbeConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
+    """Fine-tuning evaluation on the `linear_probe` section's data and split."""
     tracking: TrackingConfig = TrackingConfig()
     data: DataPrepConfig = DataPrepConfig()
     """Where data preparation runs (one process, or a Dask cluster)."""
