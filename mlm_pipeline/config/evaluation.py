@@ -1,11 +1,11 @@
-"""Configs of evaluation: fill-mask probes, held-out evaluation, the downstream linear probe
-and fine-tuning."""
+"""Configs of evaluation: fill-mask probes, held-out evaluation, the downstream linear probe."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mlm_pipeline.config.base import StrictModel
 
@@ -68,6 +68,15 @@ class EvalConfig(StrictModel):
     """Characters of validation text (the ingest stage's validation documents, whole
     words) on which the registry scores a champion and a challenger with different
     tokenizers in `eval/bits_per_char` (`evaluate.bpc`); each model runs on it once."""
+    holdout_sources: list[str] = Field(default_factory=list)
+    """A fixed benchmark text, in `ingest.sources` syntax (paths, directories, globs, URLs,
+    `debian:NAME`), read with the ingest settings and rules (formats, cleaning, allowed
+    roots) and cut at `bpc_max_chars` characters; empty: none. Every run scores its model
+    on it (`holdout/bits_per_char`), its documents are removed from the training corpus
+    (`holdout_overlap`), and the registry decides on it (`mlm_pipeline.ingest.holdout`)."""
+    holdout_digest: str | None = None
+    """The sha256 (64 hex digits) the holdout text must have (`digest.holdout` of an
+    earlier run); another digest refuses the run. None: not pinned."""
     every_steps: int | None = Field(default=None, ge=1)
     """Evaluate during training every this many optimizer steps (`eval/*` at that step, a
     validation curve beside `train/loss`) on the first `periodic_rows` validation rows, with
@@ -82,6 +91,20 @@ class EvalConfig(StrictModel):
     from the default corpus's domain."""
     top_k: int = Field(default=5, ge=1)
     """Candidates reported per probe mask."""
+
+    @field_validator("holdout_digest")
+    @classmethod
+    def _holdout_digest_hex(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise ValueError(f"holdout_digest {value!r} is not a sha256 (64 lowercase hex "
+                             "digits)")
+        return value
+
+    @model_validator(mode="after")
+    def _pin_needs_sources(self) -> EvalConfig:
+        if self.holdout_digest is not None and not self.holdout_sources:
+            raise ValueError("holdout_digest is set but holdout_sources is empty")
+        return self
 
     @field_validator("probes")
     @classmethod
@@ -127,38 +150,3 @@ class LinearProbeConfig(StrictModel):
     """Rows per encoder forward pass when embedding the texts."""
     at_each_eval: bool = False
     """Also run the probe at every periodic evaluation (`probe/accuracy` as a curve)."""
-
-class FinetuneConfig(StrictModel):
-    """Fine-tuning evaluation: does pretraining help a classifier trained end to end?
-
-    The encoder plus a classification head is fine-tuned on the linear probe's data and
-    split (the `linear_probe` section's `data_path`, `test_fraction`, `max_rows`...), once
-    from the trained weights and once from random weights of the same architecture, with
-    the same recipe and head (`mlm_pipeline.evaluate.finetune`). Off unless a config
-    turns it on: the base recipes do (seconds on a GPU); its cost on CPU beside the `tiny`
-    run's is measured in docs/models.md."""
-
-    enabled: bool = False
-    """Fine-tune after the final evaluation (two runs: pretrained and from scratch); off
-    by default (see the section's text); a dataset that cannot be obtained skips it
-    with a warning, never fails the run."""
-    epochs: int = Field(default=3, ge=1)
-    """Passes over the train rows (BERT's GLUE recipe: 3; Devlin et al. 2019, §A.3)."""
-    lr: float = Field(default=5e-5, gt=0.0)
-    """Peak AdamW learning rate (BERT's grid {5e-5, 4e-5, 3e-5, 2e-5}, §A.3; its largest,
-    for a few hundred train rows)."""
-    batch_size: int = Field(default=32, ge=1)
-    """Rows per optimizer step (BERT's grid {16, 32}, §A.3)."""
-    seq_len: int | None = Field(default=128, ge=3)
-    """Longest row, tokens: `[CLS]`, the text's pieces truncated, `[SEP]` (elsewhere
-    `max_len`); None or larger than the model's `seq_len`: the model's `seq_len`."""
-    warmup_ratio: float = Field(default=0.1, ge=0.0, lt=1.0)
-    """Share of the steps with a linear warm-up from 0 to `lr`, then a linear decay to 0
-    (BERT's fine-tuning schedule: 10 %)."""
-    weight_decay: float = Field(default=0.01, ge=0.0)
-    """AdamW decoupled weight decay of weight matrices (BERT: 0.01; not biases or norms)."""
-    dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
-    """Dropout before the classification layer (BERT's classifier: 0.1)."""
-    seed: int = 0
-    """Seeds the head's initialisation (shared by both runs), the from-scratch encoder,
-    the row order and dropout: the same seed gives the same figures on CPU."""
