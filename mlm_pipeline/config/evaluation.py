@@ -1,4 +1,5 @@
-"""Configs of evaluation: fill-mask probes, held-out evaluation, the downstream linear probe."""
+"""Configs of evaluation: fill-mask probes, held-out evaluation, the downstream linear probe
+and fine-tuning."""
 
 from __future__ import annotations
 
@@ -150,3 +151,38 @@ class LinearProbeConfig(StrictModel):
     """Rows per encoder forward pass when embedding the texts."""
     at_each_eval: bool = False
     """Also run the probe at every periodic evaluation (`probe/accuracy` as a curve)."""
+
+class FinetuneConfig(StrictModel):
+    """Fine-tuning evaluation: does pretraining help a classifier trained end to end?
+
+    The encoder plus a classification head is fine-tuned on the linear probe's data and
+    split (the `linear_probe` section's `data_path`, `test_fraction`, `max_rows`...), once
+    from the trained weights and once from random weights of the same architecture, with
+    the same recipe and head (`mlm_pipeline.evaluate.finetune`). Off unless a config
+    turns it on: the base recipes do (seconds on a GPU); its cost on CPU beside the `tiny`
+    run's is measured in docs/models.md."""
+
+    enabled: bool = False
+    """Fine-tune after the final evaluation (two runs: pretrained and from scratch); off
+    by default (see the section's text); a dataset that cannot be obtained skips it
+    with a warning, never fails the run."""
+    epochs: int = Field(default=3, ge=1)
+    """Passes over the train rows (BERT's GLUE recipe: 3; Devlin et al. 2019, §A.3)."""
+    lr: float = Field(default=5e-5, gt=0.0)
+    """Peak AdamW learning rate (BERT's grid {5e-5, 4e-5, 3e-5, 2e-5}, §A.3; its largest,
+    for a few hundred train rows)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Rows per optimizer step (BERT's grid {16, 32}, §A.3)."""
+    seq_len: int | None = Field(default=128, ge=3)
+    """Longest row, tokens: `[CLS]`, the text's pieces truncated, `[SEP]` (elsewhere
+    `max_len`); None or larger than the model's `seq_len`: the model's `seq_len`."""
+    warmup_ratio: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Share of the steps with a linear warm-up from 0 to `lr`, then a linear decay to 0
+    (BERT's fine-tuning schedule: 10 %)."""
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    """AdamW decoupled weight decay of weight matrices (BERT: 0.01; not biases or norms)."""
+    dropout: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Dropout before the classification layer (BERT's classifier: 0.1)."""
+    seed: int = 0
+    """Seeds the head's initialisation (shared by both runs), the from-scratch encoder,
+    the row order and dropout: the same seed gives the same figures on CPU."""
