@@ -1,8 +1,8 @@
-"""Learning per wall-clock second: ours against Hugging Face BERT and ModernBERT.
+"""Learning per wall-clock second (or per step): ours against Hugging Face BERT and ModernBERT.
 
-    python benchmarks/bench_learning.py [--budget-s 300] [--threads 2] [--config tiny]
-                                        [--work DIR] [--eval-rows 1000] [--out FILE]
-                                        [--set KEY=VALUE ...]
+    python benchmarks/bench_learning.py [--budget-s 300 | --steps N] [--threads 2]
+                                        [--config tiny] [--work DIR] [--eval-rows 1000]
+                                        [--models LIST] [--out FILE] [--set KEY=VALUE ...]
 
 Smoke test: `--smoke` (seconds, offline: the test corpus `tests/assets/tiny_fr.txt`,
 vocabulary 128, seq_len 32, a toy shape, a 1 s budget, one thread, in a temporary work
@@ -15,7 +15,11 @@ tokens and is evaluated on the same validation rows.
 
 Models, one shape (hidden 256, 4 layers, 4 heads, FFN 1024, vocab of the tokenizer,
 seq_len 128), micro-batch, peak lr, warm-up share, decay, grad clip and AdamW settings of
-the config, `--threads` torch threads, each for the same wall-clock budget:
+the config, `--threads` torch threads, each for the same wall-clock budget (or the same
+step count, `--steps`). The config is loaded once per model with `model.preset` set to the
+model's recipe (`bert` for `ours-bert` and `hf-bert`, `modern` for the other two), so
+`--set train.lr=auto` resolves per model (`mlm_pipeline.config.lr_auto`: post-LN 1e-4,
+pre-LN 1e-3); each model's peak lr and warm-up are printed and written to the JSON.
 
 - `ours-bert`, `ours-modern`: our `train()` with `model.preset` `bert` / `modern` and the
   config's masking recipe (tiny: mlm_probability 0.3, Bernoulli, 80/10/10; `--set` changes
@@ -34,6 +38,16 @@ step count is then `budget * measured steps/s` (warm-up the config's share of it
 model ends its LR decay when its time is up; `--budget-s` is also a hard stop
 (`train.max_time_s` for ours). The time counts the training loop only (not model
 construction or calibration).
+
+Equal steps (`--steps N`): every model runs exactly N optimizer steps (no calibration;
+warm-up the config's share of N, LR decay and any masking-rate schedule spanning N), with
+the config's `train.max_time_s` as the only time limit. For one architecture, equal steps
+at the same micro-batch and seq_len are equal compute (the same FLOPs per step, except the
+prediction head, which runs at the masked positions only and so costs more per step at a
+higher masking rate). It exists for loaded machines: a wall-clock budget gives a model
+fewer steps when other jobs share the cores, so comparisons of recipes (a masking rate, a
+learning rate) on the same architecture should use `--steps`; the wall-clock budget is for
+comparing architectures or implementations on a quiet machine.
 
 Evaluation: one path for all four, `mlm_pipeline.evaluate.stage.masked_lm_metrics` (fp32), on
 the first `--eval-rows` validation rows masked by `KeyedMasking` (Bernoulli selection) with
@@ -82,6 +96,9 @@ from mlm_pipeline.train.schedule import lr_multiplier
 
 SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
 MODELS = ("ours-bert", "ours-modern", "hf-bert", "hf-modernbert")
+#: The `model.preset` whose recipe each model follows (post-LN `bert`, pre-LN `modern`).
+RECIPE = {"ours-bert": "bert", "ours-modern": "modern", "hf-bert": "bert",
+          "hf-modernbert": "modern"}
 HF_MLM_PROBABILITY = 0.15
 EVAL_MLM_PROBABILITY = 0.15
 CALIBRATION_STEPS = 8  # the first half warms up (allocator, caches); the second is timed
@@ -136,8 +153,15 @@ def ours_config(cfg: PipelineConfig, preset: str, steps: int, budget_s: float, t
 
 
 def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: ShardManifest,
-             budget_s: float, threads: int, precision: str, work: Path) -> Result:
-    """Calibrate, then train with our `train()` for `budget_s` seconds."""
+             budget_s: float, threads: int, precision: str, work: Path,
+             steps: int | None = None) -> Result:
+    """Calibrate, then train with our `train()` for `budget_s` seconds; or, with `steps`,
+    train exactly `steps` steps (no calibration; `train.max_time_s` the only time limit)."""
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * shards.seq_len
+    if steps is not None:
+        return _train_ours(ours_config(cfg, preset, steps, cfg.train.max_time_s, threads,
+                                       precision), tok, shards, tokens_per_step,
+                           work / f"ours-{preset}-{int(time.time())}")
     calib = ours_config(cfg, preset, CALIBRATION_STEPS, budget_s, threads, precision)
     calib = calib.model_copy(update={"train": calib.train.model_copy(
         update={"log_every": CALIBRATION_STEPS // 2})})
@@ -146,10 +170,15 @@ def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: S
                   shards, tok, Path(tmp) / "calibration")
         lines = m.file(m.metrics_log).read_text().splitlines()
         tokens_per_s = json.loads(lines[-1])["train/tokens_per_s"]
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * shards.seq_len
     steps = max(2, int(budget_s * tokens_per_s / tokens_per_step))
     run_cfg = ours_config(cfg, preset, steps, budget_s, threads, precision)
-    out = work / f"ours-{preset}-{int(time.time())}"
+    return _train_ours(run_cfg, tok, shards, tokens_per_step,
+                       work / f"ours-{preset}-{int(time.time())}")
+
+
+def _train_ours(run_cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
+                tokens_per_step: int, out: Path) -> Result:
+    """One run of our `train()` into `out`; its loop seconds from the logged intervals."""
     m = train(run_cfg.train, run_cfg.model, run_cfg.masking, shards, tok, out)
     # Loop time from the logged intervals (steps * tokens per step / tokens/s), leaving
     # out model construction and the final checkpoint, like the Hugging Face loop's clock.
@@ -251,17 +280,21 @@ def hf_train(kind: str, cfg: PipelineConfig, dataset: ShardDataset, collator, st
 
 
 def run_hf(kind: str, cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
-           budget_s: float, precision: str) -> Result:
-    """Calibrate, then train a Hugging Face model for `budget_s` seconds."""
+           budget_s: float, precision: str, steps: int | None = None) -> Result:
+    """Calibrate, then train a Hugging Face model for `budget_s` seconds; or, with `steps`,
+    exactly `steps` steps (no calibration; `train.max_time_s` the only time limit)."""
     from transformers import DataCollatorForLanguageModeling
 
     collator = DataCollatorForLanguageModeling(
         tokenizer=hf_tokenizer(tok), mlm_probability=HF_MLM_PROBABILITY, seed=cfg.train.seed)
     dataset = ShardDataset(shards, "train")
-    _, _, _, times = hf_train(kind, cfg, dataset, collator, CALIBRATION_STEPS, budget_s,
-                              precision)
-    step_s = float(np.mean(times[CALIBRATION_STEPS // 2:]))
-    steps = max(2, int(budget_s / step_s))
+    if steps is None:
+        _, _, _, times = hf_train(kind, cfg, dataset, collator, CALIBRATION_STEPS, budget_s,
+                                  precision)
+        step_s = float(np.mean(times[CALIBRATION_STEPS // 2:]))
+        steps = max(2, int(budget_s / step_s))
+    else:
+        budget_s = cfg.train.max_time_s
     model, done, seconds, _ = hf_train(kind, cfg, dataset, collator, steps, budget_s, precision)
     tokens = done * cfg.train.micro_batch_size * shards.seq_len
     return Result(HFLogitsAtLabels(model), done, tokens, seconds, done < steps)
@@ -300,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="exactly N optimizer steps per model instead of --budget-s "
+                             "(equal compute per architecture; for loaded machines)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--work", default=None, help="work_dir (default: the config's)")
@@ -312,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="seconds, offline: test corpus, toy shape, 1 s budget (see above)")
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 2:
+        parser.error(f"--steps must be at least 2, got {args.steps}")
     if not args.smoke:
         return run(args, parser)
     SHAPE.update(SMOKE_SHAPE)
-    args.budget_s, args.threads, args.eval_rows = 1.0, 1, 32
+    args.budget_s, args.threads, args.eval_rows = 1.0, 1, 32  # --steps, if given, is kept
     if args.work:
         return run(args, parser, SMOKE_OVERRIDES)
     with tempfile.TemporaryDirectory(prefix="bench-learning-smoke-") as tmp:
@@ -338,7 +376,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
     print(f"data: {shards.train.rows:,} train rows, {shards.validation.rows:,} validation "
           f"rows of {shards.seq_len} tokens, vocab {shards.vocab_size:,} "
           f"({time.perf_counter() - t0:.0f} s); precision {precision}, {args.threads} threads, "
-          f"budget {args.budget_s:g} s per model", flush=True)
+          + (f"{args.steps} steps per model" if args.steps is not None
+             else f"budget {args.budget_s:g} s per model"), flush=True)
 
     validation = ShardDataset(shards, "validation")
     eval_masking = KeyedMasking(
@@ -351,11 +390,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
     for name in args.models.split(","):
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        # The model's recipe decides `train.lr: auto` (config validation resolves it).
+        model_cfg = load_config(args.config, overrides + [f"model.preset={RECIPE[name]}"])
+        tc = model_cfg.train
+        print(f"{name}: peak lr {tc.lr:g}, warm-up the config's share of the steps "
+              f"({tc.warmup} of its max_steps {tc.max_steps})", flush=True)
         if name.startswith("ours-"):
-            r = run_ours(cfg, name.removeprefix("ours-"), tok, shards, args.budget_s,
-                         args.threads, precision, work)
+            r = run_ours(model_cfg, RECIPE[name], tok, shards, args.budget_s,
+                         args.threads, precision, work, args.steps)
         else:
-            r = run_hf(name, cfg, tok, shards, args.budget_s, precision)
+            r = run_hf(name, model_cfg, tok, shards, args.budget_s, precision, args.steps)
         metrics = masked_lm_metrics(r.model, validation, **eval_kw)
         results[name] = {
             "eval/mlm_accuracy": metrics["eval/mlm_accuracy"],
@@ -367,9 +411,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
             "tokens_per_s": r.tokens_seen / max(r.train_s, 1e-9),
             "stopped_early": r.stopped_early,
             "parameters": sum(p.numel() for p in r.model.parameters()),
+            "lr": tc.lr, "warmup_steps": schedule(model_cfg, r.steps)["warmup_steps"],
         }
         print(f"{name}: accuracy {metrics['eval/mlm_accuracy']:.4f}, loss "
-              f"{metrics['eval/loss']:.4f}, {r.steps} steps, {r.tokens_seen:,} tokens in "
+              f"{metrics['eval/loss']:.4f}, {r.steps} steps (warm-up "
+              f"{results[name]['warmup_steps']}), {r.tokens_seen:,} tokens in "
               f"{r.train_s:.0f} s", flush=True)
         del r
 
@@ -382,7 +428,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
     print(f"most-frequent-token baseline accuracy {first['eval/baseline_accuracy']:.4f} on "
           f"{int(first['eval/masked_tokens']):,} masked tokens")
     out = Path(args.out) if args.out else work / "bench_learning.json"
-    out.write_text(json.dumps({"budget_s": args.budget_s, "threads": args.threads,
+    out.write_text(json.dumps({"budget_s": args.budget_s, "steps": args.steps,
+                               "threads": args.threads, "overrides": args.set,
                                "precision": precision, "results": results}, indent=2) + "\n")
     print(f"results: {out}")
     return 0
