@@ -95,7 +95,7 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
                                                  ShardManifest]:
     """Ingest, tokenizer and shards with the partition work on this flow's task runner
     (module docstring); returns the three manifests (each reused when already made)."""
-    from mlm_pipeline.ingest import ingest
+    from mlm_pipeline.ingest import ingest, read_holdout
     from mlm_pipeline.ingest.partitions import partitioned
     from mlm_pipeline.shards import write_shards
     from mlm_pipeline.shards.parallel import partitioned_encoder
@@ -104,7 +104,8 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
 
     n = partition_count(cfg)
     corpus = ingest(cfg.ingest, cfg.work_dir,
-                    accounting=partitioned(task_mapper("read-partition", cfg.work_dir), n))
+                    accounting=partitioned(task_mapper("read-partition", cfg.work_dir), n),
+                    holdout=read_holdout(cfg))
     tokenizer = prepare_tokenizer(cfg, corpus)
     encode = partitioned_encoder(Tokenizer.load(tokenizer).path, cfg.shards,
                                  task_mapper("encode-partition", cfg.work_dir), n)

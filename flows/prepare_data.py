@@ -46,10 +46,10 @@ ENTRYPOINT = "flows/prepare_data.py:prepare_data_flow"
 
 @task(name="ingest", **NOT_CACHED, **IO_RETRIES)
 def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
-    """Read, clean, deduplicate and split the corpus."""
-    from mlm_pipeline.ingest import ingest
+    """Read, clean, deduplicate and split the corpus (less the holdout documents)."""
+    from mlm_pipeline.ingest import ingest, read_holdout
 
-    return ingest(cfg.ingest, cfg.work_dir, data_progress())
+    return ingest(cfg.ingest, cfg.work_dir, data_progress(), holdout=read_holdout(cfg))
 
 
 @task(name="tokenizer", **NOT_CACHED)
@@ -98,7 +98,7 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
             not prepared for this config there, or it changed since: the corpus too).
         ValueError: the manifest found does not validate.
     """
-    from mlm_pipeline.ingest import ingest_digest
+    from mlm_pipeline.ingest import ingest_digest, read_holdout
     from mlm_pipeline.shards import shards_digest
     from mlm_pipeline.tracking.parents import tokenizer_digest_for
 
@@ -110,7 +110,8 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
                                     f"{cfg.work_dir} (prepare-data did not make it there)"
                                     ) from exc
 
-    corpus = read("ingest", ingest_digest(cfg.ingest, cfg.work_dir), CorpusManifest)
+    corpus = read("ingest", ingest_digest(cfg.ingest, cfg.work_dir, read_holdout(cfg)),
+                  CorpusManifest)
     tokenizer = read("tokenizer", tokenizer_digest_for(cfg, corpus), TokenizerManifest)
     shards = read("shards", shards_digest(cfg.shards, corpus, tokenizer, cfg.masking),
                   ShardManifest)

@@ -41,6 +41,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
             in `cfg.work_dir` (the message says to run `mlm-pipeline run` first).
         FileNotFoundError: a local source of `cfg.ingest.sources` matches no file.
     """
+    from mlm_pipeline.ingest.holdout import read_holdout
     from mlm_pipeline.ingest.stage import ingest_digest
     from mlm_pipeline.manifest import CorpusManifest as Corpus
     from mlm_pipeline.manifest import TokenizerManifest as Tok
@@ -57,7 +58,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
                     and (corpus is None or m.created_at > corpus.created_at):
                 corpus = m
     else:
-        digest = ingest_digest(cfg.ingest, cfg.work_dir)
+        digest = ingest_digest(cfg.ingest, cfg.work_dir, read_holdout(cfg))
         corpus = load_if_complete(stage_dir(cfg.work_dir, "ingest", digest), Corpus, digest)
     if corpus is not None:
         digest = tokenizer_digest_for(cfg, corpus)

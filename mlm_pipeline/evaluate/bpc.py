@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlm_pipeline.ingest.holdout import text_words
 from mlm_pipeline.tokenizer import Tokenizer
 
 #: The metric's name where it is logged or compared.
@@ -78,28 +79,6 @@ def word_is_chosen(seed: int, doc: int, word: int, rate: float) -> bool:
     """Whether word `word` of document `doc` is scored (see the module docstring)."""
     h = hashlib.sha256(f"{seed}:{doc}:{word}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64 < rate
-
-
-def text_words(documents: Iterable[str], max_chars: int) -> list[list[str]]:
-    """The words of `documents` scored under the budget `max_chars`: per document its
-    whitespace-split words, in order, until the words' characters (`len + 1` each) would
-    pass `max_chars`; documents with no word left are dropped from the end."""
-    out: list[list[str]] = []
-    used = 0
-    for text in documents:
-        words = []
-        for w in text.split():
-            if used + len(w) + 1 > max_chars:
-                break
-            words.append(w)
-            used += len(w) + 1
-        else:
-            out.append(words)
-            continue
-        if words:
-            out.append(words)
-        break
-    return out
 
 
 @torch.no_grad()

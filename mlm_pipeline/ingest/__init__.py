@@ -7,9 +7,11 @@ Rooms: `stage` (the verb), `writer` (the Parquet document files of each split),
 holds; special entries named and skipped), `readers` (file formats),
 `json_array` (`.json` arrays, resynchronised after a syntax error), `cleaning`
 (screening, splitting, dedup, filters), `corpora`, `corpus_extract` and `page_text` (the
-built-in French corpora), `documents` (reading the ingested files back for later stages).
+built-in French corpora), `documents` (reading the ingested files back for later stages),
+`holdout` (the fixed benchmark text, kept out of the corpus).
 """
 
+from mlm_pipeline.ingest.holdout import Holdout, read_holdout
 from mlm_pipeline.ingest.stage import ingest, ingest_digest
 
-__all__ = ["ingest", "ingest_digest"]
+__all__ = ["Holdout", "ingest", "ingest_digest", "read_holdout"]

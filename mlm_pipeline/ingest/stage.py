@@ -23,7 +23,10 @@ every repair and drop is counted in the manifest:
   `language` (a `lang` field not in `languages`), `empty`, `too_short`, `few_letters`
   (letter share below `min_letter_share`), `duplicate` (exact match on the normalized
   text; memory: one 16-byte digest per kept document), `near_duplicate` (MinHash LSH,
-  optional, see `cleaning.NearDuplicateFilter`).
+  optional, see `cleaning.NearDuplicateFilter`). With a holdout set (`eval.holdout_sources`,
+  `ingest.holdout`), a document whose normalized text is a scored holdout document is
+  dropped as `holdout_overlap` before deduplication (the reason is in the manifest only
+  then), so the benchmark text is never trained on.
 
 Counts: `documents_read` counts records read (one per source record, bad ones included);
 `documents_kept` counts documents written, each part of a split document counting as one;
@@ -79,6 +82,7 @@ from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest.accounting import Accounting, bad_files_error
 from mlm_pipeline.ingest.cleaning import DigestSet, NearDuplicateFilter
 from mlm_pipeline.ingest.hashing import HashMemo
+from mlm_pipeline.ingest.holdout import OVERLAP, Holdout
 from mlm_pipeline.ingest import writer
 from mlm_pipeline.ingest.sources import (
     Source,
@@ -106,7 +110,8 @@ logger = logging.getLogger(__name__)
 
 
 def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = None,
-           accounting: Callable[[IngestConfig], Accounting] = Accounting) -> CorpusManifest:
+           accounting: Callable[[IngestConfig], Accounting] = Accounting,
+           holdout: Holdout | None = None) -> CorpusManifest:
     """Read, clean, deduplicate and split the corpus into Parquet files.
 
     Args:
@@ -119,6 +124,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = 
             count is the sources' bytes and the fields the manifest's counts.
         accounting: what reads and cleans the records (`Accounting`, in this process;
             `partitions.partitioned(mapper, n)` reads partitions in parallel: same output).
+        holdout: the run's holdout text (`holdout.read_holdout`): its documents are
+            dropped from the corpus (`holdout_overlap`), and its keys join the digest.
 
     Returns:
         The manifest: sources (path, sha256, bytes, documents read), the Parquet files of
@@ -144,14 +151,14 @@ def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = 
     with reporting(progress):
         files = resolve_sources(cfg, skipped)
     hashes = [content_hash(f, work_dir) for f in files]
-    digest = _digest(cfg, files, hashes)
+    digest = _digest(cfg, files, hashes, holdout)
     out_dir = stage_dir(work_dir, "ingest", digest)
     # Reused only when every document file still has its sha256 (a changed one is named).
     cached, reused = reuse_or_build(
         out_dir, "ingest",
         lambda: load_if_complete(out_dir, CorpusManifest, digest, HashMemo(work_dir).file_sha256),
         lambda: _build(cfg, work_dir, files, hashes, skipped, digest, out_dir, watch,
-                       progress, accounting))
+                       progress, accounting, holdout))
     if not reused:
         return cached
     logger.info("ingest: cached %s (%d documents)", out_dir, cached.documents_kept)
@@ -166,7 +173,8 @@ def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = 
 def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes: list[str],
            skipped: list[SkippedFile], digest: str, out_dir: Path,
            watch: Stopwatch, progress: Progress,
-           accounting: Callable[[IngestConfig], Accounting] = Accounting) -> CorpusManifest:
+           accounting: Callable[[IngestConfig], Accounting] = Accounting,
+           holdout: Holdout | None = None) -> CorpusManifest:
     """Write the stage directory `out_dir` (the caller holds its `stage_lock`); the
     arguments and errors are `ingest`'s."""
     sizes = [source_size(f, work_dir) for f in files]
@@ -174,6 +182,9 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # left by an interrupted run
     reader = accounting(cfg)
+    held = holdout.keys if holdout is not None else frozenset()
+    if holdout is not None:
+        reader.dropped[OVERLAP] = 0
     writers = {"train": writer.SplitWriter(out_dir, "train"),
                "validation": writer.SplitWriter(out_dir, "validation")}
     seen = DigestSet()
@@ -185,7 +196,10 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         for doc_id, text, source in reader.documents(files):
             data = text.encode("utf-8")
             meter.add(reader, len(data), kept)
-            key = hashlib.blake2b(data, digest_size=16).digest()
+            key = hashlib.blake2b(data, digest_size=16).digest()  # holdout.overlap_key
+            if key in held:
+                reader.dropped[OVERLAP] += 1
+                continue
             if seen.add(key):
                 reader.dropped["duplicate"] += 1
                 continue
@@ -243,17 +257,18 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
     return m
 
 
-def ingest_digest(cfg: IngestConfig, work_dir: str | Path | None = None) -> str:
+def ingest_digest(cfg: IngestConfig, work_dir: str | Path | None = None,
+                  holdout: Holdout | None = None) -> str:
     """The digest `ingest(cfg, work_dir)` would give its output, without reading documents:
     resolves the sources (fetching `debian:` corpora if needed) and hashes their bytes,
     through the hash memo of `work_dir` when given (an unchanged corpus is not read
-    again; `mlm_pipeline.ingest.hashing`), else of this process.
+    again; `mlm_pipeline.ingest.hashing`), else of this process; `holdout` as `ingest`'s.
 
     Raises:
         The errors of `resolve_sources`.
     """
     files = resolve_sources(cfg)
-    return _digest(cfg, files, [content_hash(f, work_dir) for f in files])
+    return _digest(cfg, files, [content_hash(f, work_dir) for f in files], holdout)
 
 
 def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
@@ -262,12 +277,13 @@ def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
     return {f"{i:05d}:{source_name(f)}": h for i, (f, h) in enumerate(zip(files, hashes))}
 
 
-def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str]) -> str:
-    return compute_digest(
-        "ingest", cfg.model_dump(mode="json", exclude={
-            "cache_dir", "sources", "on_bad_file", "allowed_sources"}),
-        _inputs(files, hashes),
-    )
+def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str],
+            holdout: Holdout | None = None) -> str:
+    config = cfg.model_dump(mode="json", exclude={
+        "cache_dir", "sources", "on_bad_file", "allowed_sources"})
+    if holdout is not None:  # only when set: digests without a holdout stay the same
+        config["holdout_keys"] = holdout.keys_digest()
+    return compute_digest("ingest", config, _inputs(files, hashes))
 
 
 def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
