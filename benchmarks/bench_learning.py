@@ -1,4 +1,4 @@
-"""Learning per wall-clock second (or per step): ours against Hugging Face BERT and ModernBERT.
+"""Learning per wall-clock second or per step: ours against HF BERT and ModernBERT.
 
     python benchmarks/bench_learning.py [--budget-s 300 | --steps N] [--threads 2]
                                         [--config tiny] [--work DIR] [--eval-rows 1000]
