@@ -178,11 +178,12 @@ def evaluate_task(
     cfg: PipelineConfig, trained: TrainManifest, shards: ShardManifest,
     tokenizer: TokenizerManifest,
 ) -> EvalManifest:
-    """Held-out masked-token metrics, fill-mask probes and the downstream linear probe."""
+    """Held-out masked-token metrics, fill-mask probes, the downstream linear probe and the
+    fine-tuning evaluation."""
     from mlm_pipeline.evaluate import evaluate
 
     return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe,
-                    data_progress())
+                    data_progress(), finetune=cfg.finetune)
 
 
 @task(name="record-results", **NOT_CACHED, **IO_RETRIES)

@@ -118,23 +118,42 @@ def embed_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: list[str] |
     encoder = getattr(encoder, "_orig_mod", encoder)
     was_training = encoder.training
     encoder.eval()
-    pieces = tokenizer.encode(list(texts))
+    rows = token_rows(tokenizer, texts, seq_len)
     out = []
     try:
-        for start in range(0, len(pieces), batch_size):
-            rows = [[tokenizer.cls_id, *ids[: seq_len - 2], tokenizer.sep_id]
-                    for ids in pieces[start:start + batch_size]]
-            width = max(map(len, rows))
-            input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-            for i, row in enumerate(rows):
-                input_ids[i, : len(row)] = torch.tensor(row)
-            mask = (input_ids != tokenizer.pad_id).to(device)
-            hidden = encoder.encode(input_ids.to(device), mask).float()        # (B, L, H)
-            weights = mask.unsqueeze(-1).float()
-            out.append((hidden * weights).sum(1) / weights.sum(1))            # (B, H)
+        for start in range(0, len(rows), batch_size):
+            input_ids, mask = pad_rows(rows[start:start + batch_size], tokenizer.pad_id)
+            out.append(mean_pool(encoder.encode(input_ids.to(device), mask.to(device)).float(),
+                                 mask.to(device)))                           # (B, H)
     finally:
         encoder.train(was_training)
     return torch.cat(out).cpu().numpy()
+
+
+def token_rows(tokenizer: Tokenizer, texts: list[str] | tuple[str, ...],
+               seq_len: int) -> list[list[int]]:
+    """`[CLS] pieces [SEP]` per text, its pieces truncated so a row holds at most `seq_len`
+    (>= 3) tokens."""
+    return [[tokenizer.cls_id, *ids[: seq_len - 2], tokenizer.sep_id]
+            for ids in tokenizer.encode(list(texts))]
+
+
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded with `pad_id` to the longest: int64 `input_ids` (B, L) and bool
+    `attention_mask` (B, L), True at real tokens."""
+    input_ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    mask = torch.zeros(input_ids.shape, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = True
+    return input_ids, mask
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `hidden` (B, L, H) over the positions where `attention_mask` (B, L) is
+    true; (B, H) in `hidden`'s dtype."""
+    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1)
 
 
 def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Tokenizer, *,

@@ -31,10 +31,13 @@ from mlm_pipeline.config import (
     IGNORE_INDEX,
     NUM_SPECIAL,
     EvalConfig,
+    FinetuneConfig,
     LinearProbeConfig,
     MaskingConfig,
 )
 from mlm_pipeline.evaluate.downstream import linear_probe
+from mlm_pipeline.evaluate.finetune import finetune_metrics
+from mlm_pipeline.evaluate.holdout import holdout_metrics, write_holdout_text
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -47,6 +50,7 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.masking.maskers import KeyedMasking
+from mlm_pipeline.ingest.holdout import Holdout
 from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
@@ -250,6 +254,8 @@ def evaluate(
     work_dir: str | Path,
     probe: LinearProbeConfig | None = None,
     progress: Progress | None = None,
+    holdout: Holdout | None = None,
+    finetune: FinetuneConfig | None = None,
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
     (with `probe`) the downstream linear probe.
@@ -268,6 +274,12 @@ def evaluate(
             (`downstream.linear_probe`) join the manifest's (none when its data cannot be
             obtained: a warning says why).
         progress: where the masked-LM pass reports (`masked_lm_metrics`).
+        holdout: the fixed holdout text (`ingest.holdout.read_holdout`); when given, the
+            model's `holdout/*` metrics (`evaluate.holdout`) join the manifest's, the
+            text is written beside it and its digest recorded (`config["holdout"]`).
+        finetune: the `finetune` section; when given and enabled, its `finetune/*` metrics
+            (`finetune.finetune_metrics`, on `probe`'s data and split) join the manifest's
+            (none when its data cannot be obtained: a warning says why).
 
     Returns:
         The `EvalManifest` with metrics and probe predictions; cached by digest.
@@ -283,10 +295,14 @@ def evaluate(
         # The key is added only when set, so digests of earlier evaluations still match.
         # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
         # The periodic settings shape the curve during training, not this evaluation.
-        {"eval": cfg.model_dump(mode="json", exclude={"every_steps", "periodic_rows"}),
+        {"eval": cfg.model_dump(mode="json", exclude={
+            "every_steps", "periodic_rows", "holdout_sources", "holdout_digest"}),
          "masking": mc.masks_record(),
          **({"document_attention": True} if document_attention else {}),
-         **({"linear_probe": probe} if probe is not None and probe.enabled else {})},
+         **({"holdout": holdout.digest} if holdout is not None else {}),
+         **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
+         **({"finetune": finetune, "finetune_data": probe or LinearProbeConfig()}
+            if finetune is not None and finetune.enabled else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
     out = stage_dir(work_dir, "evaluate", digest)
@@ -309,9 +325,15 @@ def evaluate(
     warn_answer_problems(tok, cfg.probes)
     probes = run_probes(model, tok, cfg, shards.seq_len, device)
     metrics.update(probe_metrics(probes, cfg.probes, cfg.top_k))
+    held = None if holdout is None else write_holdout_text(holdout, out)
+    if holdout is not None:
+        metrics.update(holdout_metrics(model, tok, holdout.documents, cfg, device))
     if probe is not None and probe.enabled:
         metrics.update(linear_probe(probe, model, tok, seq_len=shards.seq_len, device=device)
                        or {})
+    if finetune is not None and finetune.enabled:
+        metrics.update(finetune_metrics(finetune, probe or LinearProbeConfig(), model, tok,
+                                        device=device) or {})
     for result in probes:
         if "error" in result:
             logger.warning("fill-mask probe skipped: %s", result["error"])
@@ -331,7 +353,9 @@ def evaluate(
         config={"eval": cfg.model_dump(mode="json"),
                 "masking": mc.masks_record(),
                 "document_attention": document_attention,
-                "linear_probe": probe.model_dump(mode="json") if probe else None},
+                **({"holdout": held} if held else {}),
+                "linear_probe": probe.model_dump(mode="json") if probe else None,
+                **({"finetune": finetune.model_dump(mode="json")} if finetune else {})},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
