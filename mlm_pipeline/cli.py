@@ -9,6 +9,7 @@
     mlm-pipeline promote RUN_ID [--name NAME] [--tracking-uri URI]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
     mlm-pipeline runs [--experiment NAME] [--filter FILTER] [--max N] [--json] [--tracking-uri URI]
+    mlm-pipeline models NAME [--json] [--tracking-uri URI]
     mlm-pipeline compare RUN [RUN ...] [--out compare.png] [--experiment NAME] [--json]
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. The library never
@@ -49,7 +50,7 @@ See `mlm-pipeline config tiny` for every key and `mlm-pipeline config-reference`
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
-    fetch-corpus, fill-mask, export, promote, tokenize, runs, compare)."""
+    fetch-corpus, fill-mask, export, promote, tokenize, runs, models, compare)."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models.")
     parser.add_argument("--version", action="version", version=versions())
@@ -161,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "newest first (default: 50)")
     table_args(p)
     p.set_defaults(func=commands.cmd_runs)
+
+    p = sub.add_parser("models", help="list a registered model's versions, newest first, "
+                       "with parent, corpus and tokenizer digests, steps added, decision "
+                       "and aliases (from the model registry alone)")
+    p.add_argument("name", metavar="NAME", help="registered model name (default of a "
+                   "pipeline run: its experiment name)")
+    table_args(p)
+    p.set_defaults(func=commands.cmd_models)
 
     p = sub.add_parser("compare", help="compare runs: the table of `runs` and a PNG of "
                        "train loss and eval loss (two panels) against tokens seen")

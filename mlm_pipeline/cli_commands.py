@@ -189,6 +189,22 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """`mlm-pipeline models NAME`: print a registered model's versions, newest first, with
+    their lineage (from the registry alone: `mlm_pipeline.app.models`).
+
+    Returns:
+        The exit status.
+    """
+    from mlm_pipeline.app.models import model_history
+
+    tracker = _tracker(args)
+    table = model_history(tracker, args.name)
+    _print_runs(table, f"{len(table.rows)} versions of registered model {args.name} "
+                f"({tracker.tracking_uri})", args.json)
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """`mlm-pipeline compare`: print the runs' table and draw the comparison PNG.
 

@@ -1,9 +1,11 @@
 """Runs side by side, outside the MLflow UI: the table of `mlm-pipeline runs` and
 `mlm-pipeline compare`, and the comparison PNG of `compare`.
 
-One row per run: name and short id, status, the params that differ between the listed
+One row per run: name and short id, status, the lineage (parent, steps added, registry
+decision), the params that differ between the listed
 runs (only those), tokens seen, wall time, mean training speed, the final `eval/loss`,
-`eval/mlm_accuracy` and `probe/accuracy`, the data digest (tag `digest.shards`) and the
+`eval/mlm_accuracy`, `probe/accuracy`, `finetune/accuracy` and
+`finetune/scratch_accuracy`, the data digest (tag `digest.shards`) and the
 model-registry aliases (`champion`, `challenger`) held by a version the run registered.
 
 Everything is read from the tracking store with the tracker's `MlflowClient` (mlflow is
@@ -24,19 +26,24 @@ from mlm_pipeline.app.compare_plot import compare_figure, run_curves
 from mlm_pipeline.tracking.plots import metric_series
 from mlm_pipeline.tracking.registry import RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
+from mlm_pipeline.tracking.version_lineage import parent_label
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
-__all__ = ["SPEED", "RunTable", "compare_runs", "find_runs", "loop_tokens_per_s",
-           "newest_run_experiment", "resolve_run_id", "resolve_runs", "run_table"]
+__all__ = ["SPEED", "RunTable", "check_store", "compare_runs", "find_runs",
+           "loop_tokens_per_s", "newest_run_experiment", "resolve_run_id", "resolve_runs",
+           "run_table"]
 
 #: Header of the speed column, saying what it is.
 SPEED = "tokens/s (seen / loop time)"
 #: Final metrics shown, in this order (blank when a run did not log one).
-FINAL_METRICS = ("eval/loss", "eval/mlm_accuracy", "probe/accuracy")
+#: `finetune/*`: fine-tuned from the trained weights, then from random weights (the
+#: baseline of the same architecture and recipe; `evaluate.finetune`).
+FINAL_METRICS = ("eval/loss", "eval/mlm_accuracy", "probe/accuracy", "finetune/accuracy",
+                 "finetune/scratch_accuracy")
 #: Run ids are shown by their first characters in the table.
 SHORT = 8
 
@@ -68,7 +75,9 @@ class RunTable:
         return table
 
 
-_NUMERIC = {"tokens seen", "wall time", SPEED, *FINAL_METRICS}
+_NUMERIC = {"tokens seen", "wall time", SPEED, "steps added", *FINAL_METRICS}
+#: Digest columns, cut to 12 characters on screen (`mlm-pipeline models` too).
+DIGESTS = {"data (digest.shards)", "corpus", "tokenizer"}
 
 
 def _cell(col: str, value: Any) -> str:
@@ -76,20 +85,25 @@ def _cell(col: str, value: Any) -> str:
         return ""
     if col == "id":
         return value[:SHORT]
-    if col == "data (digest.shards)":
+    if col in DIGESTS:
         return value[:12]
     if col == "wall time":
         s = round(value)
         return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-    if col == "tokens seen" or col == SPEED:
+    if col in ("tokens seen", "steps added", SPEED):
         return f"{value:,.0f}"
     if isinstance(value, float):
         return f"{value:.4f}"
     return str(value)
 
 
-def _check_store(tracker: MlflowTracker) -> None:
-    """Reading a SQLite URI whose file is missing would create an empty database."""
+def check_store(tracker: MlflowTracker) -> None:
+    """Refuse a SQLite URI whose file is missing (reading it would create an empty
+    database).
+
+    Raises:
+        ValueError: the database file does not exist (the message names it).
+    """
     db = sqlite_db_path(tracker.tracking_uri)
     if db is not None and not db.is_file():
         raise ValueError(f"no MLflow database at {db} (give --tracking-uri or set "
@@ -115,7 +129,7 @@ def newest_run_experiment(tracker: MlflowTracker) -> str | None:
     Raises:
         ValueError: the SQLite database does not exist.
     """
-    _check_store(tracker)
+    check_store(tracker)
     client = tracker.client
     ids = [e.experiment_id for e in client.search_experiments()]
     newest = client.search_runs(ids, max_results=1,
@@ -143,7 +157,7 @@ def find_runs(tracker: MlflowTracker, experiment: str | None = None,
 
     if max_results < 1:
         raise ValueError(f"runs: --max {max_results} must be at least 1")
-    _check_store(tracker)
+    check_store(tracker)
     client = tracker.client
     ids = _experiment_ids(client, experiment or tracker.experiment_name, tracker.tracking_uri)
     try:
@@ -171,7 +185,7 @@ def resolve_run_id(tracker: MlflowTracker, ref: str, experiment: str | None = No
     """
     from mlflow.exceptions import MlflowException
 
-    _check_store(tracker)
+    check_store(tracker)
     client = tracker.client
     if RUN_ID.fullmatch(ref):
         try:
@@ -263,15 +277,19 @@ def _differing(params: list[dict[str, str]]) -> list[str]:
 def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
     """The comparison table of `runs` (see the module docstring), in their order.
 
-    Columns: `run`, `id`, `status`, the differing params (sorted by key), `tokens seen`
+    Columns: `run`, `id`, `status`, `parent` (`version_lineage.parent_label`: `v3`, a
+    run-id prefix, `-`), `steps added` (tag `lineage.steps_added`, else the step of the
+    last `train/tokens_seen`: a warm start counts its steps from 0), `decision` (tag
+    `registry.decision`), the differing params (sorted by key), `tokens seen`
     (last `train/tokens_seen`), `wall time` (s: run end, or now while running, minus its
     start), `SPEED` (`loop_tokens_per_s`), `FINAL_METRICS` (the value at the highest
     step), `data (digest.shards)` and `registry alias`.
     """
     client = tracker.client
     differing = _differing([dict(r.data.params) for r in runs])
-    columns = ["run", "id", "status", *differing, "tokens seen", "wall time", SPEED,
-               *FINAL_METRICS, "data (digest.shards)", "registry alias"]
+    columns = ["run", "id", "status", "parent", "steps added", "decision", *differing,
+               "tokens seen", "wall time", SPEED, *FINAL_METRICS, "data (digest.shards)",
+               "registry alias"]
     rows = []
     models: dict[str, dict[str, int]] = {}
     now_ms = time.time() * 1000
@@ -283,6 +301,10 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
         final = {k: data.metrics.get(k) for k in FINAL_METRICS}
         rows.append({
             "run": info.run_name, "id": info.run_id, "status": info.status,
+            "parent": parent_label(data.tags),
+            "steps added": int(data.tags["lineage.steps_added"])
+            if "lineage.steps_added" in data.tags else (seen[-1][0] if seen else None),
+            "decision": data.tags.get("registry.decision"),
             **{k: data.params.get(k) for k in differing},
             "tokens seen": seen[-1][1] if seen else None,
             "wall time": (end - info.start_time) / 1000 if info.start_time else None,

@@ -1,0 +1,69 @@
+"""The history of a registered model from the registry alone: `mlm-pipeline models NAME`.
+
+One row per version, newest first: version, aliases, parent (`v3`, a run-id prefix, a
+checkpoint name, `-`), the corpus and tokenizer digests it was trained on, the steps its
+run added, the decision at registration (the current `decision` tag: `forced` after
+`mlm-pipeline promote`), its eval loss, when it was registered and its run (id). Every
+value comes from the model version's tags (`tracking.version_lineage`, `tracking.registry`)
+and the registered model's aliases, never from the runs: the history reads the same when
+the runs were deleted (`mlm-pipeline gc`, the MLflow UI). Versions registered before the
+lineage tags were kept show blanks there.
+
+Read with the tracker's `MlflowClient`; nothing is written.
+"""
+
+from __future__ import annotations
+
+from mlm_pipeline.app.compare import RunTable, check_store
+from mlm_pipeline.tracking.tracker import MlflowTracker
+from mlm_pipeline.tracking.version_lineage import PREFIX, parent_label
+
+__all__ = ["COLUMNS", "model_history"]
+
+#: The columns of the history, in order.
+COLUMNS = ["version", "aliases", "parent", "corpus", "tokenizer", "steps added",
+           "decision", "eval/loss", "registered", "id"]
+
+
+def model_history(tracker: MlflowTracker, name: str) -> RunTable:
+    """The versions of registered model `name`, newest first (`COLUMNS`; see the module
+    docstring). Raw values: full digests and run ids (the table's `rich` cuts them),
+    `registered` as `YYYY-MM-DD HH:MM` UTC, `steps added` an int, `eval/loss` a float.
+
+    Raises:
+        ValueError: the SQLite database does not exist, or no model `name` is registered
+            there (the message lists the registered names).
+    """
+    import datetime as dt
+
+    from mlflow.exceptions import MlflowException
+
+    check_store(tracker)
+    client = tracker.client
+    try:
+        aliases = dict(client.get_registered_model(name).aliases)
+    except MlflowException as exc:
+        names = sorted(m.name for m in client.search_registered_models())
+        raise ValueError(f"no registered model {name!r} at {tracker.tracking_uri} "
+                         f"(registered: {', '.join(names) or 'none'})") from exc
+    quoted = name.replace("'", "\\'")
+    versions = sorted(client.search_model_versions(f"name = '{quoted}'"),
+                      key=lambda v: int(v.version), reverse=True)
+    rows = []
+    for v in versions:
+        tags = v.tags
+        held = sorted(a for a, number in aliases.items() if str(number) == str(v.version))
+        steps = tags.get(f"{PREFIX}steps_added")
+        loss = tags.get("eval_loss")
+        when = dt.datetime.fromtimestamp(v.creation_timestamp / 1000, dt.timezone.utc)
+        rows.append({
+            "version": int(v.version), "aliases": ", ".join(held) or None,
+            "parent": parent_label(tags) if f"{PREFIX}parent" in tags else None,
+            "corpus": tags.get(f"{PREFIX}corpus_digest"),
+            "tokenizer": tags.get(f"{PREFIX}tokenizer_digest") or tags.get("digest.tokenizer"),
+            "steps added": int(steps) if steps is not None else None,
+            "decision": tags.get("decision") or tags.get(f"{PREFIX}decision"),
+            "eval/loss": float(loss) if loss is not None else None,
+            "registered": when.strftime("%Y-%m-%d %H:%M"), "id": v.run_id,
+        })
+    return RunTable(list(COLUMNS), rows)
