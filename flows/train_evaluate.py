@@ -181,9 +181,10 @@ def evaluate_task(
     """Held-out masked-token metrics, fill-mask probes, the downstream linear probe and the
     fine-tuning evaluation."""
     from mlm_pipeline.evaluate import evaluate
+    from mlm_pipeline.ingest import read_holdout
 
     return evaluate(cfg.eval, trained, shards, tokenizer, cfg.work_dir, cfg.linear_probe,
-                    data_progress(), finetune=cfg.finetune)
+                    data_progress(), holdout=read_holdout(cfg), finetune=cfg.finetune)
 
 
 @task(name="record-results", **NOT_CACHED, **IO_RETRIES)

@@ -37,6 +37,7 @@ from mlm_pipeline.config import (
 )
 from mlm_pipeline.evaluate.downstream import linear_probe
 from mlm_pipeline.evaluate.finetune import finetune_metrics
+from mlm_pipeline.evaluate.holdout import holdout_metrics, write_holdout_text
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -49,6 +50,7 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.masking.maskers import KeyedMasking
+from mlm_pipeline.ingest.holdout import Holdout
 from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
@@ -252,6 +254,7 @@ def evaluate(
     work_dir: str | Path,
     probe: LinearProbeConfig | None = None,
     progress: Progress | None = None,
+    holdout: Holdout | None = None,
     finetune: FinetuneConfig | None = None,
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
@@ -271,6 +274,9 @@ def evaluate(
             (`downstream.linear_probe`) join the manifest's (none when its data cannot be
             obtained: a warning says why).
         progress: where the masked-LM pass reports (`masked_lm_metrics`).
+        holdout: the fixed holdout text (`ingest.holdout.read_holdout`); when given, the
+            model's `holdout/*` metrics (`evaluate.holdout`) join the manifest's, the
+            text is written beside it and its digest recorded (`config["holdout"]`).
         finetune: the `finetune` section; when given and enabled, its `finetune/*` metrics
             (`finetune.finetune_metrics`, on `probe`'s data and split) join the manifest's
             (none when its data cannot be obtained: a warning says why).
@@ -289,9 +295,11 @@ def evaluate(
         # The key is added only when set, so digests of earlier evaluations still match.
         # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
         # The periodic settings shape the curve during training, not this evaluation.
-        {"eval": cfg.model_dump(mode="json", exclude={"every_steps", "periodic_rows"}),
+        {"eval": cfg.model_dump(mode="json", exclude={
+            "every_steps", "periodic_rows", "holdout_sources", "holdout_digest"}),
          "masking": mc.masks_record(),
          **({"document_attention": True} if document_attention else {}),
+         **({"holdout": holdout.digest} if holdout is not None else {}),
          **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
          **({"finetune": finetune, "finetune_data": probe or LinearProbeConfig()}
             if finetune is not None and finetune.enabled else {})},
@@ -317,6 +325,9 @@ def evaluate(
     warn_answer_problems(tok, cfg.probes)
     probes = run_probes(model, tok, cfg, shards.seq_len, device)
     metrics.update(probe_metrics(probes, cfg.probes, cfg.top_k))
+    held = None if holdout is None else write_holdout_text(holdout, out)
+    if holdout is not None:
+        metrics.update(holdout_metrics(model, tok, holdout.documents, cfg, device))
     if probe is not None and probe.enabled:
         metrics.update(linear_probe(probe, model, tok, seq_len=shards.seq_len, device=device)
                        or {})
@@ -342,6 +353,7 @@ def evaluate(
         config={"eval": cfg.model_dump(mode="json"),
                 "masking": mc.masks_record(),
                 "document_attention": document_attention,
+                **({"holdout": held} if held else {}),
                 "linear_probe": probe.model_dump(mode="json") if probe else None,
                 **({"finetune": finetune.model_dump(mode="json")} if finetune else {})},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},

@@ -223,10 +223,12 @@ def record_results(
     are not logged again), the fill-mask predictions (JSON, and appended once to the
     fill-mask table at the final step), the stop
     reason, device, precision, MFU peak source and any compile fallback (tags,
-    `train_tags`), manifests and `plots/loss.png`
+    `train_tags`), the holdout text's digest (`digest.holdout`, with a holdout),
+    manifests and `plots/loss.png`
     (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
     checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
     (the model itself is logged by `tracking.registry.publish`)."""
+    from mlm_pipeline.tracking.holdout import holdout_run_tags
     from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
 
     from mlm_pipeline.tracking.resume import log_missing_metrics
@@ -242,7 +244,7 @@ def record_results(
         log_loss_plot(tracker, run_id)
     except ValueError as exc:  # e.g. no train/tokens_seen logged (a run of 0 steps)
         logger.warning("run %s: plots/loss.png not logged: %s", run_id, exc)
-    tracker.set_tags(run_id, train_tags(trained))
+    tracker.set_tags(run_id, {**train_tags(trained), **holdout_run_tags(evaluated)})
     for m in (trained, evaluated):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
     tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")

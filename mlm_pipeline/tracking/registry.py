@@ -18,6 +18,9 @@ decides the aliases (`decide`):
   (`evaluate.bpc`, through `tracking.rescore.BpcComparison`), and those two decide. When
   the champion's checkpoint cannot be found (or the text or shards are not given), the
   versions are not compared; the decision says why;
+- with a holdout text (`eval.holdout_sources`: the run has `holdout/bits_per_char`), the
+  decision is made on it instead, the champion scored on the same text (its own score
+  when on the same digest and seed, else re-scored; `tracking.holdout`);
 - `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`).
 
 The decision, the metric, both losses and the eval data digest they were computed on are
@@ -47,14 +50,19 @@ from typing import Any
 
 from mlm_pipeline.errors import MissingDependencyError
 from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.tracking.holdout import (
+    HoldoutScores,
+    record_holdout_decision,
+    version_holdout,
+)
 from mlm_pipeline.tracking.rescore import (
     BPC_METRIC,
     METRIC,
     BpcComparison,
     ChampionRescorer,
     OtherTokenizer,
-    RescoreUnavailable,
-    champion_tokenizer_digest,
+    bpc_scores,
+    rescored_loss,
 )
 from mlm_pipeline.tracking.resume import log_missing_metrics
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
@@ -171,7 +179,7 @@ def _version_record(version) -> dict[str, Any]:
     return {"version": int(version.version), "run_id": version.run_id,
             "eval_loss": float(tags["eval_loss"]) if "eval_loss" in tags else None,
             "eval_data": tags.get("eval_data"), "shards": tags.get("digest.shards"),
-            "tokenizer": tags.get("digest.tokenizer")}
+            "tokenizer": tags.get("digest.tokenizer"), **version_holdout(tags)}
 
 
 def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
@@ -190,7 +198,8 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
            tokenizer_digest: str | None = None,
            rescore: Callable[[dict[str, Any]], float] | None = None,
            bpc: Callable[[dict[str, Any]], tuple[float, float]] | None = None,
-           bpc_text: str | None = None) -> dict[str, Any]:
+           bpc_text: str | None = None,
+           holdout: HoldoutScores | None = None) -> dict[str, Any]:
     """Register `model_uri` as a new version of `name`, give it `challenger`, and move
     `champion` to it when it is better on the same data (see the module docstring). A
     version `run_id` registered from `model_uri` before (an attempt that stopped before
@@ -218,6 +227,9 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
             such versions are not compared).
         bpc_text: a digest of that text (`BpcComparison.text_digest`), recorded as
             what the two scores were computed on.
+        holdout: this version's `holdout/bits_per_char` (`tracking.holdout`); given, the
+            decision is made on it, the champion scored on the same holdout text, and
+            the result's `holdout` records both scores and the digest.
 
     Returns:
         `name`, `version`, `decision` (`first`: no champion before; `promoted`: lower
@@ -244,23 +256,27 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
                 "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
                 "digest.shards": shards_digest,
                 **({"digest.tokenizer": tokenizer_digest} if tokenizer_digest else {}),
+                **(holdout.version_tags() if holdout is not None else {}),
                 _BEFORE_TAG: str(before["version"]) if before else "none"})
     else:  # registered by an attempt that stopped before the aliases moved
         before = _champion_before(tracker, version)
         logger.info("registry %s: version %s of run %s exists: not registered again, "
                     "its aliases are set", name, version.version, run_id)
     new = int(version.version)
-    theirs, rescored, metric, bpcs = None, False, METRIC, None
+    theirs, rescored, metric, bpcs, held = None, False, METRIC, None, None
     if before is None:
         decision, reason = "first", f"version {new} is the first champion of {name!r}"
+    elif holdout is not None:  # the fixed benchmark text decides (tracking.holdout)
+        held = holdout.decide(new, before)
+        metric, decision, reason = held["holdout"]["metric"], held["decision"], held["reason"]
     elif before["eval_data"] == eval_data and before["eval_loss"] is not None:
         theirs = before["eval_loss"]
         decision, reason = _compare(new, before, eval_loss, theirs, "on the same data")
     else:
-        theirs, why = _rescored(tracker, before, tokenizer_digest, rescore)
+        theirs, why = rescored_loss(tracker, before, tokenizer_digest, rescore)
         other = why.digest if isinstance(why, OtherTokenizer) else "unknown"
         if isinstance(why, OtherTokenizer):
-            bpcs, why = _bpc_scores(before, tokenizer_digest, why, bpc)
+            bpcs, why = bpc_scores(before, tokenizer_digest, why, bpc)
         if bpcs is not None:
             metric = BPC_METRIC
             decision, reason = _compare(
@@ -314,7 +330,13 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
               else (bpc_text or "unknown") if bpcs else None,
               "champion_version": new if decision in ("first", "promoted")
               else before["version"]}
+    if held is not None:
+        h = held["holdout"]
+        result.update(holdout=h, champion_rescored=h["champion_rescored"], compared_on=h[
+            "digest"] if h["champion_bits_per_char"] is not None else None)
     _record_on_run(tracker, run_id, result)
+    if held is not None:
+        record_holdout_decision(tracker, name, new, run_id, result)
     logger.info("registry %s: %s: %s", name, decision, reason)
     return result
 
@@ -328,47 +350,6 @@ def _compare(new: int, before: dict[str, Any], ours: float, theirs: float,
                             f"{theirs:.4f} {data}: version {new} is champion")
     return "kept", (f"{metric} {ours:.4f} >= champion version {before['version']}'s "
                     f"{theirs:.4f} {data}: champion stays")
-
-
-def _bpc_scores(before: dict[str, Any], tokenizer_digest: str | None, other: OtherTokenizer,
-                bpc: Callable[[dict[str, Any]], tuple[float, float]] | None
-                ) -> tuple[tuple[float, float] | None, str]:
-    """((this version's, the champion's) `eval/bits_per_char`, "") for a champion with
-    another tokenizer, or (None, why not: the end of the `not_compared` sentence)."""
-    head = (f"with another tokenizer (digest {(tokenizer_digest or 'unknown')[:12]} vs "
-            f"{other.digest[:12]})")
-    if bpc is None:
-        return None, (f"{head}: {METRIC} is per piece of another vocabulary, and its "
-                      f"validation text was not found for {BPC_METRIC}")
-    try:
-        ours, theirs = bpc(before)
-    except RescoreUnavailable as exc:
-        logger.warning("registry: champion version %s not scored in %s: %s",
-                       before["version"], BPC_METRIC, exc)
-        return None, f"{head}: {BPC_METRIC} could not be computed ({exc})"
-    return (float(ours), float(theirs)), ""
-
-
-def _rescored(tracker: MlflowTracker, before: dict[str, Any], tokenizer_digest: str | None,
-              rescore: Callable[[dict[str, Any]], float] | None
-              ) -> tuple[float | None, str | OtherTokenizer]:
-    """(the champion's `eval/loss` re-scored on the new version's data, "") or (None,
-    why it was not: the end of the `not_compared` sentence, or the `OtherTokenizer`
-    error when the champion was trained with another tokenizer)."""
-    theirs = None if tokenizer_digest is None else champion_tokenizer_digest(tracker, before)
-    if theirs is not None and theirs != tokenizer_digest:
-        return None, OtherTokenizer(theirs)
-    if tokenizer_digest is None or rescore is None:
-        return None, ("the champion was not re-scored on its data (its tokenizer digest or "
-                      "shards were not given)")
-    try:
-        return float(rescore(before)), ""
-    except OtherTokenizer as exc:
-        return None, exc
-    except RescoreUnavailable as exc:
-        logger.warning("registry: champion version %s not re-scored: %s", before["version"],
-                       exc)
-        return None, f"the champion could not be re-scored on its data ({exc})"
 
 
 def _registered(tracker: MlflowTracker, name: str, run_id: str, model_uri: str):
@@ -471,7 +452,8 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
     result = decide(tracker, name, run_id, model_uri, evaluated.metrics[METRIC],
                     eval_data_digest(evaluated), evaluated.inputs["shards"],
                     evaluated.inputs.get("tokenizer"), rescore, bpc,
-                    None if bpc is None else bpc.text_digest())
+                    None if bpc is None else bpc.text_digest(),
+                    HoldoutScores.of(tracker, trained, evaluated))
     return {**result, "model_uri": model_uri}
 
 

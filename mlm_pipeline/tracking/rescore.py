@@ -26,6 +26,7 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
@@ -218,8 +219,6 @@ class BpcComparison:
         from mlm_pipeline.evaluate.bpc import bits_per_char
         from mlm_pipeline.ingest.stage import read_documents
         from mlm_pipeline.tokenizer import Tokenizer
-        from mlm_pipeline.manifest import TokenizerManifest
-        from mlm_pipeline.train.export import find_stage_manifest
         from mlm_pipeline.train.verified import CheckpointError, load_verified
 
         cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
@@ -232,19 +231,7 @@ class BpcComparison:
                                  max_chars=cfg.bpc_max_chars, batch_size=cfg.batch_size,
                                  device=device).bits_per_char
 
-        with tempfile.TemporaryDirectory(prefix="mlm-champion-") as tmp:
-            checkpoint = champion_checkpoint(self.tracker, champion, tmp)
-            try:
-                model, state = load_verified(checkpoint, device)
-                digest = str(state.get("tokenizer_digest"))
-                found = find_stage_manifest(checkpoint, "tokenizer", digest,
-                                            TokenizerManifest)
-                if found is None:
-                    raise FileNotFoundError(f"its tokenizer (digest {digest[:12]}) is not in "
-                                            "a tokenizer/ directory of its work directory")
-                tok = Tokenizer.load(found)
-            except (CheckpointError, FileNotFoundError, ValueError) as exc:
-                raise RescoreUnavailable(f"its checkpoint {checkpoint}: {exc}") from exc
+        model, tok = load_champion(self.tracker, champion, device)
         try:
             theirs = score(model, tok)
             del model
@@ -257,3 +244,72 @@ class BpcComparison:
                     "version %s %.4f", "eval/bits_per_char", cfg.bpc_max_chars, ours,
                     champion["version"], theirs)
         return ours, theirs
+
+
+def load_champion(tracker: MlflowTracker, champion: dict[str, Any], device: str) -> tuple:
+    """The champion version's model (from its training checkpoint, verified, on `device`)
+    and its own tokenizer (found by digest in a `tokenizer/` directory of its work
+    directory), to score it on text.
+
+    Raises:
+        RescoreUnavailable: its checkpoint or its tokenizer cannot be found or verified.
+    """
+    from mlm_pipeline.manifest import TokenizerManifest
+    from mlm_pipeline.tokenizer import Tokenizer
+    from mlm_pipeline.train.export import find_stage_manifest
+    from mlm_pipeline.train.verified import CheckpointError, load_verified
+
+    with tempfile.TemporaryDirectory(prefix="mlm-champion-") as tmp:
+        checkpoint = champion_checkpoint(tracker, champion, tmp)
+        try:
+            model, state = load_verified(checkpoint, device)
+            digest = str(state.get("tokenizer_digest"))
+            found = find_stage_manifest(checkpoint, "tokenizer", digest, TokenizerManifest)
+            if found is None:
+                raise FileNotFoundError(f"its tokenizer (digest {digest[:12]}) is not in "
+                                        "a tokenizer/ directory of its work directory")
+            return model, Tokenizer.load(found)
+        except (CheckpointError, FileNotFoundError, ValueError) as exc:
+            raise RescoreUnavailable(f"its checkpoint {checkpoint}: {exc}") from exc
+
+
+def bpc_scores(before: dict[str, Any], tokenizer_digest: str | None, other: OtherTokenizer,
+               bpc: Callable[[dict[str, Any]], tuple[float, float]] | None
+               ) -> tuple[tuple[float, float] | None, str]:
+    """((this version's, the champion's) `eval/bits_per_char`, "") for a champion with
+    another tokenizer, or (None, why not: the end of the `not_compared` sentence)."""
+    head = (f"with another tokenizer (digest {(tokenizer_digest or 'unknown')[:12]} vs "
+            f"{other.digest[:12]})")
+    if bpc is None:
+        return None, (f"{head}: {METRIC} is per piece of another vocabulary, and its "
+                      f"validation text was not found for {BPC_METRIC}")
+    try:
+        ours, theirs = bpc(before)
+    except RescoreUnavailable as exc:
+        logger.warning("registry: champion version %s not scored in %s: %s",
+                       before["version"], BPC_METRIC, exc)
+        return None, f"{head}: {BPC_METRIC} could not be computed ({exc})"
+    return (float(ours), float(theirs)), ""
+
+
+def rescored_loss(tracker: MlflowTracker, before: dict[str, Any],
+                  tokenizer_digest: str | None,
+                  rescore: Callable[[dict[str, Any]], float] | None
+                  ) -> tuple[float | None, str | OtherTokenizer]:
+    """(the champion's `eval/loss` re-scored on the new version's data, "") or (None,
+    why it was not: the end of the `not_compared` sentence, or the `OtherTokenizer`
+    error when the champion was trained with another tokenizer)."""
+    theirs = None if tokenizer_digest is None else champion_tokenizer_digest(tracker, before)
+    if theirs is not None and theirs != tokenizer_digest:
+        return None, OtherTokenizer(theirs)
+    if tokenizer_digest is None or rescore is None:
+        return None, ("the champion was not re-scored on its data (its tokenizer digest or "
+                      "shards were not given)")
+    try:
+        return float(rescore(before)), ""
+    except OtherTokenizer as exc:
+        return None, exc
+    except RescoreUnavailable as exc:
+        logger.warning("registry: champion version %s not re-scored: %s", before["version"],
+                       exc)
+        return None, f"the champion could not be re-scored on its data ({exc})"

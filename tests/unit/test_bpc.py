@@ -17,9 +17,9 @@ from mlm_pipeline.train.model import BertMLM
 SEED = 7
 
 
-def _chosen(doc: int, word: int, rate: float) -> bool:
+def _chosen(doc: int, word: int, rate: float, seed: int = SEED) -> bool:
     """The keyed rule as the module docstring states it, written out."""
-    h = hashlib.sha256(f"{SEED}:{doc}:{word}".encode()).digest()
+    h = hashlib.sha256(f"{seed}:{doc}:{word}".encode()).digest()
     return int.from_bytes(h[:8], "big") < rate * 2**64
 
 
@@ -42,19 +42,16 @@ def _single_piece_words(tok: Tokenizer, n: int) -> list[str]:
     return words[:n]
 
 
-def test_bits_equal_the_logits_of_single_piece_words(tiny_tokenizer_manifest):
-    tok = Tokenizer.load(tiny_tokenizer_manifest)
-    model = _model(tok.vocab_size)
-    words = _single_piece_words(tok, 12)
-    docs = [" ".join(words), " ".join(reversed(words))]
-    rate = 0.5
-    got = bits_per_char(model, tok, docs, seed=SEED, max_chars=10_000, rate=rate)
-    # Independently: one row per document, the chosen words' single pieces masked.
+def single_piece_bits(model: BertMLM, tok: Tokenizer, docs: list[str], seed: int,
+                      rate: float) -> tuple[float, int, int]:
+    """(bits, characters, words) of the chosen words of `docs` (each word one piece, each
+    document one window), computed from the model's logits: one row per document, the
+    chosen words' single pieces masked."""
     bits, chars, n = 0.0, 0, 0
     for d, text in enumerate(docs):
         ws = text.split()
         ids = [tok.cls_id] + [tok.piece_to_id("\u2581" + w) for w in ws] + [tok.sep_id]
-        chosen = [j for j in range(len(ws)) if _chosen(d, j, rate)]
+        chosen = [j for j in range(len(ws)) if _chosen(d, j, rate, seed)]
         x = torch.tensor([ids])
         for j in chosen:
             x[0, j + 1] = tok.mask_id
@@ -64,6 +61,17 @@ def test_bits_equal_the_logits_of_single_piece_words(tiny_tokenizer_manifest):
             bits += -math.log2(p[j + 1, ids[j + 1]].item())
             chars += len(ws[j]) + 1
             n += 1
+    return bits, chars, n
+
+
+def test_bits_equal_the_logits_of_single_piece_words(tiny_tokenizer_manifest):
+    tok = Tokenizer.load(tiny_tokenizer_manifest)
+    model = _model(tok.vocab_size)
+    words = _single_piece_words(tok, 12)
+    docs = [" ".join(words), " ".join(reversed(words))]
+    rate = 0.5
+    got = bits_per_char(model, tok, docs, seed=SEED, max_chars=10_000, rate=rate)
+    bits, chars, n = single_piece_bits(model, tok, docs, SEED, rate)
     assert 0 < n < 24 and got.words == n and got.pieces == n and got.chars == chars
     assert math.isclose(got.bits, bits, rel_tol=1e-4)
     assert math.isclose(got.bits_per_char, bits / chars, rel_tol=1e-4)
