@@ -22,6 +22,7 @@ training run that uses it (`train-evaluate`'s record-data task).
 from __future__ import annotations
 
 import logging
+import time
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -37,6 +38,7 @@ from mlm_pipeline.manifest import (
 
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
+from mlm_pipeline_flows.assets import report_data_assets
 from mlm_pipeline_flows.pretrain_params import PreparedData, PretrainParams, flow_run_name
 from mlm_pipeline_flows.task_support import IO_RETRIES, NOT_CACHED, data_progress
 
@@ -78,13 +80,18 @@ def prepare(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest, Sha
     from an earlier run, found by digest); returns their manifests.
     With `data.executor: dask` the partition work (reading and cleaning input partitions,
     encoding documents) fans out on a Dask cluster (`dask_prep.prepare_partitioned`): the
-    same digests and byte-identical files."""
+    same digests and byte-identical files. The three outputs are then reported as Prefect
+    assets (`assets.report_data_assets`; those made before this call as reused)."""
+    started_at = time.time()
     if cfg.data.executor == "dask":
         from mlm_pipeline_flows.dask_prep import prepare_partitioned
-        return prepare_partitioned(cfg)
-    corpus = ingest_task(cfg)
-    tokenizer = tokenizer_task(cfg, corpus)
-    return corpus, tokenizer, shards_task(cfg, corpus, tokenizer)
+        made = prepare_partitioned(cfg)
+    else:
+        corpus = ingest_task(cfg)
+        tokenizer = tokenizer_task(cfg, corpus)
+        made = corpus, tokenizer, shards_task(cfg, corpus, tokenizer)
+    report_data_assets(*made, started_at=started_at)
+    return made
 
 
 def locate_prepared(cfg: PipelineConfig) -> PreparedData:

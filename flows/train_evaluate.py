@@ -44,6 +44,7 @@ from mlm_pipeline.tracking import records as pipeline
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
 from mlm_pipeline_flows import tracking_tasks as tracking
+from mlm_pipeline_flows.assets import report_model_asset
 from mlm_pipeline_flows.pretrain_params import PreparedData, PretrainParams, flow_run_name
 from mlm_pipeline_flows.task_support import (
     IO_RETRIES,
@@ -204,15 +205,23 @@ def publish_model_task(
     """Log the exported model as the run's MLflow model and register it: `challenger`
     always, `champion` when better on the same data, the champion re-scored on this run's
     validation rows (`shards`) when it was evaluated on others (None when
-    `tracking.log_model` is off)."""
+    `tracking.log_model` is off); then the version's lineage tags and the eval metrics on
+    the logged model (`tracking.version_lineage.record_lineage`)."""
     if not cfg.tracking.log_model:
         return None
     from mlm_pipeline.tracking import registry
+    from mlm_pipeline.tracking.version_lineage import record_lineage
 
     name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
-    return registry.publish(MlflowTracker.from_config(cfg.tracking), run_id, name, trained,
-                            evaluated, tokenizer.output_dir,
-                            next((p.text for p in cfg.eval.probes), "[MASK]."), shards)
+    tracker = MlflowTracker.from_config(cfg.tracking)
+    registered = registry.publish(tracker, run_id, name, trained, evaluated,
+                                  tokenizer.output_dir,
+                                  next((p.text for p in cfg.eval.probes), "[MASK]."), shards)
+    # The version's parent, data and steps added as its tags; the eval metrics on the
+    # logged model, with the validation dataset.
+    if shards is not None:
+        record_lineage(tracker, registered, trained, evaluated, shards, tokenizer.digest)
+    return registered
 
 
 @flow(name="train-evaluate", flow_run_name=flow_run_name, **tracking.CLOSING_HOOKS)
@@ -252,6 +261,7 @@ def train_evaluate_flow(
         evaluated = evaluate_task(cfg, trained, shards, tokenizer)
         record_results_task(cfg, run_id, trained, evaluated)
         registered = publish_model_task(cfg, run_id, trained, evaluated, tokenizer, shards)
+        report_model_asset(trained, tokenizer, shards, registered)
     except BaseException as exc:
         tracking.end_tracking(cfg, run_id, *resume.failure_tags(exc))
         raise
