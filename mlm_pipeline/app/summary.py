@@ -152,8 +152,8 @@ STOP_REASONS = {"max_steps": "all train.max_steps trained",
 def training_lines(summary_dict: dict[str, Any]) -> list[str]:
     """How training went, as lines of plain text (CLI and Markdown): steps, tokens, training
     time and the mean and last-interval tokens/s, the stop reason, device and precision, the
-    MFU peak and its source, and the package versions. Keys missing from an older summary
-    are left out."""
+    MFU peak and its source, the package versions, and the fine-tuning evaluation
+    (`finetune_line`). Keys missing from an older summary are left out."""
     d = summary_dict
     lines = [f"Training: {d['steps']:,} steps, {d['tokens_seen']:,} tokens"
              + (f" in {d['train_time_s']:,.1f} s of training loop" if "train_time_s" in d else "")
@@ -171,7 +171,25 @@ def training_lines(summary_dict: dict[str, Any]) -> list[str]:
                         f"({d['mfu_peak_source']})" if d.get("mfu_peak_tflops") else ""))
     if versions := d.get("versions"):
         lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    if (line := finetune_line(d.get("metrics", {}))) is not None:
+        lines.append(line)
     return lines
+
+
+def finetune_line(metrics: dict[str, float]) -> str | None:
+    """The fine-tuning evaluation (`evaluate.finetune`) in one line: test accuracy
+    pretrained, from random weights, TF-IDF and majority class, rows, epochs, seconds;
+    None when `metrics` has no `finetune/accuracy`."""
+    if "finetune/accuracy" not in metrics:
+        return None
+    m = {k.removeprefix("finetune/"): v for k, v in metrics.items()
+         if k.startswith("finetune/")}
+    return (f"Fine-tuning ({m.get('epochs', 0):.0f} epochs on {m.get('train_rows', 0):,.0f} "
+            f"rows, tested on {m.get('test_rows', 0):,.0f}): accuracy {m['accuracy']:.4f} "
+            f"pretrained, {m.get('scratch_accuracy', float('nan')):.4f} from random weights, "
+            f"TF-IDF {m.get('tfidf_accuracy', float('nan')):.4f}, majority "
+            f"{m.get('majority_accuracy', float('nan')):.4f}"
+            + (f"; {m['wall_time_s']:,.1f} s" if "wall_time_s" in m else ""))
 
 
 def summary_markdown(summary_dict: dict[str, Any]) -> str:

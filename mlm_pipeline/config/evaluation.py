@@ -152,6 +152,7 @@ class LinearProbeConfig(StrictModel):
     at_each_eval: bool = False
     """Also run the probe at every periodic evaluation (`probe/accuracy` as a curve)."""
 
+
 class FinetuneConfig(StrictModel):
     """Fine-tuning evaluation: does pretraining help a classifier trained end to end?
 

@@ -1,6 +1,7 @@
 """What the flow logs from evaluation, read back with `MlflowClient` on SQLite: the
 validation curve (periodic points, then the final evaluation), the fill-mask table, the
-downstream linear probe at each evaluation, `plots/loss.png`, and the summary's link."""
+downstream linear probe at each evaluation, the fine-tuning evaluation, `plots/loss.png`,
+and the summary's link."""
 
 import csv
 import json
@@ -43,6 +44,7 @@ def run(tmp_path_factory, reviews_csv):
         "train.warmup_steps=2", "train.log_every=1", "eval.max_rows=20",
         "eval.every_steps=2", "eval.periodic_rows=6", f"eval.probes=[{', '.join(PROBES)}]",
         f"linear_probe.data_path={reviews_csv}", "linear_probe.at_each_eval=true",
+        "finetune.enabled=true", "finetune.epochs=1", "finetune.batch_size=16",
         f"tracking.tracking_uri={uri}", "tracking.experiment_name=flow-eval",
         "tracking.log_model=false",  # these tests are about the evaluations, not the model
     ]
@@ -62,6 +64,25 @@ def test_validation_curve_has_the_periodic_points_then_the_final_evaluation(run)
     final = client.get_run(run_id).data.metrics
     assert final["eval/loss"] == pytest.approx(summary["metrics"]["eval/loss"])
     assert final["probe/accuracy"] == pytest.approx(summary["metrics"]["probe/accuracy"])
+
+
+def test_finetune_metrics_are_logged_once_at_the_final_step(run):
+    summary, client, _ = run
+    run_id = summary["mlflow_run_id"]
+    for key in ("finetune/accuracy", "finetune/scratch_accuracy", "finetune/tfidf_accuracy",
+                "finetune/majority_accuracy", "finetune/train_rows", "finetune/test_rows",
+                "finetune/epochs"):
+        history = client.get_metric_history(run_id, key)
+        assert [m.step for m in history] == [6], key
+        assert history[0].value == pytest.approx(summary["metrics"][key]), key
+    final = client.get_run(run_id).data.metrics
+    # 80 unique rows, half of each class: 0.3 of 40 = 12 per class in test.
+    assert (final["finetune/train_rows"], final["finetune/test_rows"]) == (56, 24)
+    assert final["finetune/majority_accuracy"] == 0.5 and final["finetune/epochs"] == 1
+    from mlm_pipeline.app.summary import training_lines
+
+    assert any(line.startswith("Fine-tuning (1 epochs on 56 rows, tested on 24): accuracy ")
+               for line in training_lines(summary))
 
 
 def read_table(client, run_id, tmp):

@@ -29,14 +29,17 @@ TOKENS_PER_STEP = 512
 STEPS = (10, 20, 30, 40, 50, 60)
 EVAL_STEPS = (20, 40, 60)
 #: Per run: lr override, train/loss and train/tokens_per_s per interval, eval/loss at
-#: EVAL_STEPS, final eval/mlm_accuracy, probe/accuracy (None: not logged), shards digest.
+#: EVAL_STEPS, final eval/mlm_accuracy, probe/accuracy (None: not logged), finetune/accuracy
+#: and finetune/scratch_accuracy (None: not logged), shards digest.
 RUNS = {
     "run-a": {"lr": "0.001", "loss": (9.0, 8.0, 7.5, 7.0, 6.8, 6.6),
               "speed": (1000.0, 2000.0, 2000.0, 4000.0, 4000.0, 4000.0),
-              "eval": (8.5, 7.4, 6.9), "acc": 0.125, "probe": 0.75, "digest": "a1" * 32},
+              "eval": (8.5, 7.4, 6.9), "acc": 0.125, "probe": 0.75, "finetune": (0.8125, 0.5625),
+              "digest": "a1" * 32},
     "run-b": {"lr": "0.002", "loss": (8.8, 7.7, 7.1, 6.6, 6.3, 6.1),
               "speed": (500.0, 500.0, 1000.0, 1000.0, 1000.0, 1000.0),
-              "eval": (8.0, 6.9, 6.2), "acc": 0.25, "probe": None, "digest": "b2" * 32},
+              "eval": (8.0, 6.9, 6.2), "acc": 0.25, "probe": None, "finetune": None,
+              "digest": "b2" * 32},
 }
 WIDTH_PX, HEIGHT_PX = 800, 500
 COMPARE_WIDTH_PX = 1200  # two panels side by side
@@ -58,6 +61,8 @@ def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = Tr
         final = {"eval/mlm_accuracy": spec["acc"]}
         if spec["probe"] is not None:
             final["probe/accuracy"] = spec["probe"]
+        if spec["finetune"] is not None:
+            final["finetune/accuracy"], final["finetune/scratch_accuracy"] = spec["finetune"]
         tracker.log_metrics(run_id, final, step=STEPS[-1])
     tracker.end_run(run_id)
     return run_id
@@ -107,6 +112,8 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged):
         assert row["eval/loss"] == spec["eval"][-1]
         assert row["eval/mlm_accuracy"] == spec["acc"]
         assert row["probe/accuracy"] == spec["probe"]
+        assert (row["finetune/accuracy"], row["finetune/scratch_accuracy"]) == (
+            spec["finetune"] or (None, None))
         assert row["data (digest.shards)"] == spec["digest"]
         assert row["wall time"] >= 0
     assert rows["run-a"]["registry alias"] == "champion (tiny-model v1)"
