@@ -243,8 +243,10 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
         `eval_data`, `shards`, `champion_eval_loss` (the champion's loss on `eval_data`,
         re-scored or its own; None when not compared), `champion_rescored`,
         `compared_on` (the eval data digest both losses were computed on; None when not
-        compared), `champion_before` (the previous champion's record, or None) and
-        `champion_version` (after).
+        compared), `champion_before` (the previous champion's record, or None),
+        `champion_version` (after) and, when the holdout decided, `holdout`
+        (`HoldoutScores.decide`'s record: metric, digest, both scores, re-scored or not;
+        `compared_on` is then the holdout digest).
     """
     version = _registered(tracker, name, run_id, model_uri)
     if version is None:
@@ -332,8 +334,8 @@ def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
               else before["version"]}
     if held is not None:
         h = held["holdout"]
-        result.update(holdout=h, champion_rescored=h["champion_rescored"], compared_on=h[
-            "digest"] if h["champion_bits_per_char"] is not None else None)
+        result.update(holdout=h, compared_on=h["digest"] if h["champion_bits_per_char"]
+                      is not None else None)
     _record_on_run(tracker, run_id, result)
     if held is not None:
         record_holdout_decision(tracker, name, new, run_id, result)
