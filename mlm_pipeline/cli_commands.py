@@ -44,9 +44,11 @@ def cmd_run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
     # (and before its task-failure tracebacks).
     overrides = list(args.set) + (["tracking.resume=never"] if args.fresh else [])
     cfg = load_config(args.config, overrides)
+    from mlm_pipeline.ingest.holdout import check_holdout
     from mlm_pipeline.ingest.sources import check_local_sources
 
     check_local_sources(cfg.ingest)
+    check_holdout(cfg)
     console, log = run_logging(cfg.work_dir, args.verbose)
     try:
         result = run_flow(args.config, overrides)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from mlm_pipeline.config import IngestConfig, PipelineConfig
 from mlm_pipeline.ingest.accounting import Accounting, bad_files_error
-from mlm_pipeline.ingest.sources import resolve_sources
+from mlm_pipeline.ingest.sources import check_local_sources, is_url, resolve_sources
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +147,18 @@ def read_holdout(cfg: PipelineConfig) -> Holdout | None:
     logger.info("holdout: %d documents, %d characters from %s (digest %s)",
                 len(documents), holdout.chars, list(ev.holdout_sources), holdout.digest[:12])
     return holdout
+
+
+def check_holdout(cfg: PipelineConfig) -> None:
+    """Check the holdout sources before a run starts (the CLI calls it before Prefect):
+    each local entry must match files, and when every entry is local the text is read
+    and its pin (`eval.holdout_digest`) checked, so a wrong pin fails at once. `debian:`
+    and URL entries are left to the ingest task (`read_holdout`), not fetched here.
+
+    Raises:
+        The errors of `read_holdout`.
+    """
+    sources = cfg.eval.holdout_sources
+    check_local_sources(cfg.ingest.model_copy(update={"sources": sources}))
+    if sources and not any(s.startswith("debian:") or is_url(s) for s in sources):
+        read_holdout(cfg)

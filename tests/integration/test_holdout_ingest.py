@@ -4,6 +4,10 @@ removes its documents from the training corpus."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +79,25 @@ def test_a_pinned_digest_that_differs_refuses_in_one_line(tmp_path):
     assert "\n" not in message
     assert "eval.holdout_digest" in message and wrong in message and right in message
     assert str(tmp_path / "pinned" / "holdout") in message
+
+
+def test_the_run_command_refuses_a_wrong_pin_before_starting(tmp_path):
+    # A fresh process, as a user meets it: `mlm-pipeline run` checks the holdout before
+    # Prefect starts, and says what is wrong in one line.
+    cfg = _config(tmp_path)
+    holdout_dir = tmp_path / "holdout"
+    right = hashlib.sha256(f"{' '.join(HOLD_ONLY.split())}\n{SHARED}".encode()).hexdigest()
+    wrong = "f" * 64
+    tiny = Path(__file__).resolve().parents[2] / "tests" / "assets" / "tiny_fr.txt"
+    env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
+           "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing may reach a Prefect API
+    done = subprocess.run(
+        [shutil.which("mlm-pipeline"), "run", "tiny", "--set", f"work_dir={cfg.work_dir}",
+         "--set", f"ingest.sources=[{tiny}]", "--set", f"eval.holdout_sources=[{holdout_dir}]",
+         "--set", f"eval.holdout_digest={wrong}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("mlm-pipeline: error: eval.holdout_digest: ")
+    assert wrong in lines[0] and right in lines[0] and str(holdout_dir) in lines[0]
