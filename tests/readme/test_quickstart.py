@@ -52,6 +52,12 @@ RUN_TIMEOUT_S = 3300
 DROPPED_PREFIXES = ("PREFECT_", "MLFLOW_", "MLM_PIPELINE", "FSSPEC_", "AWS_", "HF_",
                     "TRANSFORMERS_", "PYTHON", "VIRTUAL_ENV", "CONDA_", "PIP_CONFIG_FILE")
 KEPT = {"PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY"}
+#: pip's retries per URL (its default is 5, with a growing back-off). CI machines reach the
+#: package registries only: the README's `--extra-index-url https://download.pytorch.org/...`
+#: cannot be resolved there, and five retries with back-off for each of torch's
+#: dependencies cost minutes of the Quickstart's install for nothing. A user's machine
+#: reaches the index; pip's retry count changes which host answers, never what is installed.
+PIP_RETRIES = 1
 
 
 def quickstart_block(readme: Path = README) -> str:
@@ -118,7 +124,8 @@ def fresh_environment(home: Path, venv: Path, tmp: Path) -> dict[str, str]:
     outer_bin = str(Path(sys.prefix) / "bin")
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != outer_bin]
     env.update(HOME=str(home), PATH=os.pathsep.join([str(venv / "bin"), *path]),
-               PIP_CONFIG_FILE=str(_pip_config_file(tmp / "pip.conf")))
+               PIP_CONFIG_FILE=str(_pip_config_file(tmp / "pip.conf")),
+               PIP_RETRIES=str(PIP_RETRIES))
     return env
 
 
