@@ -3,8 +3,11 @@
 The runs are logged the way the pipeline logs them, through `MlflowTracker`: params from
 `records.run_params` of two configs that differ only in `train.lr`, `train/*` per log
 interval through the tracker's `MlflowSink`, `eval/*` at evaluation steps with
-`log_metrics`, the `digest.shards` tag. The commands run in a fresh process
-(`python -m mlm_pipeline.cli`); expected values are computed here from what was logged.
+`log_metrics`, the `digest.shards` tag. One `runs` runs in a fresh process
+(`python -m mlm_pipeline.cli`, as a user starts it); the other commands go through the same
+`cli.main` in this process, since what they read is the SQLite store, not per-process state
+(a fresh interpreter costs seconds of imports each). Expected values are computed here from
+what was logged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from mlm_pipeline import cli
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.tracking.plots import LOSS_PLOT, log_loss_plot
@@ -84,8 +88,24 @@ def logged(tmp_path_factory):
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The command in a fresh `python -m mlm_pipeline.cli` process working in `tmp_path`."""
     return subprocess.run([sys.executable, "-m", "mlm_pipeline.cli", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.fixture
+def run_cli(tmp_path, capsys, monkeypatch):
+    """`run_cli(*args)`: the command through `cli.main` in this process, working in
+    `tmp_path`, as a `CompletedProcess` (exit status, captured stdout and stderr)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # drop what came before
+        status = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["mlm-pipeline", *args], status, out, err)
+
+    return run
 
 
 def _expected_speed(speeds) -> float:
@@ -94,7 +114,7 @@ def _expected_speed(speeds) -> float:
     return interval * len(speeds) / sum(interval / s for s in speeds)
 
 
-def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged):
+def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged, run_cli):
     tracker, ids = logged
     out = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
                tracker.tracking_uri, "--json")
@@ -119,8 +139,7 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged):
     assert rows["run-a"]["registry alias"] == "champion (tiny-model v1)"
     assert rows["run-b"]["registry alias"] is None
 
-    table = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
-                 tracker.tracking_uri)
+    table = run_cli("runs", "--experiment", EXPERIMENT, "--tracking-uri", tracker.tracking_uri)
     assert table.returncode == 0, table.stderr
     for name in RUNS:
         assert name in table.stdout and ids[name][:8] in table.stdout
@@ -129,21 +148,20 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged):
     assert "0.0010" not in table.stdout and "0.001" in table.stdout  # params shown as logged
 
 
-def test_runs_filter_and_unknown_experiment(tmp_path, logged):
+def test_runs_filter_and_unknown_experiment(logged, run_cli):
     tracker, ids = logged
-    out = _cli(tmp_path, "runs", "--experiment", EXPERIMENT, "--tracking-uri",
+    out = run_cli("runs", "--experiment", EXPERIMENT, "--tracking-uri",
                tracker.tracking_uri, "--json", "--filter", "params.`train.lr` = '0.002'")
     assert out.returncode == 0, out.stderr
     assert [r["id"] for r in json.loads(out.stdout)] == [ids["run-b"]]
-    bad = _cli(tmp_path, "runs", "--experiment", "nope", "--tracking-uri",
-               tracker.tracking_uri)
+    bad = run_cli("runs", "--experiment", "nope", "--tracking-uri", tracker.tracking_uri)
     assert bad.returncode == 1 and "'nope'" in bad.stderr and EXPERIMENT in bad.stderr
 
 
-def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged):
+def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged, run_cli):
     tracker, ids = logged
     png = tmp_path / "out" / "x.png"
-    out = _cli(tmp_path, "compare", "run-a", ids["run-b"], "--out", str(png),
+    out = run_cli("compare", "run-a", ids["run-b"], "--out", str(png),
                "--tracking-uri", tracker.tracking_uri)
     assert out.returncode == 0, out.stderr
     assert "run-a" in out.stdout and "run-b" in out.stdout and "train.lr" in out.stdout
@@ -170,7 +188,7 @@ def test_compare_writes_a_png_with_one_line_per_run(tmp_path, logged):
     assert [r["run"] for r in table.rows] == ["run-a", "run-b"]
 
 
-def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logged):
+def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logged, run_cli):
     tracker, ids = logged
     other = MlflowTracker(tracker.tracking_uri, "other-experiment")
     no_eval = _log_run(other, "run-c", RUNS["run-a"], with_eval=False)
@@ -184,20 +202,20 @@ def test_compare_falls_back_to_train_loss_and_names_a_missing_run(tmp_path, logg
     assert "not logged by: run-c" in eval_ax.get_title()
 
     missing = "0" * 32
-    out = _cli(tmp_path, "compare", ids["run-a"], missing, "--tracking-uri",
-               tracker.tracking_uri, "--out", str(tmp_path / "y.png"))
+    out = run_cli("compare", ids["run-a"], missing, "--tracking-uri", tracker.tracking_uri,
+                  "--out", str(tmp_path / "y.png"))
     assert out.returncode == 1 and missing in out.stderr
     assert not (tmp_path / "y.png").exists()
-    out = _cli(tmp_path, "compare", "no-such-run", "--tracking-uri", tracker.tracking_uri)
+    out = run_cli("compare", "no-such-run", "--tracking-uri", tracker.tracking_uri)
     assert out.returncode == 1 and "'no-such-run'" in out.stderr
 
 
-def test_compare_and_promote_take_the_id_prefix_that_runs_prints(tmp_path, logged):
+def test_compare_and_promote_take_the_id_prefix_that_runs_prints(tmp_path, logged, run_cli):
     """`runs` shows 8 characters of each id: `compare` and `promote` accept any unique
     prefix; an ambiguous one is refused with the candidates listed."""
     tracker, ids = logged
     shown = {name: ids[name][:8] for name in RUNS}  # as the table shows them (test above)
-    out = _cli(tmp_path, "compare", shown["run-b"], shown["run-a"], "--json",
+    out = run_cli("compare", shown["run-b"], shown["run-a"], "--json",
                "--out", str(tmp_path / "p.png"), "--tracking-uri", tracker.tracking_uri)
     assert out.returncode == 0, out.stderr
     assert [r["id"] for r in json.loads(out.stdout)] == [ids["run-b"], ids["run-a"]]
@@ -217,8 +235,7 @@ def test_compare_and_promote_take_the_id_prefix_that_runs_prints(tmp_path, logge
     assert all(r in str(err.value) for r in every if r.startswith(shared))
     assert resolve_run_id(tracker, made[0][:12]).info.run_id == made[0]
 
-    promoted = _cli(tmp_path, "promote", shown["run-a"], "--tracking-uri",
-                    tracker.tracking_uri)
+    promoted = run_cli("promote", shown["run-a"], "--tracking-uri", tracker.tracking_uri)
     assert promoted.returncode == 0, promoted.stderr
     assert "not an MLflow run id" not in promoted.stderr
     with pytest.raises(ValueError, match="no MLflow run with id, id prefix or name 'xyz0'"):
@@ -303,7 +320,8 @@ def test_runs_and_compare_on_two_pipeline_runs(tmp_path, prefect_api_url, fresh_
         assert img.size == (COMPARE_WIDTH_PX, HEIGHT_PX)
 
 
-def test_runs_without_experiment_lists_the_newest_runs_experiment_names_whole(tmp_path):
+def test_runs_without_experiment_lists_the_newest_runs_experiment_names_whole(
+        tmp_path, run_cli, monkeypatch):
     """Right after a run logged to `mlm-pipeline-tiny`, `runs` with no `--experiment`
     lists that experiment (and says so); in a 160-column terminal, with many differing
     params, each run name stays whole on one line."""
@@ -317,10 +335,9 @@ def test_runs_without_experiment_lists_the_newest_runs_experiment_names_whole(tm
         tiny.run_name = name
         params = {f"train.option_{k:02d}": f"value-{i}-{k}-" + "z" * 12 for k in range(12)}
         tiny.end_run(tiny.start_run(params))
-    env = {**os.environ, "COLUMNS": "160", "FORCE_COLOR": "1"}
-    out = subprocess.run([sys.executable, "-m", "mlm_pipeline.cli", "runs",
-                          "--tracking-uri", uri], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, check=False, env=env)
+    monkeypatch.setenv("COLUMNS", "160")  # read by rich when the command prints
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    out = run_cli("runs", "--tracking-uri", uri)
     assert out.returncode == 0, out.stderr
     text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)
     assert "experiment mlm-pipeline-tiny" in text and "the newest run's" in text
