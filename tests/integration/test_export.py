@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +44,6 @@ from mlm_pipeline.train.export import export_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 64
 STEPS = 8
 HF_CLASS = {"bert": "BertForMaskedLM", "modern": "ModernBertForMaskedLM"}
@@ -193,14 +190,15 @@ def test_tokenizer_outside_the_work_dir(bert_run, tmp_path):
     assert (out / "tokenizer.json").is_file()
 
 
-def test_cli_exports_newest_checkpoint_of_a_run(bert_run, tmp_path):
+def test_cli_exports_newest_checkpoint_of_a_run(bert_run, tmp_path, capsys):
+    # In this process: `export` in a fresh one is tests/integration/test_checkpoint_verified.py's.
     work = bert_run[0]
     out = tmp_path / "from-run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlm_pipeline.cli", "export", str(work / "train" / "bert"),
-         str(out)], check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    capsys.readouterr()
+    status = cli.main(["export", str(work / "train" / "bert"), str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert status == 0, stderr
+    summary = json.loads(stdout)
     assert Path(summary["checkpoint"]).name == f"step-{STEPS:08d}"
     assert (work / "train" / "bert" / "checkpoints" / f"step-{STEPS // 2:08d}").is_dir()
     assert set(summary["files"]) == {p.name for p in out.iterdir()}
