@@ -10,8 +10,9 @@ fill-mask probes fit) in one work directory, evaluated, and exported:
   none newly initialised) and gives our logits at masked positions within 1e-4 (fp32,
   eval mode);
 - `pipeline("fill-mask")` gives the top-5 tokens of our `fill_mask` on the probes;
-- the CLI accepts a checkpoint or a run directory (in a fresh process) and answers a bad
-  SOURCE with one line and status 1 (bert run only).
+- the CLI (`cli.main`; a fresh process is test_checkpoint_verified.py's) accepts a
+  checkpoint or a run directory and answers a bad SOURCE with one line and status 1 (bert
+  run only).
 """
 
 from __future__ import annotations
