@@ -30,12 +30,20 @@ EXPECTED = {
                           "| hf-modernbert |", "most-frequent-token baseline accuracy"],
     "bench_masking.py": ["B method", "HF DataCollatorForLM", "ours bernoulli",
                          "ours whole-word exact_k"],
+    "bench_retrain.py": ["| version | run | parent | corpus | tokenizer | shards | steps |",
+                         "| v1-scratch | - |", "| first |", "| eval/bits_per_char |",
+                         "Runs v2-continue and v2-scratch evaluated on the same shards",
+                         "Warm-start saving at step 6"],
     "bench_train.py": ["modern-fp32  (1 rounds x 1 steps", "modern-bf16  (1 rounds x 1 steps",
                        "bert-fp32  (1 rounds x 1 steps", "ours modern", "HF BertForMaskedLM",
                        "ratio ours/HF"],
     "gpu_tests.py": ["gpu tests (plain):", "| test | outcome |",
                      "| test_gpu.py::test_fused_adamw_matches_cpu |"],
 }
+#: Scripts whose smoke run takes minutes, not seconds: in the slow tier.
+#: bench_retrain.py: five `mlm-pipeline run`s through Prefect and MLflow (registry,
+#: model export), each a few seconds of overhead whatever the shapes.
+SLOW = {"bench_retrain.py"}
 #: Scripts whose smoke run another test module makes.
 ELSEWHERE = {"gpu_check.py": "tests/integration/test_gpu_check.py"}
 
@@ -45,7 +53,8 @@ def test_every_benchmark_script_has_a_smoke_test():
     assert scripts == set(EXPECTED) | set(ELSEWHERE)
 
 
-@pytest.mark.parametrize("script", sorted(EXPECTED))
+@pytest.mark.parametrize("script", [
+    pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in sorted(EXPECTED)])
 def test_smoke_run_prints_its_table(script, tmp_path):
     # A fresh process working in tmp_path, its temporary directories there too (TMPDIR);
     # one OpenMP thread, as the scripts' smoke modes use for torch.
