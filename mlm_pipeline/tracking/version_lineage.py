@@ -208,10 +208,16 @@ def log_model_metrics(tracker: MlflowTracker, run_id: str, model_uri: str,
                       metrics: Mapping[str, float], step: int, dataset_name: str,
                       dataset_digest: str) -> dict[str, float]:
     """Log the final evaluation `metrics` on the logged model `model_uri` (`models:/m-...`)
-    with the dataset they were computed on, so the model's page lists them. Each point is
-    the run's own point of that key at `step` (same timestamp and value: the run's history
-    keeps one point per step), linked to the model and the dataset. Non-finite values and
-    metrics the model holds already for that dataset are skipped (a rerun logs nothing).
+    with the dataset they were computed on, so the model's page lists them with it. Each
+    point is the run's own point of that key at `step` (same timestamp and value: the
+    run's history keeps one point per step), linked to the model and the dataset.
+
+    MLflow's `log_model(step=...)` (`registry.log_model`) has already linked the run's
+    points at that step to the model, without a dataset, and the store keys a model's
+    metric by model, name, timestamp, step and run, not by dataset: the dataset's point
+    then takes the current time, and the run's history holds a second point of the same
+    value at `step` (`plots.metric_series` keeps one per step). Non-finite values, and
+    metrics the model holds already for this dataset, are skipped (a rerun logs nothing).
 
     Args:
         tracker: the MLflow backend.
@@ -236,13 +242,16 @@ def log_model_metrics(tracker: MlflowTracker, run_id: str, model_uri: str,
         raise ValueError(f"log_model_metrics: {model_uri!r} is not a logged model "
                          "(models:/m-...)")
     client = tracker.client
-    have = {(m.key, m.dataset_digest) for m in client.get_logged_model(model_id).metrics or []}
+    held = client.get_logged_model(model_id).metrics or []
+    have = {(m.key, m.dataset_digest) for m in held}
+    linked = {(m.key, m.step, m.timestamp) for m in held}
     points = []
     for key, value in metrics.items():
         if not math.isfinite(value) or (key, dataset_digest) in have:
             continue
-        own = [m for m in client.get_metric_history(run_id, key) if m.step == step]
-        stamp = own[-1].timestamp if own else get_current_time_millis()
+        own = [m.timestamp for m in client.get_metric_history(run_id, key) if m.step == step]
+        stamp = own[-1] if own and (key, step, own[-1]) not in linked else None
+        stamp = stamp or get_current_time_millis()
         points.append(Metric(key, float(value), stamp, step, model_id=model_id,
                              dataset_name=dataset_name, dataset_digest=dataset_digest,
                              run_id=run_id))

@@ -37,7 +37,7 @@ from tests.integration.test_runs_compare import _cli  # a command in a fresh pro
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import LoggedModelStatus  # noqa: E402
+from mlflow.entities import LoggedModelStatus, Metric  # noqa: E402
 
 NAME = "lineage-test"
 EVAL_DATA = "e" * 64  # one evaluation data digest: the losses are compared as they are
@@ -183,6 +183,20 @@ def test_eval_metrics_on_the_logged_model_with_the_dataset(tmp_path, fresh_mlflo
     # The run keeps one point per key at that step.
     client = MlflowClient(tracker.tracking_uri)
     assert [m.step for m in client.get_metric_history(run_id, "eval/loss")] == [7]
+    # A model `log_model(step=...)` logged: MLflow linked the run's points at that step
+    # to it, without a dataset; the dataset's points are added beside them.
+    linked = tracker.client.create_logged_model(tracker.experiment_id(), name="model",
+                                                source_run_id=run_id)
+    tracker.client.log_batch(run_id, metrics=[
+        Metric(m.key, m.value, m.timestamp, m.step, model_id=linked.model_id, run_id=run_id)
+        for key in ("eval/loss", "eval/mlm_accuracy")
+        for m in client.get_metric_history(run_id, key)])
+    assert log_model_metrics(tracker, run_id, f"models:/{linked.model_id}", metrics, 7,
+                             "shards-validation", digest) == logged
+    found = client.get_logged_model(linked.model_id).metrics
+    assert sorted((m.key, m.dataset_digest or "") for m in found) == [
+        ("eval/loss", ""), ("eval/loss", digest), ("eval/mlm_accuracy", ""),
+        ("eval/mlm_accuracy", digest)]
     with pytest.raises(ValueError, match="not a logged model"):
         log_model_metrics(tracker, run_id, f"models:/{NAME}/1", metrics, 7, "x", digest)
 
