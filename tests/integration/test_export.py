@@ -10,9 +10,9 @@ fill-mask probes fit) in one work directory, evaluated, and exported:
   none newly initialised) and gives our logits at masked positions within 1e-4 (fp32,
   eval mode);
 - `pipeline("fill-mask")` gives the top-5 tokens of our `fill_mask` on the probes;
-- the CLI (`cli.main`; a fresh process is test_checkpoint_verified.py's) accepts a
-  checkpoint or a run directory and answers a bad SOURCE with one line and status 1 (bert
-  run only).
+- the CLI (`cli.main`; `export` in a fresh process is in test_checkpoint_verified.py's
+  slow tier) accepts a checkpoint or a run directory and answers a bad SOURCE with one
+  line and status 1 (bert run only).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def test_tokenizer_outside_the_work_dir(bert_run, tmp_path):
 
 
 def test_cli_exports_newest_checkpoint_of_a_run(bert_run, tmp_path, capsys):
-    # In this process: `export` in a fresh one is tests/integration/test_checkpoint_verified.py's.
+    # In this process: `export` in a fresh one is test_checkpoint_verified.py's (slow tier).
     work = bert_run[0]
     out = tmp_path / "from-run"
     capsys.readouterr()
