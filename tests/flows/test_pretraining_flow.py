@@ -101,6 +101,21 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     assert "## Model registry" in summary_markdown(summary)
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One completed flow run of `_overrides` without the model (`NO_MODEL`), shared by the
+    module's tests that only read a finished run or start from it: (its folder, tracking
+    URI, final state, run summary). A test adds runs to its store only where it says so."""
+    folder = tmp_path_factory.mktemp("finished-run")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    state = mlm_pretraining(
+        PretrainParams(config="tiny", overrides=_overrides(folder, uri) + [NO_MODEL]),
+        return_state=True,
+    )
+    assert state.is_completed()
+    return folder, uri, state, state.result()
+
+
 def test_a_failing_stage_fails_the_flow_and_the_mlflow_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = _overrides(tmp_path, uri) + [f"ingest.sources=[{tmp_path / 'missing.txt'}]"]
@@ -201,15 +216,11 @@ def test_data_stages_are_reused_by_content(tmp_path):
     assert _result_files() == records_before
 
 
-def test_flow_run_publishes_prefect_artifacts(tmp_path):
+def test_flow_run_publishes_prefect_artifacts(finished_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    state = mlm_pretraining(PretrainParams(config="tiny",
-                                           overrides=_overrides(tmp_path, uri) + [NO_MODEL]),
-                            return_state=True)
-    summary = state.result()
+    _, _, state, summary = finished_run
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=run_tree(state.state_details.flow_run_id))))
@@ -258,10 +269,11 @@ def test_resume_a_crashed_run(tmp_path, caplog):
     assert [r["step"] for r in records] == [2, 4, 6]
 
 
-def test_resume_refuses_a_changed_config(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = _overrides(tmp_path, uri) + ["eval.probes=[]", NO_MODEL]
-    run_id = mlm_pretraining(PretrainParams(config="tiny", overrides=base)).get("mlflow_run_id")
+def test_resume_refuses_a_changed_config(finished_run):
+    # The refusal comes before the run is touched: the shared run stays as it was.
+    folder, uri, _, summary = finished_run
+    base = _overrides(folder, uri) + [NO_MODEL]
+    run_id = summary["mlflow_run_id"]
     state = mlm_pretraining(
         PretrainParams(config="tiny", overrides=base + ["train.lr=0.5",
                                                         f"tracking.resume_run_id={run_id}"]),
@@ -307,17 +319,13 @@ def _flow_run_name(flow_run_id) -> str:
         return client.read_flow_run(flow_run_id).name
 
 
-def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path):
+def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path, finished_run):
     import getpass
     import re
 
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    state = mlm_pretraining(PretrainParams(config="tiny",
-                                           overrides=_overrides(tmp_path, uri) + [NO_MODEL]),
-                            return_state=True)
-    summary = state.result()
+    folder, uri, state, summary = finished_run
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(summary["mlflow_run_id"])
     flow_run_id = state.state_details.flow_run_id
@@ -363,8 +371,9 @@ def test_the_mlflow_run_is_complete_and_shares_the_flow_runs_name(tmp_path):
     got = Path(client.download_artifacts(run.info.run_id, "data/accounting.json", str(tmp_path)))
     assert json.loads(got.read_text())["documents_validation"] == corpus["documents_validation"]
 
-    # tracking.run_name names both runs (a new run: the first one is FINISHED).
-    named = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(tmp_path, uri) + [
+    # tracking.run_name names both runs (a new run in the shared store: the first one is
+    # FINISHED).
+    named = mlm_pretraining(PretrainParams(config="tiny", overrides=_overrides(folder, uri) + [
         "tracking.run_name=my-named-run", "train.max_steps=2", "train.warmup_steps=1",
         NO_MODEL]),
         return_state=True)
