@@ -80,13 +80,14 @@ def report_model_asset(trained: TrainManifest, tokenizer: TokenizerManifest,
                        shards: ShardManifest, registered: dict[str, Any] | None = None
                        ) -> Asset:
     """Report the trained model (its final checkpoint) as an asset depending on `shards`,
-    `tokenizer` and the parent model of a warm start; `registered` (`registry.publish`'s
-    record) adds the model URI, registered version and decision to the metadata."""
+    `tokenizer` and the parent model of a warm start (when the parent checkpoint has a
+    digest: an unverified one has none); `registered` (`registry.publish`'s record) adds
+    the model URI, registered version and decision to the metadata."""
     digest = model_digest(trained)
     asset = stage_asset("model", digest, "trained checkpoint (final step)")
     deps = [stage_asset("shards", shards.digest, "packed Arrow token shards"),
             stage_asset("tokenizer", tokenizer.digest, "SentencePiece model")]
-    if trained.init:
+    if trained.init and trained.init.get("digest"):  # "" for an unverified parent
         deps.append(stage_asset("model", str(trained.init["digest"]),
                                 "trained checkpoint (final step)"))
     metadata: dict[str, Any] = {"digest": digest, "steps": trained.steps,

@@ -171,6 +171,7 @@ def record_version_lineage(tracker: MlflowTracker, registered: Mapping[str, Any]
             tracker, name, new, init, registered.get("champion_before")).items() if v})
     else:
         tags["parent"] = "none"
+    tags = {k: v for k, v in tags.items() if v}  # an unverified parent has no digest
     for key, value in tags.items():
         client.set_model_version_tag(name, str(new), PREFIX + key, value)
     run_tags = {PREFIX + k: tags[k] for k in ("parent", "parent_version", "parent_run_id",
