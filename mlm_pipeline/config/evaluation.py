@@ -160,13 +160,15 @@ class FinetuneConfig(StrictModel):
     split (the `linear_probe` section's `data_path`, `test_fraction`, `max_rows`...), once
     from the trained weights and once from random weights of the same architecture, with
     the same recipe and head (`mlm_pipeline.evaluate.finetune`). Off unless a config
-    turns it on: the base recipes do (seconds on a GPU); its cost on CPU beside the `tiny`
-    run's is measured in docs/models.md."""
+    turns it on: the base recipes do (seconds on a GPU). Not the `tiny` config: the
+    default recipe passes 0.69M padded tokens through the encoder (2 runs x 3 epochs x 899
+    rows of <= 128 tokens), a third of that run's 2.05M training tokens, and on the tiny
+    model it scores at the majority rate (measured in docs/stages.md)."""
 
     enabled: bool = False
     """Fine-tune after the final evaluation (two runs: pretrained and from scratch); off
-    by default (see the section's text); a dataset that cannot be obtained skips it
-    with a warning, never fails the run."""
+    by default, on in `bert-base` and `modern-base` (see the section's text); a dataset
+    that cannot be obtained skips it with a warning, never fails the run."""
     epochs: int = Field(default=3, ge=1)
     """Passes over the train rows (BERT's GLUE recipe: 3; Devlin et al. 2019, §A.3)."""
     lr: float = Field(default=5e-5, gt=0.0)

@@ -211,7 +211,7 @@ def finetune_metrics(cfg: FinetuneConfig, data: LinearProbeConfig, model: nn.Mod
         `finetune/accuracy` (pretrained), `finetune/scratch_accuracy`,
         `finetune/tfidf_accuracy`, `finetune/majority_accuracy` (fractions of the test
         rows), `finetune/train_rows`, `finetune/test_rows`, `finetune/epochs` and
-        `finetune/wall_time_s` (both fine-tunings and scorings, seconds); or None after a
+        `finetune/wall_time_s` (both fine-tunings and test scorings, seconds); or None after a
         warning when the data cannot be obtained.
 
     Raises:
@@ -226,6 +226,7 @@ def finetune_metrics(cfg: FinetuneConfig, data: LinearProbeConfig, model: nn.Mod
     pretrained, scratch = build_classifiers(model, cfg)
     acc = {name: _finetune_one(clf, tokenizer, split, cfg, device)
            for name, clf in (("pretrained", pretrained), ("scratch", scratch))}
+    elapsed = time.perf_counter() - start
     metrics = {
         "finetune/accuracy": acc["pretrained"],
         "finetune/scratch_accuracy": acc["scratch"],
@@ -234,7 +235,7 @@ def finetune_metrics(cfg: FinetuneConfig, data: LinearProbeConfig, model: nn.Mod
         "finetune/train_rows": float(len(split.train_texts)),
         "finetune/test_rows": float(len(split.test_texts)),
         "finetune/epochs": float(cfg.epochs),
-        "finetune/wall_time_s": time.perf_counter() - start,
+        "finetune/wall_time_s": elapsed,
     }
     logger.info("fine-tuning: accuracy %.4f pretrained, %.4f from scratch (TF-IDF %.4f, "
                 "majority %.4f) on %d test rows after %d epochs on %d train rows, %.1f s",
