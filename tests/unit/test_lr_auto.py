@@ -34,6 +34,9 @@ def test_tiny_resolves_as_before():
     assert tiny.model.preset == "modern" and tiny.train.lr == 1e-3
     # Same resolved config, so the same digest and the same run (loss curve) as tiny's.
     assert load_config("tiny", ["train.lr=auto"]) == tiny
+    # tiny says `lr: auto`, so switching its preset to BERT's switches the peak lr too.
+    bert = load_config("tiny", ["model.preset=bert"])
+    assert (bert.train.lr, bert.train.warmup) == (1e-4, 60)  # tiny's own 6 % warm-up
 
 
 def test_resolve_lr_on_a_train_section():
