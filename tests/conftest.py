@@ -7,6 +7,7 @@ separated paragraph, every 10th paragraph (index 9, 19, ...) in the validation s
 
 from __future__ import annotations
 
+import os
 import unicodedata
 from pathlib import Path
 
@@ -25,6 +26,40 @@ from mlm_pipeline.manifest import (
     sha256_file,
     write_manifest,
 )
+
+#: Most pytest-xdist workers `-n auto` starts (pyproject's addopts): each worker pays the
+#: session's start-ups (the tiny fixtures, Prefect's test harness) once more, and the fast
+#: suite's modules are too few and too uneven for more to help.
+MAX_AUTO_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for `-n auto`: the CPUs this process may use (its affinity, not the host's
+    count a container shows), at most MAX_AUTO_WORKERS; `PYTEST_XDIST_AUTO_NUM_WORKERS`
+    overrides. One CPU gives 0: no workers, the tests run in the pytest process."""
+    if (forced := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()).isdigit():
+        return int(forced)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    return min(cpus, MAX_AUTO_WORKERS) if cpus > 1 else 0
+
+
+def _share_the_cpus_between_workers() -> None:
+    """Under pytest-xdist, give each worker's torch (and the processes it starts) its share
+    of the CPUs, so that N workers do not run N x CPUs threads: oversubscribed OpenMP
+    threads spin against each other, and small ops get slower, not faster. A thread count
+    the caller set (`OMP_NUM_THREADS`) is kept. Runs when this conftest is imported, before
+    any test module imports torch (nothing this conftest imports does)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // workers))
+
+
+_share_the_cpus_between_workers()
+
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_FR = ASSETS / "tiny_fr.txt"

@@ -48,9 +48,11 @@ ACCURACY_TOLERANCE = 0.03
 RUN_TIMEOUT_S = 3300
 #: Environment variables a fresh machine does not have: the project's and its tools'
 #: settings (a tracking server, a Prefect API, a work directory, credentials) and the outer
-#: interpreter's. The opt-outs of telemetry are kept (they change no result).
+#: interpreter's, and the thread count pytest-xdist workers set for their own tests
+#: (tests/conftest.py). The opt-outs of telemetry are kept (they change no result).
 DROPPED_PREFIXES = ("PREFECT_", "MLFLOW_", "MLM_PIPELINE", "FSSPEC_", "AWS_", "HF_",
-                    "TRANSFORMERS_", "PYTHON", "VIRTUAL_ENV", "CONDA_", "PIP_CONFIG_FILE")
+                    "TRANSFORMERS_", "PYTHON", "VIRTUAL_ENV", "CONDA_", "PIP_CONFIG_FILE",
+                    "OMP_NUM_THREADS", "PYTEST_XDIST")
 KEPT = {"PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY"}
 #: pip's retries per URL (its default is 5, with a growing back-off). CI machines reach the
 #: package registries only: the README's `--extra-index-url https://download.pytorch.org/...`
