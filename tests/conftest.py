@@ -26,6 +26,7 @@ from mlm_pipeline.manifest import (
     sha256_file,
     write_manifest,
 )
+from mlm_pipeline.shards.parallel import available_cores
 
 #: Most pytest-xdist workers `-n auto` starts (pyproject's addopts): each worker pays the
 #: session's start-ups (the tiny fixtures, Prefect's test harness) once more, and the fast
@@ -40,8 +41,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     overrides. One CPU gives 0: no workers, the tests run in the pytest process."""
     if (forced := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()).isdigit():
         return int(forced)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
+    cpus = available_cores()
     return min(cpus, MAX_AUTO_WORKERS) if cpus > 1 else 0
 
 
@@ -54,8 +54,7 @@ def _share_the_cpus_between_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // workers))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, available_cores() // workers))
 
 
 _share_the_cpus_between_workers()
