@@ -44,6 +44,9 @@ EXPECTED = {
 #: bench_retrain.py: five `mlm-pipeline run`s through Prefect and MLflow (registry,
 #: model export), each a few seconds of overhead whatever the shapes.
 SLOW = {"bench_retrain.py"}
+#: Scripts that start a local Prefect API unless PREFECT_API_URL is set: given the session's
+#: server instead (the API's own start is proved in tests/flows/test_local_api.py).
+PREFECT_API = {"bench_retrain.py"}
 #: Scripts whose smoke run another test module makes.
 ELSEWHERE = {"gpu_check.py": "tests/integration/test_gpu_check.py"}
 
@@ -55,10 +58,12 @@ def test_every_benchmark_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", [
     pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in sorted(EXPECTED)])
-def test_smoke_run_prints_its_table(script, tmp_path):
+def test_smoke_run_prints_its_table(script, tmp_path, request):
     # A fresh process working in tmp_path, its temporary directories there too (TMPDIR);
     # one OpenMP thread, as the scripts' smoke modes use for torch.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    if script in PREFECT_API:
+        env["PREFECT_API_URL"] = request.getfixturevalue("prefect_api_url")
     proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     out = proc.stdout
