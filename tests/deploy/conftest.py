@@ -41,9 +41,14 @@ def rss_mib(pid: int) -> float:
     return total / 1024
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """Start Prefect server, MLflow server and a process worker; yield their settings."""
+    """Start Prefect server, MLflow server and a process worker; yield their settings.
+
+    Module-scoped: stopped when the module's tests are done, not at the session's end, so
+    that three idle servers do not take CPU from the modules that run after them (the
+    README test's training, on two cores).
+    """
     tmp = tmp_path_factory.mktemp("stack")
     prefect_port, mlflow_port = free_port(), free_port()
     env = dict(os.environ)
