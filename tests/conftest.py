@@ -293,16 +293,15 @@ def assign_slices(modules: list[str], n: int, cost_s: dict[str, float],
 _SLICE_KEY = pytest.StashKey[tuple]()
 
 
-#: Modules run before all others, in this order: the README test is the longest of the
-#: push tier and starts no session server; run first, it has both cores to itself instead
-#: of sharing them with the idle servers (Prefect, MLflow) that earlier modules leave up.
-RUN_FIRST = ("tests/readme/",)
+#: Tests run before all others: the README test is the longest of the push tier and starts
+#: no session server; run first, it has both cores to itself instead of sharing them with
+#: the idle servers (Prefect, MLflow) that earlier modules leave up.
+RUN_FIRST = "tests/readme/"
 
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected: slices of what is selected
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: next((i for i, prefix in enumerate(RUN_FIRST)
-                                      if item.nodeid.startswith(prefix)), len(RUN_FIRST)))
+    items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))  # stable
     text = config.getoption("--slice")
     if text is None:
         return

@@ -1,13 +1,13 @@
 """The main job on a busy machine: `mlm-pipeline run tiny` while two CPU-bound processes keep
 both cores busy must start its Prefect API, train every step it was asked for and finish.
 
-The README's command trains 1,000 steps (about 3 minutes on a quiet machine, more than
-twice that here); to keep CI short this runs it with 50 steps (a periodic evaluation at
-25 and the final one: every kind of work the main job does between start-up and stop), on a copy of the session's
-ingested corpus and tokenizer (`debian_tiny_data`: the run reuses both), without the model
-export and the linear probe, which exercises the same start-up and stop logic. The full
-command under load is recorded in benchmarks/RESULTS.md. Slow, and the `full` tier: CI runs it
-in one slice of the landings, every one with CI_FULL=1. It keeps its own local Prefect API
+The README's command trains 1,000 steps (3 to 5 minutes on a quiet machine, more than
+twice that here); to keep CI short this runs it with 50 steps (a periodic evaluation at 25
+and the final one: every kind of work the main job does between start-up and stop), on a
+copy of the session's ingested corpus and tokenizer (`debian_tiny_data`: the run reuses
+both), without the model export and the linear probe, which exercises the same start-up and
+stop logic. The full command under load is recorded in benchmarks/RESULTS.md. Slow, and the
+`full` tier: CI runs it in one slice of the landings, every one with CI_FULL=1. It keeps its own local Prefect API
 (its start under load is what it proves).
 """
 
