@@ -222,32 +222,50 @@ FULL_MARKER = "full"
 #: included), which balance the slices; update them from the durations CI prints. A module
 #: not listed counts DEFAULT_FULL_COST_S.
 FULL_COST_S = {
-    # measured (CI, 2 fp32 cores, 2026-12-03): slices 3 and 4
-    "tests/flows/test_busy_machine.py": 340,
-    "tests/flows/test_resume_cli.py": 220,
+    # measured (CI, 2 bf16 cores, 2026-12-03, beside the README test on the other worker)
+    "tests/flows/test_resume_cli.py": 290,
+    "tests/integration/test_registry_walkthrough.py": 120,
+    "tests/flows/test_interrupt_pipe.py": 75,
+    "tests/integration/test_train_features.py": 70,
+    "tests/flows/test_distributed_flow.py": 56,
+    "tests/integration/test_registry_holdout.py": 16,
+    "tests/integration/test_linear_probe.py": 2,
+    "tests/integration/test_warm_start_mlflow.py": 1,
+    # measured (CI, 2 cores, alone; busy machine at 50 steps on bf16 cores)
+    "tests/flows/test_busy_machine.py": 170,
     "tests/flows/test_s3_work_dir.py": 120,
-    "tests/flows/test_interrupt_pipe.py": 55,
     "tests/integration/test_distributed.py": 50,
     "tests/integration/test_runs_compare.py": 45,
-    "tests/integration/test_train_features.py": 45,
     "tests/integration/test_compile_recompiles.py": 40,
     "tests/flows/test_dask_prep.py": 20,
     "tests/flows/test_lineage_flow.py": 15,
     "tests/flows/test_warm_start_flow.py": 10,
     "tests/integration/test_checkpoint_verified.py": 6,
-    "tests/integration/test_registry_holdout.py": 5,
-    "tests/integration/test_warm_start_mlflow.py": 5,
-    # estimated (slices 1 and 2 together took about 250 s each)
+    # estimated
     "tests/deploy/test_deployments.py": 300,
     "tests/flows/test_concurrent_cli.py": 150,
-    "tests/flows/test_distributed_flow.py": 120,
-    "tests/integration/test_registry_walkthrough.py": 120,
     "tests/packaging/test_wheel.py": 180,
     "tests/integration/test_debian_fetch.py": 120,
     "tests/integration/test_warm_start.py": 70,
     "tests/integration/test_registry.py": 120,
 }
 DEFAULT_FULL_COST_S = 60
+
+#: Estimated seconds of each module's push-tier tests (slow, not `full`) on two cores. With
+#: FULL_COST_S it orders the slow modules longest first, so that the pytest-xdist worker
+#: that finishes first takes the short ones and neither waits on the other at the end.
+PUSH_COST_S = {
+    # measured (CI, 2 bf16 cores, 2026-12-03, on two workers)
+    "tests/readme/test_quickstart.py": 850,
+    "tests/deploy/test_deployments.py": 110,
+    "tests/flows/test_concurrent_cli.py": 100,
+    "tests/flows/test_resume_cli.py": 90,
+    "tests/integration/test_benchmarks_smoke.py": 60,
+    "tests/integration/test_cli_errors.py": 30,
+    "tests/flows/test_distributed_flow.py": 27,
+    "tests/flows/test_assets.py": 6,
+    "tests/integration/test_bench_learning_steps.py": 1,
+}
 
 
 def pytest_addoption(parser):
@@ -293,31 +311,43 @@ def assign_slices(modules: list[str], n: int, cost_s: dict[str, float],
 _SLICE_KEY = pytest.StashKey[tuple]()
 
 
-#: Tests run before all others: the README test is the longest of the push tier and starts
-#: no session server; run first, it has both cores to itself instead of sharing them with
-#: the idle servers (Prefect, MLflow) that earlier modules leave up.
-RUN_FIRST = "tests/readme/"
+def longest_modules_first(items: list) -> None:
+    """Sort `items` in place: the modules of slow tests by descending estimated seconds
+    (PUSH_COST_S if the module's push-tier tests are among `items`, plus FULL_COST_S if
+    its `full` tests are), the other tests after them as collected (stable)."""
+    cost: dict[str, float] = {}
+    tiers: dict[str, set[str]] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            module = item.nodeid.split("::", 1)[0]
+            tiers.setdefault(module, set()).add(
+                "full" if item.get_closest_marker(FULL_MARKER) else "push")
+    for module, found in tiers.items():
+        cost[module] = (PUSH_COST_S.get(module, 0.0) * ("push" in found)
+                        + FULL_COST_S.get(module, DEFAULT_FULL_COST_S) * ("full" in found))
+    items.sort(key=lambda item: -cost[item.nodeid.split("::", 1)[0]]
+               if item.get_closest_marker("slow") else 1.0)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected: slices of what is selected
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))  # stable
     text = config.getoption("--slice")
-    if text is None:
-        return
-    k, n = parse_slice(text)
     full = [item for item in items if item.get_closest_marker(FULL_MARKER)]
-    if not full:
-        return
-    modules = sorted({item.nodeid.split("::", 1)[0] for item in full})
-    slices = assign_slices(modules, n, FULL_COST_S, DEFAULT_FULL_COST_S)
-    dropped = [item for item in full if slices[item.nodeid.split("::", 1)[0]] != k]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        gone = set(map(id, dropped))
-        items[:] = [item for item in items if id(item) not in gone]
-    kept = [m for m in modules if slices[m] == k]
-    config.stash[_SLICE_KEY] = (k, n, len(full) - len(dropped), len(full), kept)
+    if text is not None and full:
+        k, n = parse_slice(text)
+        modules = sorted({item.nodeid.split("::", 1)[0] for item in full})
+        slices = assign_slices(modules, n, FULL_COST_S, DEFAULT_FULL_COST_S)
+        dropped = [item for item in full if slices[item.nodeid.split("::", 1)[0]] != k]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            gone = set(map(id, dropped))
+            items[:] = [item for item in items if id(item) not in gone]
+        kept = [m for m in modules if slices[m] == k]
+        config.stash[_SLICE_KEY] = (k, n, len(full) - len(dropped), len(full), kept)
+    # Under pytest-xdist with `--dist loadfile --no-loadscope-reorder` (.ci/run) a worker
+    # takes whole modules in this order: the README test's one long run starts at once on
+    # one worker while the other works through the rest, and the short modules come last.
+    longest_modules_first(items)
 
 
 def pytest_report_collectionfinish(config, start_path, items):

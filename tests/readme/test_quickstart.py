@@ -8,12 +8,18 @@ first on PATH, an empty HOME and none of the project's environment variables: th
 default local Prefect API and the SQLite MLflow database `mlflow.db` in the clone. pip
 keeps this machine's indexes and cache (the `PIP_*` variables, `pip cache dir`, and the
 pip config files `pip config debug` lists, copied into one `PIP_CONFIG_FILE`, since the
-user's own file lies in the real HOME).
+user's own file lies in the real HOME), and does not compile to bytecode what it installs
+(`PIP_COMPILE=0`, about half of the install's time: the run compiles what it imports). On
+a pytest-xdist worker the run keeps the worker's share of the cores (`OMP_NUM_THREADS`,
+tests/conftest.py), as on a machine with that many: CI runs it on one of two workers while
+the other runs the rest of the slow tests.
 
 One run serves every slow test here: the README's figures, the MLflow run, the registry,
 and the checks on the data, the validation curve and the probes. Measured on 2 idle cores of
 an AMD EPYC without bf16 (fp32): about 2 minutes of install with a warm pip cache, then
-about 1 step/s (2,000 tokens/s), some 20 minutes for the whole run. Command 2 (set up and run the tests) is not run again: a fast
+about 1 step/s (2,000 tokens/s), some 20 minutes for the whole run; with bf16 (AMD EPYC
+Zen 4) install and run took 568-612 s on both cores, 846 s on one core beside CI's other
+slow tests. Command 2 (set up and run the tests) is not run again: a fast
 test checks that it is the test command CI runs.
 
 Needs `git`, the package indexes pip is configured with, and the Debian archive
@@ -49,7 +55,8 @@ RUN_TIMEOUT_S = 3300
 #: Environment variables a fresh machine does not have: the project's and its tools'
 #: settings (a tracking server, a Prefect API, a work directory, credentials) and the outer
 #: interpreter's, and the thread count pytest-xdist workers set for their own tests
-#: (tests/conftest.py). The opt-outs of telemetry are kept (they change no result).
+#: (tests/conftest.py; kept on a pytest-xdist worker, see `fresh_environment`). The opt-outs
+#: of telemetry are kept (they change no result).
 DROPPED_PREFIXES = ("PREFECT_", "MLFLOW_", "MLM_PIPELINE", "FSSPEC_", "AWS_", "HF_",
                     "TRANSFORMERS_", "PYTHON", "VIRTUAL_ENV", "CONDA_", "PIP_CONFIG_FILE",
                     "OMP_NUM_THREADS", "PYTEST_XDIST")
@@ -127,7 +134,9 @@ def fresh_environment(home: Path, venv: Path, tmp: Path) -> dict[str, str]:
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != outer_bin]
     env.update(HOME=str(home), PATH=os.pathsep.join([str(venv / "bin"), *path]),
                PIP_CONFIG_FILE=str(_pip_config_file(tmp / "pip.conf")),
-               PIP_RETRIES=str(PIP_RETRIES))
+               PIP_RETRIES=str(PIP_RETRIES), PIP_COMPILE="0")
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]  # the worker's share
     return env
 
 

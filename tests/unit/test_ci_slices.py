@@ -1,6 +1,7 @@
 """The `--slice K/N` rule of tests/conftest.py that CI uses to run one part of the `full`
 tier per landing: slices partition the modules, keep each module whole, balance the
-estimated seconds, and do not depend on the order the modules come in."""
+estimated seconds, and do not depend on the order the modules come in. And the order CI's
+workers take the slow modules in: longest first, by the tiers selected."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import itertools
 
 import pytest
 
-from tests.conftest import assign_slices, parse_slice
+from tests import conftest
+from tests.conftest import assign_slices, longest_modules_first, parse_slice
 
 
 def test_costliest_first_each_to_the_least_loaded_slice():
@@ -46,3 +48,30 @@ def test_parse_slice(text, k, n):
 def test_bad_slice_is_a_usage_error_naming_the_option(text):
     with pytest.raises(pytest.UsageError, match="--slice"):
         parse_slice(text)
+
+
+class _Item:
+    """What `longest_modules_first` reads of a pytest item: its node id and marks."""
+
+    def __init__(self, nodeid: str, *marks: str):
+        self.nodeid, self.marks = nodeid, set(marks)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.marks else None
+
+
+def test_slow_modules_longest_first_by_the_selected_tiers(monkeypatch):
+    monkeypatch.setattr(conftest, "PUSH_COST_S", {"t/readme.py": 800, "t/both.py": 100})
+    monkeypatch.setattr(conftest, "FULL_COST_S", {"t/both.py": 900, "t/full.py": 300})
+    fast = _Item("t/both.py::fast")
+    items = [fast, _Item("t/full.py::a", "slow", "full"), _Item("t/both.py::push", "slow"),
+             _Item("t/new.py::a", "slow", "full"), _Item("t/readme.py::a", "slow"),
+             _Item("t/readme.py::b", "slow")]
+    order = list(items)
+    longest_modules_first(order)
+    # readme 800 (push only); full 300; both 100 (its full tests not selected: 100, not
+    # 1,000); new: DEFAULT_FULL_COST_S (60); then the fast test, as collected.
+    assert [i.nodeid for i in order] == [
+        "t/readme.py::a", "t/readme.py::b", "t/full.py::a", "t/both.py::push", "t/new.py::a",
+        "t/both.py::fast"]
+    assert order[-1] is fast
