@@ -357,6 +357,27 @@ def pytest_report_collectionfinish(config, start_path, items):
     return None
 
 
+# --- Where the time went: lines tests record, printed at the end ---------------------------
+
+#: `record_property` name of a line the session prints in its summary (for CI's account of
+#: where its time goes, e.g. the README test's install and run); on pytest-xdist the
+#: workers' reports carry it to the controller, which prints it.
+TIMING_PROPERTY = "timing"
+_TIMINGS: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    _TIMINGS.extend(value for name, value in getattr(report, "user_properties", ())
+                    if name == TIMING_PROPERTY and report.when == "call")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TIMINGS:
+        terminalreporter.section("timings")
+        for line in _TIMINGS:
+            terminalreporter.write_line(line)
+
+
 # --- Start-ups paid once per session -------------------------------------------------------
 
 

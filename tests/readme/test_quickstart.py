@@ -43,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tests.conftest import TIMING_PROPERTY
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
@@ -182,6 +184,7 @@ def quickstart(tmp_path_factory) -> dict:
     result = {
         "command": command, "commit": commit, "clone": clone, "proc": proc,
         "install_s": run_start - started, "run_s": ended - run_start, "summary": summary,
+        "threads": env.get("OMP_NUM_THREADS"),
         "client": MlflowClient(tracking_uri=f"sqlite:///{clone}/mlflow.db"),
     }
     metrics = summary["metrics"] if summary else {}
@@ -216,7 +219,10 @@ def _rows(manifest: dict, split: str) -> np.ndarray:
 
 
 @slow
-def test_command_1_exits_0_and_prints_the_run_and_metrics(quickstart):
+def test_command_1_exits_0_and_prints_the_run_and_metrics(quickstart, record_property):
+    threads = quickstart["threads"] or "all the cores"
+    record_property(TIMING_PROPERTY, f"README command 1: install {quickstart['install_s']:.0f} "
+                                     f"s, run {quickstart['run_s']:.0f} s ({threads} threads)")
     summary = _ok(quickstart)
     out = quickstart["proc"].stdout
     assert summary["mlflow_run_id"] in out
