@@ -315,18 +315,16 @@ def longest_modules_first(items: list) -> None:
     """Sort `items` in place: the modules of slow tests by descending estimated seconds
     (PUSH_COST_S if the module's push-tier tests are among `items`, plus FULL_COST_S if
     its `full` tests are), the other tests after them as collected (stable)."""
+    def module(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
     cost: dict[str, float] = {}
-    tiers: dict[str, set[str]] = {}
-    for item in items:
-        if item.get_closest_marker("slow"):
-            module = item.nodeid.split("::", 1)[0]
-            tiers.setdefault(module, set()).add(
-                "full" if item.get_closest_marker(FULL_MARKER) else "push")
-    for module, found in tiers.items():
-        cost[module] = (PUSH_COST_S.get(module, 0.0) * ("push" in found)
-                        + FULL_COST_S.get(module, DEFAULT_FULL_COST_S) * ("full" in found))
-    items.sort(key=lambda item: -cost[item.nodeid.split("::", 1)[0]]
-               if item.get_closest_marker("slow") else 1.0)
+    for name, full in {(module(item), bool(item.get_closest_marker(FULL_MARKER)))
+                       for item in items if item.get_closest_marker("slow")}:
+        cost[name] = cost.get(name, 0.0) + (FULL_COST_S.get(name, DEFAULT_FULL_COST_S)
+                                            if full else PUSH_COST_S.get(name, 0.0))
+    items.sort(key=lambda item: -cost[module(item)] if item.get_closest_marker("slow")
+               else 1.0)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected: slices of what is selected

@@ -18,8 +18,8 @@ One run serves every slow test here: the README's figures, the MLflow run, the r
 and the checks on the data, the validation curve and the probes. Measured on 2 idle cores of
 an AMD EPYC without bf16 (fp32): about 2 minutes of install with a warm pip cache, then
 about 1 step/s (2,000 tokens/s), some 20 minutes for the whole run; with bf16 (AMD EPYC
-Zen 4) install and run took 568-612 s on both cores, 846 s on one core beside CI's other
-slow tests. Command 2 (set up and run the tests) is not run again: a fast
+Zen 4) install and run took 568-612 s on both cores, 740-861 s on one core beside CI's
+other slow tests. Command 2 (set up and run the tests) is not run again: a fast
 test checks that it is the test command CI runs.
 
 Needs `git`, the package indexes pip is configured with, and the Debian archive
@@ -220,9 +220,9 @@ def _rows(manifest: dict, split: str) -> np.ndarray:
 
 @slow
 def test_command_1_exits_0_and_prints_the_run_and_metrics(quickstart, record_property):
-    threads = quickstart["threads"] or "all the cores"
+    threads = quickstart["threads"] or "all"
     record_property(TIMING_PROPERTY, f"README command 1: install {quickstart['install_s']:.0f} "
-                                     f"s, run {quickstart['run_s']:.0f} s ({threads} threads)")
+                                     f"s, run {quickstart['run_s']:.0f} s (threads: {threads})")
     summary = _ok(quickstart)
     out = quickstart["proc"].stdout
     assert summary["mlflow_run_id"] in out
