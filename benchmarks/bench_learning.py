@@ -5,7 +5,7 @@
                                         [--models LIST] [--out FILE] [--set KEY=VALUE ...]
 
 Smoke test: `--smoke` (seconds, offline: the test corpus `tests/assets/tiny_fr.txt`,
-vocabulary 128, seq_len 32, a toy shape, a 1 s budget, one thread, in a temporary work
+vocabulary 128, seq_len 32, a toy shape, a 0.25 s budget, one thread, in a temporary work
 directory unless `--work`). Needs `transformers` (the `bench` extra).
 
 Data: the real French corpus of `configs/tiny.yaml`, run through our ingest, tokenizer and
@@ -346,14 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override (repeatable), as `mlm-pipeline run --set`")
     parser.add_argument("--smoke", action="store_true",
-                        help="seconds, offline: test corpus, toy shape, 1 s budget (see above)")
+                        help="seconds, offline: test corpus, toy shape, 0.25 s budget (see above)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps must be at least 2, got {args.steps}")
     if not args.smoke:
         return run(args, parser)
     SHAPE.update(SMOKE_SHAPE)
-    args.budget_s, args.threads, args.eval_rows = 1.0, 1, 32  # --steps, if given, is kept
+    args.budget_s, args.threads, args.eval_rows = 0.25, 1, 32  # --steps, if given, is kept
     if args.work:
         return run(args, parser, SMOKE_OVERRIDES)
     with tempfile.TemporaryDirectory(prefix="bench-learning-smoke-") as tmp:

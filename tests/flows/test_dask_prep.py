@@ -24,6 +24,7 @@ from tests.integration.test_partitioned_prep import _tree_sha256, _write_inputs
 pytest.importorskip("prefect_dask")
 
 
+@pytest.mark.slow  # a local Dask cluster's start: the push tier, on every push
 def test_dask_prep_equals_single_process(tmp_path, tiny_paragraphs):
     from mlm_pipeline_flows.dask_prep import prepare_partitioned
 
@@ -69,7 +70,7 @@ def _partition_states() -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.full  # one slice of the landings in CI; the fast test above runs on every push
+@pytest.mark.full  # one slice of the landings in CI; the test above runs on every push
 def test_prepare_data_flow_with_the_dask_executor_matches_the_local_one(tmp_path, tiny_paragraphs):
     """The `prepare-data` flow with `data.executor=dask` (what a user sets) returns the
     manifests of the local executor: same digests, byte-identical files."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CODE = """
 import os, sys
@@ -23,6 +25,8 @@ print('stopped:', api.process is None)
 """
 
 
+# A fresh database's migrations (10-20 s of server CPU): the push tier, on every push.
+@pytest.mark.slow
 def test_the_local_api_starts_without_importing_prefect(tmp_path):
     out = subprocess.run([sys.executable, "-c", CODE, str(tmp_path / "prefect")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)

@@ -169,7 +169,16 @@ def _result_files() -> set[Path]:
 def test_data_stages_are_reused_by_content(tmp_path):
     """A rerun finds each data stage's complete output by its digest (the stages' own
     lookup: Prefect persists no result, so there is no record to plant or to read); the
-    tasks complete, and the run summary lists the stages made by an earlier run."""
+    tasks complete, and the run summary lists the stages made by an earlier run.
+
+    The first two runs are whole pipelines (the summary's `reused_stages`); the variations
+    after them run the `prepare-data` flow, the same three tasks with the same lookup,
+    and tell reuse the way the summary does: a stage whose manifest was created before the
+    run started was reused."""
+    import time
+
+    from mlm_pipeline_flows.prepare_data import prepare_data_flow
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ASSETS / "tiny_fr.txt").read_bytes())
@@ -180,12 +189,22 @@ def test_data_stages_are_reused_by_content(tmp_path):
     records_before = _result_files()
 
     def run(*extra):
-        """The data stages reused by one flow run (a set of names)."""
+        """The data stages reused by one pipeline run (a set of names)."""
         state = mlm_pretraining(PretrainParams(config="tiny", overrides=base + list(extra)),
                                 return_state=True)
         assert state.is_completed()
         assert _stage_states(state.state_details.flow_run_id) == completed
         return set(state.result()["reused_stages"]) & set(data_stages)
+
+    def prepare(*extra):
+        """The data stages reused by one prepare-data run (a set of names)."""
+        params = PretrainParams(config="tiny", overrides=base + list(extra))
+        started_at = time.time()
+        state = prepare_data_flow(params, return_state=True)
+        assert state.is_completed()
+        assert _stage_states(state.state_details.flow_run_id) == completed
+        manifests = state.result().load(params.load())
+        return {m.stage for m in manifests if m.created_at < started_at}
 
     assert run() == set()
     shards_dir = tmp_path / "work" / "shards"
@@ -193,25 +212,26 @@ def test_data_stages_are_reused_by_content(tmp_path):
     # Same config and bytes: every data stage is reused, its files untouched.
     assert run() == set(data_stages)
     assert {p: p.stat().st_mtime_ns for p in shards_dir.rglob("*") if p.is_file()} == made
+    assert prepare() == set(data_stages)
     # Only the vocabulary changes: ingestion is reused, the rest reruns.
-    assert run("tokenizer.vocab_size=120") == {"ingest"}
+    assert prepare("tokenizer.vocab_size=120") == {"ingest"}
     # The same bytes under another name and directory: still reused (content, not paths).
     moved = tmp_path / "elsewhere"
     moved.mkdir()
     (moved / "corpus.txt").write_bytes(corpus.read_bytes())
-    assert run(f"ingest.sources=[{moved / 'corpus.txt'}]") == set(data_stages)
+    assert prepare(f"ingest.sources=[{moved / 'corpus.txt'}]") == set(data_stages)
     # One byte of the input changes: everything downstream reruns.
     data = bytearray(corpus.read_bytes())
     data[10] = ord("X") if data[10] != ord("X") else ord("Y")
     corpus.write_bytes(bytes(data))
-    assert run() == set()
+    assert prepare() == set()
     # Another work directory (another checkout, say) builds its own outputs there.
     other = tmp_path / "work2"
-    assert run(f"work_dir={other}") == set()
+    assert prepare(f"work_dir={other}") == set()
     assert {p.name for p in other.iterdir()} >= {"ingest", "tokenizer", "shards"}
     # Outputs deleted behind the flow's back: recomputed, not reused.
     shutil.rmtree(tmp_path / "work" / "shards")
-    assert run() == {"ingest", "tokenizer"}
+    assert prepare() == {"ingest", "tokenizer"}
     # No Prefect result record was written: nothing a later run would read back.
     assert _result_files() == records_before
 

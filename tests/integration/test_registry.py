@@ -251,6 +251,7 @@ def test_bad_source_is_one_line(case, command, runs, uri, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow  # a fresh interpreter loads transformers and MLflow: the push tier
 def test_load_by_alias_in_a_fresh_process(runs, uri, tmp_path):
     c = runs["C"]
     exported = export_checkpoint(c["trained"].file(c["trained"].checkpoint_dir),
