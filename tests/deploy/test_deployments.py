@@ -72,13 +72,24 @@ def _run_deployment(deployed, *overrides) -> tuple[str, float]:
 
 @contextlib.contextmanager
 def _client(deployed):
-    """A sync Prefect client (and settings) pointed at the test server."""
+    """A sync Prefect client (and settings) pointed at the test server.
+
+    On exit, the events emitted meanwhile are sent and this process's events worker is
+    stopped: Prefect keeps one per client type, bound to the API URL current when it
+    started, so it would otherwise send the later tests' events (on this pytest-xdist
+    worker, to its flows harness) to this module's server after it stopped, and they
+    would be lost.
+    """
     from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with (temporary_settings(updates={PREFECT_API_URL: deployed["env"]["PREFECT_API_URL"]}),
-          get_client(sync_client=True) as client):
-        yield client
+    with temporary_settings(updates={PREFECT_API_URL: deployed["env"]["PREFECT_API_URL"]}):
+        try:
+            with get_client(sync_client=True) as client:
+                yield client
+        finally:
+            EventsWorker.drain_all(timeout=60)
 
 
 def _run_tree(deployed, flow_run_id: str) -> list:
