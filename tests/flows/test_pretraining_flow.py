@@ -4,12 +4,14 @@ import importlib
 import json
 import pkgutil
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 import mlm_pipeline_flows
+from mlm_pipeline_flows.prepare_data import prepare_data_flow
 from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 from tests.faults.mlm_faults import nan_at_step
 
@@ -175,10 +177,6 @@ def test_data_stages_are_reused_by_content(tmp_path):
     after them run the `prepare-data` flow, the same three tasks with the same lookup,
     and tell reuse the way the summary does: a stage whose manifest was created before the
     run started was reused."""
-    import time
-
-    from mlm_pipeline_flows.prepare_data import prepare_data_flow
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ASSETS / "tiny_fr.txt").read_bytes())
