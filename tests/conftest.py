@@ -29,8 +29,8 @@ from mlm_pipeline.manifest import (
 from mlm_pipeline.shards.parallel import available_cores
 
 #: Most pytest-xdist workers `-n auto` starts (pyproject's addopts): each worker pays the
-#: session's start-ups (the tiny fixtures, Prefect's test harness) once more, and the fast
-#: suite's modules are too few and too uneven for more to help.
+#: session's start-ups (collection, the tiny fixtures) once more, and the fast suite's
+#: modules are too few and too uneven for more to help.
 MAX_AUTO_WORKERS = 4
 
 
@@ -43,6 +43,42 @@ def pytest_xdist_auto_num_workers(config) -> int:
         return int(forced)
     cpus = available_cores()
     return min(cpus, MAX_AUTO_WORKERS) if cpus > 1 else 0
+
+
+#: Test modules that share one start-up per worker process: tests/flows/conftest.py's
+#: Prefect test harness (a server subprocess and a fresh database: ~12 s of CPU to start).
+HARNESS_MODULES = "tests/flows/"
+
+
+def harness_unit_scheduling() -> type:
+    """pytest-xdist's `loadfile` scheduling class (each module is a unit, run by one worker)
+    with the modules under `HARNESS_MODULES` as one unit.
+
+    `_split_scope` (a test's unit) is pytest-xdist's override point: private, but the one
+    its own `loadfile` and `loadgroup` use; tests/unit/test_xdist_scheduling.py fails if an
+    upgrade stops calling it. (Imported here: pytest-xdist is a dev dependency.)
+    """
+    from xdist.scheduler import LoadFileScheduling
+
+    class HarnessUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(HARNESS_MODULES):
+                return HARNESS_MODULES
+            return super()._split_scope(nodeid)
+
+    return HarnessUnitScheduling
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject's addopts), except that when slow tests are deselected
+    (the fast suite) the modules under `HARNESS_MODULES` are one unit, run by one worker
+    (`harness_unit_scheduling`): one Prefect test harness for the suite instead of one per
+    worker. The slow tiers keep whole modules as units (`--no-loadscope-reorder` orders
+    them, longest first)."""
+    if config.getvalue("dist") != "loadfile" or "not slow" not in (config.option.markexpr or ""):
+        return None
+    return harness_unit_scheduling()(config, log)
 
 
 def _share_the_cpus_between_workers() -> None:

@@ -357,7 +357,10 @@ def _pytest_commands(text: str) -> list[str]:
     for line in text.splitlines():
         line = line.split("#", 1)[0]
         for part in re.split(r"&&|;|\|\|", line):
-            words = shlex.split(part)
+            try:
+                words = shlex.split(part)
+            except ValueError:  # a quote split by `;` or a line continued: not a pytest call
+                continue
             if words[:3] == ["python", "-m", "pytest"]:
                 found.append(" ".join(words))
     return found
