@@ -64,6 +64,9 @@ def test_every_benchmark_script_has_a_smoke_test():
     assert scripts == set(EXPECTED) | set(ELSEWHERE)
 
 
+#: The environment of the scripts: one OpenMP thread, as their smoke modes use for torch.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
 #: The interpreter the fast scripts are forked from: it imports what they import (never
 #: running a torch operation, so no OpenMP thread pool exists to be forked), then for each
 #: `[script, workdir]` of argv[1] forks a child that runs the script as `__main__` in
@@ -110,30 +113,23 @@ def smoke_runs(tmp_path_factory) -> dict[str, Path]:
     fast = sorted(set(EXPECTED) - SLOW)
     dirs = {s: tmp_path_factory.mktemp(s.removesuffix(".py")) for s in fast}
     jobs = [[str(BENCHMARKS / s), str(d)] for s, d in dirs.items()]
-    # one OpenMP thread, as the scripts' smoke modes use for torch
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(jobs)], env=env,
+    proc = subprocess.run([sys.executable, "-c", _ZYGOTE, json.dumps(jobs)], env=ONE_THREAD,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dirs
-
-
-def _run_alone(script: str, tmp_path: Path, env: dict) -> tuple[int, str, str]:
-    """Run `script --smoke` in a fresh interpreter working in `tmp_path`."""
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], cwd=tmp_path,
-                          env={**env, "TMPDIR": str(tmp_path)}, capture_output=True,
-                          text=True, timeout=600, check=False)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("script", [
     pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in sorted(EXPECTED)])
 def test_smoke_run_prints_its_table(script, tmp_path, request):
     if script in SLOW:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**ONE_THREAD, "TMPDIR": str(tmp_path)}  # a fresh interpreter of its own
         if script in PREFECT_API:
             env["PREFECT_API_URL"] = request.getfixturevalue("prefect_api_url")
-        code, out, err = _run_alone(script, tmp_path, env)
+        proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600, check=False)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
     else:
         workdir = request.getfixturevalue("smoke_runs")[script]
         status = workdir / "status"
