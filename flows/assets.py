@@ -81,7 +81,7 @@ def report_model_asset(trained: TrainManifest, tokenizer: TokenizerManifest,
                        ) -> Asset:
     """Report the trained model (its final checkpoint) as an asset depending on `shards`,
     `tokenizer` and the parent model of a warm start (when the parent checkpoint has a
-    digest: an unverified one has none); `registered` (`registry.publish`'s record) adds
+    digest: an unverified one has none); `registered` (`app.publish.publish`'s record) adds
     the model URI, registered version and decision to the metadata."""
     digest = model_digest(trained)
     asset = stage_asset("model", digest, "trained checkpoint (final step)")

@@ -22,7 +22,7 @@ Progress: in a terminal, one live `rich` line per stage
 
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
 is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
-handler is the train task's, `mlm_pipeline_flows.train_evaluate.stop_gracefully`). A second
+handler is the tracked training run's, `mlm_pipeline.app.training_run.stop_on_signals`). A second
 signal, or one outside training, stops at once.
 """
 

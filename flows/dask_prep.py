@@ -100,7 +100,7 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
     from mlm_pipeline.shards import write_shards
     from mlm_pipeline.shards.parallel import partitioned_encoder
     from mlm_pipeline.tokenizer import Tokenizer
-    from mlm_pipeline.tracking.parents import prepare_tokenizer
+    from mlm_pipeline.app.parents import prepare_tokenizer
 
     n = partition_count(cfg)
     corpus = ingest(cfg.ingest, cfg.work_dir,

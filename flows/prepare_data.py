@@ -58,7 +58,7 @@ def ingest_task(cfg: PipelineConfig) -> CorpusManifest:
 def tokenizer_task(cfg: PipelineConfig, corpus: CorpusManifest) -> TokenizerManifest:
     """Train the SentencePiece tokenizer on the training split (with
     `tokenizer.from_init`, reuse the `train.init_from` model's: nothing trained)."""
-    from mlm_pipeline.tracking.parents import prepare_tokenizer
+    from mlm_pipeline.app.parents import prepare_tokenizer
 
     return prepare_tokenizer(cfg, corpus, data_progress())
 
@@ -107,7 +107,7 @@ def locate_prepared(cfg: PipelineConfig) -> PreparedData:
     """
     from mlm_pipeline.ingest import ingest_digest, read_holdout
     from mlm_pipeline.shards import shards_digest
-    from mlm_pipeline.tracking.parents import tokenizer_digest_for
+    from mlm_pipeline.app.parents import tokenizer_digest_for
 
     def read(stage, digest, cls):
         try:  # in the work directory, or in a URL one's store

@@ -12,7 +12,6 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -20,6 +19,7 @@ from typing import Any, Literal, TypeVar
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field, field_validator
 
+from mlm_pipeline.app.parents import retrain_overrides
 from mlm_pipeline.app.prepared import check_prepared, read_prepared
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import load_config, shipped_configs
@@ -29,10 +29,6 @@ from mlm_pipeline.tracking import records as pipeline
 
 #: `PretrainParams.retrain`: from scratch, or continue from the registered champion.
 RetrainMode = Literal["scratch", "continue"]
-
-#: The tag (`mlm.retrain`) a run of `retrain: continue` gets: it started from the champion,
-#: or there was none yet and it trained from scratch.
-RETRAIN_TAG = "mlm.retrain"
 
 #: The shipped configs (`configs/*.yaml`): the choices of `PretrainParams.config`.
 ShippedConfig = Literal[tuple(sorted(shipped_configs()))]  # type: ignore[valid-type]
@@ -187,43 +183,20 @@ class PretrainParams(BaseModel):
         the config they load, and the run tags that say how (`RETRAIN_TAG`; none with
         `retrain: scratch`, which returns them unchanged).
 
-        With `retrain: continue` and a champion (`parents.champion_source`), the returned
-        parameters add the overrides `train.init_from=models:/<name>@champion`,
-        `tokenizer.from_init=true` and `train.max_steps=<retrain_steps>` (when set) after
-        the others, and `retrain` is `scratch` (resolved: children flows use them as they
-        are); the tag is `continued`. With no champion yet they are unchanged but for
-        `retrain`, and the tag is `scratch_no_champion`; both cases are logged.
+        With `retrain: continue`, the overrides of the policy
+        (`mlm_pipeline.app.parents.retrain_overrides`: start from the registered champion
+        when there is one) are added after the others, and `retrain` is `scratch`
+        (resolved: children flows use them as they are).
 
         Raises:
-            ValueError: `retrain: continue` with a config that already sets
-                `train.init_from` (two warm-start sources), or the errors of `load`.
+            ValueError: the errors of `retrain_overrides` and `load`.
             mlflow.exceptions.MlflowException: the registry could not be asked.
         """
         if self.retrain == "scratch":
             return self, {}
-        from mlm_pipeline.tracking.parents import champion_source, registered_model_name
-
-        cfg = self.load()
-        if cfg.train.init_from is not None:
-            raise ValueError(f"retrain=continue starts from the registered champion, but the "
-                             f"config already sets train.init_from={cfg.train.init_from!r}: "
-                             "set retrain=scratch to keep it, or drop it")
-        source = champion_source(cfg)
-        log = logging.getLogger(__name__)
-        if source is None:
-            log.info("retrain=continue: no champion of %r registered yet at %s: training "
-                     "from scratch", registered_model_name(cfg),
-                     cfg.tracking.tracking_uri or "the default tracking URI")
-            return (self.model_copy(update={"retrain": "scratch"}),
-                    {RETRAIN_TAG: "scratch_no_champion"})
-        added = [f"train.init_from={source}", "tokenizer.from_init=true"]
-        if self.retrain_steps is not None:
-            added.append(f"train.max_steps={self.retrain_steps}")
-        log.info("retrain=continue: starting from %s (its weights and tokenizer), %d steps",
-                 source, self.retrain_steps or cfg.train.max_steps)
+        added, tags = retrain_overrides(self.load(), self.retrain_steps)
         return (self.model_copy(update={"retrain": "scratch",
-                                        "overrides": [*self.overrides, *added]}),
-                {RETRAIN_TAG: "continued"})
+                                        "overrides": [*self.overrides, *added]}), tags)
 
 
 class ManifestRef(BaseModel):

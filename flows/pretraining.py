@@ -50,10 +50,7 @@ from mlm_pipeline_flows.pretrain_params import (
     flow_run_name,
 )
 from mlm_pipeline_flows.tracking_tasks import CLOSING_HOOKS, end_tracking, start_tracking
-from mlm_pipeline_flows.train_evaluate import (  # noqa: F401 - re-exported
-    stop_gracefully,
-    train_evaluate_flow,
-)
+from mlm_pipeline_flows.train_evaluate import train_evaluate_flow
 
 #: The flow's entry point (`prefect.yaml`), recorded as the MLflow run's `mlflow.source.name`.
 ENTRYPOINT = "flows/pretraining.py:mlm_pretraining"

@@ -14,7 +14,6 @@ loads a flow file as a script; see `flows/__init__.py`).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
@@ -22,6 +21,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.utilities.urls import url_for
 
 from mlm_pipeline.app.open_run import open_or_continue
+from mlm_pipeline.app.training_run import train_dir
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
@@ -29,14 +29,6 @@ from mlm_pipeline.tracking import records as pipeline
 
 from mlm_pipeline_flows.pretrain_params import PretrainParams
 from mlm_pipeline_flows.task_support import IO_RETRIES, NOT_CACHED
-
-
-def train_dir(cfg: PipelineConfig, run_id: str) -> Path:
-    """Where the training stage of MLflow run `run_id` writes (checkpoints, metrics): in
-    the work directory, or in the local mirror of a URL one (`mlm_pipeline.store`)."""
-    from mlm_pipeline.store import work_root
-
-    return work_root(cfg.work_dir) / "train" / run_id
 
 
 def _newest_checkpoint(cfg: PipelineConfig):

@@ -18,11 +18,8 @@ loads a flow file as a script; see `flows/__init__.py`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, task
@@ -37,9 +34,7 @@ from mlm_pipeline.manifest import (
     TokenizerManifest,
     TrainManifest,
 )
-from mlm_pipeline.sinks import MultiSink, StdoutSink
 from mlm_pipeline.tracking import MlflowTracker, resume
-from mlm_pipeline.tracking import records as pipeline
 
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
@@ -59,119 +54,27 @@ from mlm_pipeline_flows.task_support import (
 ENTRYPOINT = "flows/train_evaluate.py:train_evaluate_flow"
 
 
-@contextlib.contextmanager
-def stop_gracefully() -> Iterator[None]:
-    """While training runs in the main thread, SIGINT and SIGTERM ask the loop to checkpoint
-    the step it reached and stop (`TrainingInterrupted`) instead of aborting it mid-step;
-    a second signal goes to the handler that was there before (Prefect's, or Python's
-    KeyboardInterrupt). Elsewhere (a worker thread) nothing is installed."""
-    from mlm_pipeline.train import loop
-
-    previous: dict[int, Any] = {}
-
-    def handler(signum, frame) -> None:
-        if signum in previous and not loop.stop_requested():
-            logging.getLogger(__name__).warning(
-                "%s: checkpointing the step reached, then stopping (send it again to stop "
-                "at once)", signal.Signals(signum).name)
-            loop.request_stop()
-            return
-        old = previous.get(signum)
-        if callable(old):
-            old(signum, frame)
-        else:
-            raise KeyboardInterrupt
-
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handler)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        loop.clear_stop()
-
-
 # One retry, for what a second try cures (`retry_condition`): I/O, a lost connection, an
 # MLflow server error, a torchrun rank that died; it resumes from the newest checkpoint.
 @task(name="train", retries=1, retry_condition_fn=retry_condition, **NOT_CACHED)
 def train_task(
     cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest, run_id: str
 ) -> TrainManifest:
-    """Pretrain; metrics stream to the console, MLflow and a progress artifact. A continued
-    run (or a retry) resumes from the newest intact checkpoint of the run, and MLflow gets
-    only the steps it does not hold yet (one value per step and key); a run whose training
-    already reached `train.max_steps` (it failed after training) returns its manifest
-    (`resume.finished_training`) without training. With
-    `train.distributed` asking for several processes, torchrun runs the training
-    (`train.launch.run_torchrun` with the tracking entry `tracking.torchrun_entry`): rank 0
-    logs the metrics and the periodic evaluations to MLflow as it trains, the ranks' output
-    streams into this task's log (the progress artifact follows rank 0's metric lines), and
-    a failure names the failing rank."""
-    from mlm_pipeline.tracking.parents import init_checkpoint, parent_tags
-    from mlm_pipeline.tracking.torchrun_entry import live_tracking
-    from mlm_pipeline.train import train
-
-    done = resume.finished_training(tracking.train_dir(cfg, run_id), cfg.train.max_steps,
-                                    shards.digest)
-    if done is not None:  # a run that failed after training: nothing to train again
-        logging.getLogger(__name__).info(
-            "MLflow run %s trained all %d steps already (%s): not trained again", run_id,
-            done.steps, done.checkpoint_dir)
-        return done
-    tracker = MlflowTracker.from_config(cfg.tracking)
-    if cfg.train.distributed.world_size > 1:
-        trained = _train_torchrun(cfg, shards, tokenizer, run_id, tracker)
-        tracker.set_tags(run_id, parent_tags(trained.init))
-        return trained
-    mlflow_sink, evaluator = live_tracking(cfg, shards, tokenizer, tracker, run_id)
-    sink = MultiSink(StdoutSink(), mlflow_sink, PrefectProgressSink(cfg.train.max_steps))
-    with tracker.system_metrics(run_id):
-        try:
-            with stop_gracefully():
-                trained = train(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                                tracking.train_dir(cfg, run_id), sink, evaluator,
-                                init_checkpoint=init_checkpoint(cfg))
-        finally:
-            sink.close()
-    # The parent (`train.init_from`, a param already): its digest and step as tags.
-    tracker.set_tags(run_id, parent_tags(trained.init))
-    return trained
-
-
-def _train_torchrun(cfg: PipelineConfig, shards: ShardManifest, tokenizer: TokenizerManifest,
-                    run_id: str, tracker: MlflowTracker) -> TrainManifest:
-    """`train_task` under torchrun: rank 0 of the launch feeds MLflow (sinks, periodic
-    evaluator, system metrics); here every output line goes to the task log, and rank 0's
-    metric lines move the progress artifact."""
+    """Pretrain (`app.training_run.train_tracked`): metrics stream to the console, MLflow
+    and a progress artifact; a continued run (or a retry) resumes from the newest intact
+    checkpoint; a torchrun launch's output lines go to this task's log."""
     from prefect import get_run_logger
     from prefect.exceptions import MissingContextError
 
-    from mlm_pipeline.tracking import torchrun_entry
-    from mlm_pipeline.train.launch import run_torchrun, sink_line_step
+    from mlm_pipeline.app.training_run import train_tracked
 
     try:
         log = get_run_logger()
     except MissingContextError:  # called as `train_task.fn()` outside a run
         log = logging.getLogger(__name__)
-    from mlm_pipeline.tracking.parents import launch_init
-
-    extra = {**torchrun_entry.launch_extra(cfg, run_id, tracker),  # refuses FSDP2 + every_steps
-             **launch_init(cfg, tracking.train_dir(cfg, run_id))}
-    progress = PrefectProgressSink(cfg.train.max_steps)
-
-    def on_line(line: str) -> None:
-        log.info(line)
-        step = sink_line_step(line)
-        if step is not None:
-            progress.log({}, step)
-
-    return run_torchrun(cfg.train, cfg.model, cfg.masking, shards, tokenizer,
-                        tracking.train_dir(cfg, run_id), on_line=on_line,
-                        entry=torchrun_entry.ENTRY, extra=extra)
+    return train_tracked(cfg, shards, tokenizer, run_id,
+                         progress=lambda: PrefectProgressSink(cfg.train.max_steps),
+                         log_line=log.info)
 
 
 @task(name="evaluate", **NOT_CACHED)
@@ -193,8 +96,9 @@ def record_results_task(
     cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest
 ) -> None:
     """Log eval metrics, probes and the final checkpoint to the MLflow run."""
-    tracker = MlflowTracker.from_config(cfg.tracking)
-    pipeline.record_results(tracker, run_id, cfg, trained, evaluated)
+    from mlm_pipeline.app.publish import record_results
+
+    record_results(MlflowTracker.from_config(cfg.tracking), run_id, cfg, trained, evaluated)
 
 
 @task(name="publish-model", **NOT_CACHED, **IO_RETRIES)
@@ -206,22 +110,10 @@ def publish_model_task(
     always, `champion` when better on the same data, the champion re-scored on this run's
     validation rows (`shards`) when it was evaluated on others (None when
     `tracking.log_model` is off); then the version's lineage tags and the eval metrics on
-    the logged model (`tracking.version_lineage.record_lineage`)."""
-    if not cfg.tracking.log_model:
-        return None
-    from mlm_pipeline.tracking import registry
-    from mlm_pipeline.tracking.version_lineage import record_lineage
+    the logged model (`app.publish.publish_model`)."""
+    from mlm_pipeline.app.publish import publish_model
 
-    name = cfg.tracking.registered_model_name or cfg.tracking.experiment_name
-    tracker = MlflowTracker.from_config(cfg.tracking)
-    registered = registry.publish(tracker, run_id, name, trained, evaluated,
-                                  tokenizer.output_dir,
-                                  next((p.text for p in cfg.eval.probes), "[MASK]."), shards)
-    # The version's parent, data and steps added as its tags; the eval metrics on the
-    # logged model, with the validation dataset.
-    if shards is not None:
-        record_lineage(tracker, registered, trained, evaluated, shards, tokenizer.digest)
-    return registered
+    return publish_model(cfg, run_id, trained, evaluated, tokenizer, shards)
 
 
 @flow(name="train-evaluate", flow_run_name=flow_run_name, **tracking.CLOSING_HOOKS)

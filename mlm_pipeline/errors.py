@@ -46,6 +46,19 @@ class ResumeRefusedError(ValueError):
     `tracking.resume_run_id`)."""
 
 
+class RescoreUnavailable(ValueError):
+    """The registry's champion cannot be scored on a new version's data (its checkpoint,
+    tokenizer or text is missing or does not fit); the message says why."""
+
+
+class OtherTokenizer(RescoreUnavailable):
+    """The champion was trained with another tokenizer, whose digest is `digest`."""
+
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"the champion's tokenizer has digest {digest[:12]}")
+        self.digest = digest
+
+
 class TransientError(Exception):
     """A failure a second try may cure (mixed into the class of such a failure)."""
 

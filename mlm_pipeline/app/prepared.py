@@ -47,7 +47,7 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
     from mlm_pipeline.manifest import TokenizerManifest as Tok
     from mlm_pipeline.manifest import load_if_complete, read_manifest, stage_dir
     from mlm_pipeline.tokenizer.stage import STAGE
-    from mlm_pipeline.tracking.parents import tokenizer_digest_for
+    from mlm_pipeline.app.parents import tokenizer_digest_for
 
     corpus, digest = None, ""
     if any(s.startswith("debian:") for s in cfg.ingest.sources):
@@ -124,7 +124,7 @@ def check_prepared(cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: Token
             or masking settings).
     """
     from mlm_pipeline.shards import shards_digest
-    from mlm_pipeline.tracking.parents import tokenizer_digest_for
+    from mlm_pipeline.app.parents import tokenizer_digest_for
 
     if tokenizer.digest != tokenizer_digest_for(cfg, corpus):
         raise ValueError(f"{tokenizer_path}: not the tokenizer this config's `tokenizer` "

@@ -43,7 +43,7 @@ def summary(
         started_at: Unix time (s) at which this run started. A stage whose manifest was
             created before it was reused from an earlier run (cache hit): it is listed in
             `reused_stages`, and its `wall_time_s` is the time it took when it was made.
-        registry: what `tracking.registry.publish` decided (None: no model registered).
+        registry: what `app.publish.publish` decided (None: no model registered).
 
     Returns:
         Run id, tracking URI and run page, final metrics (the training loop's last log

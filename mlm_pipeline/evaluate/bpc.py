@@ -3,7 +3,7 @@
 `eval/loss` is nats per masked piece of one vocabulary: two models with other tokenizers
 are not comparable on it. `bits_per_char` scores a model on plain text instead, so the
 registry can compare a champion and a challenger that tokenize differently
-(`tracking.rescore.BpcComparison`).
+(`app.rescore.BpcComparison`).
 
 Definition (the same text and the same words for every model):
 

@@ -6,7 +6,7 @@ words chosen with `eval.seed` at `bpc.DEFAULT_RATE`, in fp32 on the run's device
 metric does not depend on the tokenizer and the text does not move with the corpus, so
 every model version's number is comparable with every other's on the same digest. The
 text is written beside the evaluation (`holdout.json`: digest, sources, documents), so
-the registry scores a champion on exactly the same text (`tracking.holdout`).
+the registry scores a champion on exactly the same text (`app.decide.on_holdout`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Scheduled retraining compares each week's model with last week's on data that moves with
 the corpus; a holdout set is text that does not move, scored for every model version in
 `holdout/bits_per_char` (`evaluate.bpc`), so week-over-week numbers are comparable, and
-the registry decides on it when it is set (`tracking.holdout`).
+the registry decides on it when it is set (`app.decide.on_holdout`).
 
 Definition (`read_holdout`):
 

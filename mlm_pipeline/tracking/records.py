@@ -33,8 +33,9 @@ from mlm_pipeline.manifest import (
 from mlm_pipeline.tracking.lineage import shard_inputs
 from mlm_pipeline.tracking.plots import log_loss_plot
 
-logger = logging.getLogger(__name__)
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
+
+logger = logging.getLogger(__name__)
 
 
 #: Config keys that say how a run is kept (which run to continue, whether to, what to
@@ -218,19 +219,20 @@ def record_results(
     cfg: PipelineConfig,
     trained: TrainManifest,
     evaluated: EvalManifest,
+    fill_mask_rows: list[dict[str, Any]],
 ) -> None:
     """Log eval metrics (at the final step: the curve's last point; those already there
-    are not logged again), the fill-mask predictions (JSON, and appended once to the
-    fill-mask table at the final step), the stop
+    are not logged again), the fill-mask predictions (JSON, and `fill_mask_rows`, the final
+    evaluation's rows of `evaluate.probes.table_rows`, appended once to the fill-mask table
+    at the final step), the stop
     reason, device, precision, MFU peak source and any compile fallback (tags,
     `train_tags`), the holdout text's digest (`digest.holdout`, with a holdout),
     manifests and `plots/loss.png`
     (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
     checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
-    (the model itself is logged by `tracking.registry.publish`)."""
-    from mlm_pipeline.tracking.holdout import holdout_run_tags
-    from mlm_pipeline.tracking.periodic import log_final_fill_mask_rows
-
+    (the model itself is logged by `app.publish.publish`)."""
+    from mlm_pipeline.tracking.fill_mask_table import log_fill_mask_rows
+    from mlm_pipeline.tracking.registry import holdout_run_tags
     from mlm_pipeline.tracking.resume import log_missing_metrics
 
     # Idempotent: finishing a run whose end stages failed keeps one point per key and
@@ -238,7 +240,7 @@ def record_results(
     log_missing_metrics(tracker, run_id, evaluated.metrics, trained.steps)
     tracker.log_dict(run_id, evaluated.probes, "eval/fill_mask.json")
     if tracker.get_run(run_id).data.tags.get(_FINAL_ROWS_TAG) != str(trained.steps):
-        log_final_fill_mask_rows(tracker, run_id, evaluated, cfg.eval.probes, trained.steps)
+        log_fill_mask_rows(tracker, run_id, fill_mask_rows)
         tracker.set_tags(run_id, {_FINAL_ROWS_TAG: str(trained.steps)})
     try:
         log_loss_plot(tracker, run_id)

@@ -1,37 +1,24 @@
-"""The run's MLflow model and the model registry's champion and challenger.
+"""The run's MLflow model and the model registry's champion and challenger: what is
+written to MLflow and read back from it. The decision itself is `mlm_pipeline.app.decide`
+(pure), composed with the model export and the champion's re-scoring in
+`mlm_pipeline.app.publish`.
 
-At the end of a successful run `publish` exports the final checkpoint as a `transformers`
-model directory (`train.export`), logs it as the run's MLflow model (the `transformers`
-flavor, task `fill-mask`, with a signature, an input example and `step` = the final step),
-registers it under `tracking.registered_model_name` (default: the experiment name) and
-decides the aliases (`decide`):
+- `log_model` logs a `transformers` model directory as the run's MLflow model (the
+  `transformers` flavor, task `fill-mask`, with a signature, an input example and `step` =
+  the final step); `logged_model_uri` finds it again (a finish after a failure);
+- `register_version` registers it under a name, with the version tags the decision reads
+  later (`eval_loss`, `eval_data`, digests, holdout score, `champion_before`);
+- `champion` reads the version holding `champion` (its record), `champion_tokenizer_digest`
+  its tokenizer;
+- `apply_decision` writes a decision: every new version gets `challenger`, `champion`
+  moves to it when it promotes; the decision, the metric, both scores and the data they
+  were computed on are set on the run (tags `registry.*`, metrics `registry/*`) and on the
+  model version (tags `decision`, `compared_*`);
+- `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`);
+- `download_model` turns an MLflow run id or a `models:/...` URI back into a local
+  `transformers` model directory (for `mlm-pipeline export` and `fill-mask`).
 
-- every new version gets the alias `challenger`;
-- `champion` moves to it only if its held-out `eval/loss` is lower than the champion's on
-  the same data (`eval_data_digest`: the validation shards digest, the evaluation seed and
-  row cap, and the masking rates that place the masks). When the champion was evaluated
-  on other data (a grown corpus) with the same tokenizer, it is re-scored on the new
-  version's evaluation data first (`tracking.rescore`: its checkpoint evaluated on the
-  same rows with the same masks and precision), and the two losses on that data decide.
-  With another tokenizer the losses are per piece of other vocabularies: both models
-  are then scored in `eval/bits_per_char` on the new version's validation text
-  (`evaluate.bpc`, through `tracking.rescore.BpcComparison`), and those two decide. When
-  the champion's checkpoint cannot be found (or the text or shards are not given), the
-  versions are not compared; the decision says why;
-- with a holdout text (`eval.holdout_sources`: the run has `holdout/bits_per_char`), the
-  decision is made on it instead, the champion scored on the same text (its own score
-  when on the same digest and seed, else re-scored; `tracking.holdout`);
-- `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`).
-
-The decision, the metric, both losses and the eval data digest they were computed on are
-set on the run (tags `registry.*`, metrics `registry/eval_loss` and
-`registry/champion_eval_loss`) and on the model version (tags `decision`, `compared_*`),
-and returned for the run summary.
-
-`download_model` turns an MLflow run id or a `models:/...` URI back into a local
-`transformers` model directory (for `mlm-pipeline export` and `fill-mask`).
-
-mlflow, torch and transformers are imported inside the functions.
+mlflow and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -44,26 +31,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.errors import MissingDependencyError
-from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
-from mlm_pipeline.tracking.holdout import (
-    HoldoutScores,
-    record_holdout_decision,
-    version_holdout,
-)
-from mlm_pipeline.tracking.rescore import (
-    BPC_METRIC,
-    METRIC,
-    BpcComparison,
-    ChampionRescorer,
-    OtherTokenizer,
-    bpc_scores,
-    rescored_loss,
-)
+from mlm_pipeline.manifest import EvalManifest
 from mlm_pipeline.tracking.resume import log_missing_metrics
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
 
@@ -71,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
+#: The metrics a decision names (`app.decide`; the same strings, no import of it needed).
+METRIC, BPC_METRIC, HOLDOUT_METRIC = "eval/loss", "eval/bits_per_char", "holdout/bits_per_char"
+#: Model-version tags of a version's own holdout score.
+HOLDOUT_DIGEST_TAG, HOLDOUT_SEED_TAG, HOLDOUT_SCORE_TAG = (
+    "holdout.digest", "holdout.seed", "holdout.bits_per_char")
 #: Logged-model tag: the step of the checkpoint it was exported from.
 _STEP_TAG = "mlm.step"
 #: Model-version tag: the champion version when it was registered (`none`: there was none).
@@ -193,165 +171,73 @@ def champion(tracker: MlflowTracker, name: str) -> dict[str, Any] | None:
         return None
 
 
-def decide(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
-           eval_loss: float, eval_data: str, shards_digest: str,
-           tokenizer_digest: str | None = None,
-           rescore: Callable[[dict[str, Any]], float] | None = None,
-           bpc: Callable[[dict[str, Any]], tuple[float, float]] | None = None,
-           bpc_text: str | None = None,
-           holdout: HoldoutScores | None = None) -> dict[str, Any]:
-    """Register `model_uri` as a new version of `name`, give it `challenger`, and move
-    `champion` to it when it is better on the same data (see the module docstring). A
-    version `run_id` registered from `model_uri` before (an attempt that stopped before
-    the aliases moved) is reused: no second version, the decision is made against the
-    champion it was registered under (its tag `champion_before`).
+def champion_tokenizer_digest(tracker: MlflowTracker, champion: dict[str, Any]) -> str | None:
+    """The tokenizer digest a champion version was trained with: its version tag
+    `digest.tokenizer` (versions registered since the tag exists), else its run's tag
+    `digest.tokenizer` (`records.data_tags`); None when neither records it."""
+    if champion.get("tokenizer"):
+        return champion["tokenizer"]
+    from mlflow.exceptions import MlflowException
 
-    Args:
-        tracker: the MLflow backend.
-        name: registered model name (created when missing).
-        run_id: the run that logged the model; the decision is recorded on it.
-        model_uri: the logged model (`models:/m-...`).
-        eval_loss: its held-out `eval/loss` (token-weighted mean, nats).
-        eval_data: `eval_data_digest` of that evaluation.
-        shards_digest: the shards digest of the validation data (shown to users).
-        tokenizer_digest: the digest of its tokenizer (None: unknown, the champion is
-            never re-scored).
-        rescore: the champion's `eval/loss` on this version's evaluation data, given the
-            champion's record (`tracking.rescore.ChampionRescorer`), called when the
-            champion was evaluated on other data with the same tokenizer; it raises
-            `RescoreUnavailable` when it cannot (None: never re-scored).
-        bpc: (this version's, the champion's) `eval/bits_per_char` on this version's
-            validation text, given the champion's record
-            (`tracking.rescore.BpcComparison`), called when the champion was trained
-            with another tokenizer; it raises `RescoreUnavailable` when it cannot (None:
-            such versions are not compared).
-        bpc_text: a digest of that text (`BpcComparison.text_digest`), recorded as
-            what the two scores were computed on.
-        holdout: this version's `holdout/bits_per_char` (`tracking.holdout`); given, the
-            decision is made on it, the champion scored on the same holdout text, and
-            the result's `holdout` records both scores and the digest.
+    try:
+        return tracker.get_run(champion["run_id"]).data.tags.get("digest.tokenizer")
+    except MlflowException:
+        return None
 
-    Returns:
-        `name`, `version`, `decision` (`first`: no champion before; `promoted`: lower
-        `eval/loss` on the same data, or lower `eval/bits_per_char` on the same text
-        with another tokenizer; `kept`: not lower; `not_compared`: the champion
-        was evaluated on other data and could not be re-scored on this version's),
-        `reason` (a sentence naming the metric), `metric` (`eval/loss`, or
-        `eval/bits_per_char` when the tokenizers differ and both were scored),
-        `bits_per_char` and `champion_bits_per_char` (None unless that metric decided),
-        `eval_loss`,
-        `eval_data`, `shards`, `champion_eval_loss` (the champion's loss on `eval_data`,
-        re-scored or its own; None when not compared), `champion_rescored`,
-        `compared_on` (the eval data digest both losses were computed on; None when not
-        compared), `champion_before` (the previous champion's record, or None),
-        `champion_version` (after) and, when the holdout decided, `holdout`
-        (`HoldoutScores.decide`'s record: metric, digest, both scores, re-scored or not;
-        `compared_on` is then the holdout digest).
-    """
+
+def register_version(tracker: MlflowTracker, name: str, run_id: str, model_uri: str,
+                     tags: dict[str, str]) -> tuple[int, dict[str, Any] | None]:
+    """Register `model_uri` as a new version of `name` (created when missing) with `tags`
+    and the tag `champion_before`; returns (its version, the champion record before it).
+    A version `run_id` registered from `model_uri` before (an attempt that stopped before
+    the aliases moved) is reused: no second version, and the champion is the one it was
+    registered under (its tag `champion_before`)."""
     version = _registered(tracker, name, run_id, model_uri)
-    if version is None:
-        before = champion(tracker, name)
-        with _tracking_uri(tracker.tracking_uri):
-            import mlflow
-
-            version = mlflow.register_model(model_uri, name, tags={
-                "eval_loss": repr(float(eval_loss)), "eval_data": eval_data,
-                "digest.shards": shards_digest,
-                **({"digest.tokenizer": tokenizer_digest} if tokenizer_digest else {}),
-                **(holdout.version_tags() if holdout is not None else {}),
-                _BEFORE_TAG: str(before["version"]) if before else "none"})
-    else:  # registered by an attempt that stopped before the aliases moved
-        before = _champion_before(tracker, version)
+    if version is not None:
         logger.info("registry %s: version %s of run %s exists: not registered again, "
                     "its aliases are set", name, version.version, run_id)
-    new = int(version.version)
-    theirs, rescored, metric, bpcs, held = None, False, METRIC, None, None
-    if before is None:
-        decision, reason = "first", f"version {new} is the first champion of {name!r}"
-    elif holdout is not None:  # the fixed benchmark text decides (tracking.holdout)
-        held = holdout.decide(new, before)
-        metric, decision, reason = held["holdout"]["metric"], held["decision"], held["reason"]
-    elif before["eval_data"] == eval_data and before["eval_loss"] is not None:
-        theirs = before["eval_loss"]
-        decision, reason = _compare(new, before, eval_loss, theirs, "on the same data")
-    else:
-        theirs, why = rescored_loss(tracker, before, tokenizer_digest, rescore)
-        other = why.digest if isinstance(why, OtherTokenizer) else "unknown"
-        if isinstance(why, OtherTokenizer):
-            bpcs, why = bpc_scores(before, tokenizer_digest, why, bpc)
-        if bpcs is not None:
-            metric = BPC_METRIC
-            decision, reason = _compare(
-                new, before, *bpcs, f"on this version's validation text "
-                f"{(bpc_text or 'unknown')[:12]} (another tokenizer: digest "
-                f"{(tokenizer_digest or 'unknown')[:12]} vs "
-                f"{other[:12]})",
-                BPC_METRIC)
-        elif theirs is None:
-            decision = "not_compared"
-            reason = (f"not compared: version {new} was evaluated on other data than "
-                      f"champion version {before['version']} (shards {shards_digest[:12]} "
-                      f"vs {(before['shards'] or 'unknown')[:12]}, eval data "
-                      f"{eval_data[:12]} vs {(before['eval_data'] or 'unknown')[:12]}) "
-                      f"and {why}; champion stays")
-        else:
-            rescored = True
-            own = ("unknown" if before["eval_loss"] is None
-                   else f"{before['eval_loss']:.4f}")
-            decision, reason = _compare(
-                new, before, eval_loss, theirs,
-                f"re-scored on this version's eval data {eval_data[:12]} (its own "
-                f"{own} was on {(before['eval_data'] or 'unknown')[:12]})")
-    compared = theirs is not None
+        return int(version.version), _champion_before(tracker, version)
+    before = champion(tracker, name)
+    with _tracking_uri(tracker.tracking_uri):
+        import mlflow
+
+        version = mlflow.register_model(model_uri, name, tags={
+            **tags, _BEFORE_TAG: str(before["version"]) if before else "none"})
+    return int(version.version), before
+
+
+def apply_decision(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) -> None:
+    """Write a decision (`app.decide.Decision.record()`): the aliases (`challenger`
+    always, `champion` on `first` or `promoted`), the version's tags (`decision`,
+    `compared_*`), the run's tags (`registry.*`) and metrics (`registry/*`)."""
+    name, new, before = result["name"], str(result["version"]), result["champion_before"]
     client = tracker.client
-    if bpcs is not None:
-        for key, value in {"compared_metric": BPC_METRIC,
-                           "compared_eval_data": bpc_text or "unknown",
-                           "compared_bits_per_char": repr(float(bpcs[0])),
-                           "compared_champion_version": str(before["version"]),
-                           "compared_champion_bits_per_char": repr(float(bpcs[1]))}.items():
-            client.set_model_version_tag(name, str(new), key, value)
-    client.set_registered_model_alias(name, CHALLENGER, str(new))
-    if decision in ("first", "promoted"):
-        client.set_registered_model_alias(name, CHAMPION, str(new))
-    client.set_model_version_tag(name, str(new), "decision", decision)
-    if compared:
-        for key, value in {"compared_metric": METRIC, "compared_eval_data": eval_data,
-                           "compared_eval_loss": repr(float(eval_loss)),
-                           "compared_champion_version": str(before["version"]),
-                           "compared_champion_eval_loss": repr(float(theirs)),
-                           "compared_champion_rescored": str(rescored).lower()}.items():
-            client.set_model_version_tag(name, str(new), key, value)
-    result = {"name": name, "version": new, "decision": decision, "reason": reason,
-              "metric": metric, "eval_loss": float(eval_loss), "eval_data": eval_data,
-              "bits_per_char": bpcs[0] if bpcs else None,
-              "champion_bits_per_char": bpcs[1] if bpcs else None,
-              "shards": shards_digest, "champion_before": before,
-              "champion_eval_loss": float(theirs) if compared else None,
-              "champion_rescored": rescored, "compared_on": eval_data if compared
-              else (bpc_text or "unknown") if bpcs else None,
-              "champion_version": new if decision in ("first", "promoted")
-              else before["version"]}
-    if held is not None:
-        h = held["holdout"]
-        result.update(holdout=h, compared_on=h["digest"] if h["champion_bits_per_char"]
-                      is not None else None)
+    if result["bits_per_char"] is not None:
+        _version_tags(client, name, new, {
+            "compared_metric": BPC_METRIC, "compared_eval_data": result["compared_on"],
+            "compared_bits_per_char": repr(result["bits_per_char"]),
+            "compared_champion_version": str(before["version"]),
+            "compared_champion_bits_per_char": repr(result["champion_bits_per_char"])})
+    client.set_registered_model_alias(name, CHALLENGER, new)
+    if result["decision"] in ("first", "promoted"):
+        client.set_registered_model_alias(name, CHAMPION, new)
+    client.set_model_version_tag(name, new, "decision", result["decision"])
+    if result["champion_eval_loss"] is not None:
+        _version_tags(client, name, new, {
+            "compared_metric": METRIC, "compared_eval_data": result["eval_data"],
+            "compared_eval_loss": repr(result["eval_loss"]),
+            "compared_champion_version": str(before["version"]),
+            "compared_champion_eval_loss": repr(result["champion_eval_loss"]),
+            "compared_champion_rescored": str(result["champion_rescored"]).lower()})
     _record_on_run(tracker, run_id, result)
-    if held is not None:
-        record_holdout_decision(tracker, name, new, run_id, result)
-    logger.info("registry %s: %s: %s", name, decision, reason)
-    return result
+    if "holdout" in result:
+        _record_holdout(tracker, name, new, run_id, result)
+    logger.info("registry %s: %s: %s", name, result["decision"], result["reason"])
 
 
-def _compare(new: int, before: dict[str, Any], ours: float, theirs: float,
-             data: str, metric: str = METRIC) -> tuple[str, str]:
-    """(`promoted` or `kept`, the reason) for `metric` (lower is better) `ours` vs the
-    champion's `theirs`, both computed on the data `data` describes."""
-    if ours < theirs:
-        return "promoted", (f"{metric} {ours:.4f} < champion version {before['version']}'s "
-                            f"{theirs:.4f} {data}: version {new} is champion")
-    return "kept", (f"{metric} {ours:.4f} >= champion version {before['version']}'s "
-                    f"{theirs:.4f} {data}: champion stays")
+def _version_tags(client: Any, name: str, version: str, tags: dict[str, str]) -> None:
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
 
 
 def _registered(tracker: MlflowTracker, name: str, run_id: str, model_uri: str):
@@ -403,60 +289,6 @@ def _record_on_run(tracker: MlflowTracker, run_id: str, result: dict[str, Any]) 
         metrics["registry/bits_per_char"] = result["bits_per_char"]
         metrics["registry/champion_bits_per_char"] = result["champion_bits_per_char"]
     log_missing_metrics(tracker, run_id, metrics, 0)
-
-
-def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManifest,
-            evaluated: EvalManifest, tokenizer_dir: str | Path,
-            input_example: str, shards: ShardManifest | None = None,
-            corpus: CorpusManifest | None = None) -> dict[str, Any]:
-    """Export the run's final checkpoint, log it as the run's model and register it
-    (`log_model`, then `decide`, which re-scores a champion evaluated on other data with
-    the same tokenizer on this run's validation rows: `tracking.rescore`). Returns
-    `decide`'s record with `model_uri`.
-
-    `shards` are the run's shards (its validation rows); None looks for them by digest
-    in the work directory above the training run (`train.export.find_stage_manifest`):
-    not found, a champion evaluated on other data is not compared. `corpus` is the run's
-    corpus (its validation documents are the text of `eval/bits_per_char` when the
-    champion has another tokenizer); None looks for it by the shards' corpus digest in
-    the same way (the ingest stage's directory): not found, such a champion is not
-    compared.
-
-    Idempotent, for a run finished after a failure: a model this run logged at this step
-    (`logged_model_uri`) is not logged again, and a version registered from it is not
-    registered again (`decide` only sets its aliases and tags).
-
-    Raises:
-        ValueError: the model cannot be exported (see `train.export.export_checkpoint`).
-        MissingDependencyError: `transformers` is not installed.
-    """
-    from mlm_pipeline.train.export import export_checkpoint, find_stage_manifest
-
-    model_uri = logged_model_uri(tracker, run_id, trained.steps)
-    if model_uri is not None:
-        logger.info("run %s logged its model already (%s): not logged again", run_id,
-                    model_uri)
-    else:
-        with tempfile.TemporaryDirectory(prefix="mlm-export-") as tmp:
-            out = export_checkpoint(trained.file(trained.checkpoint_dir),
-                                    Path(tmp) / "model", tokenizer=tokenizer_dir)
-            model_uri = log_model(tracker, run_id, out, trained.steps, input_example)
-    if shards is None:
-        shards = find_stage_manifest(Path(trained.output_dir), "shards",
-                                     evaluated.inputs["shards"], ShardManifest)
-    rescore = None if shards is None else ChampionRescorer(
-        tracker, trained, evaluated, shards, tokenizer_dir)
-    if corpus is None and shards is not None:
-        corpus = find_stage_manifest(Path(trained.output_dir), "ingest",
-                                     shards.inputs["corpus"], CorpusManifest)
-    bpc = None if corpus is None else BpcComparison(
-        tracker, trained, evaluated, corpus, tokenizer_dir)
-    result = decide(tracker, name, run_id, model_uri, evaluated.metrics[METRIC],
-                    eval_data_digest(evaluated), evaluated.inputs["shards"],
-                    evaluated.inputs.get("tokenizer"), rescore, bpc,
-                    None if bpc is None else bpc.text_digest(),
-                    HoldoutScores.of(tracker, trained, evaluated))
-    return {**result, "model_uri": model_uri}
 
 
 def promote(tracker: MlflowTracker, run_id: str, name: str | None = None) -> dict[str, Any]:
@@ -562,3 +394,47 @@ def download_model(tracker: MlflowTracker, source: str, out_dir: str | Path,
             (out / "README.md").write_text(front + (got / _CARD_TEXT).read_text(
                 encoding="utf-8"), encoding="utf-8")
     return out
+
+
+def version_holdout(tags: dict[str, str]) -> dict[str, Any]:
+    """A version's holdout score from its tags: `holdout_digest`, `holdout_seed` and
+    `holdout_bits_per_char` (None each when it was not scored on a holdout)."""
+    score = tags.get(HOLDOUT_SCORE_TAG)
+    return {"holdout_digest": tags.get(HOLDOUT_DIGEST_TAG),
+            "holdout_seed": tags.get(HOLDOUT_SEED_TAG),
+            "holdout_bits_per_char": float(score) if score is not None else None}
+
+
+def holdout_version_tags(digest: str, seed: str, bits_per_char: float) -> dict[str, str]:
+    """A new version's tags of its own holdout score (read back by `version_holdout`)."""
+    return {HOLDOUT_DIGEST_TAG: digest, HOLDOUT_SEED_TAG: seed,
+            HOLDOUT_SCORE_TAG: repr(float(bits_per_char))}
+
+
+def _record_holdout(tracker: MlflowTracker, name: str, version: str, run_id: str,
+                    result: dict[str, Any]) -> None:
+    """Set the holdout comparison of `result` (with `holdout`) on the run (tags
+    `registry.holdout_digest`, `registry.champion_holdout_rescored`; metrics
+    `registry/holdout_bits_per_char`, `registry/champion_holdout_bits_per_char`) and, when
+    compared, on the model version (`compared_*` tags)."""
+    held = result["holdout"]
+    theirs = held["champion_bits_per_char"]
+    tracker.set_tags(run_id, {"registry.holdout_digest": held["digest"],
+                              "registry.champion_holdout_rescored":
+                              str(held["champion_rescored"]).lower()})
+    metrics = {"registry/holdout_bits_per_char": held["bits_per_char"]}
+    if theirs is not None:
+        metrics["registry/champion_holdout_bits_per_char"] = theirs
+        _version_tags(tracker.client, name, version, {
+            "compared_metric": HOLDOUT_METRIC, "compared_holdout_digest": held["digest"],
+            "compared_bits_per_char": repr(float(held["bits_per_char"])),
+            "compared_champion_version": str(result["champion_before"]["version"]),
+            "compared_champion_bits_per_char": repr(float(theirs)),
+            "compared_champion_rescored": str(held["champion_rescored"]).lower()})
+    log_missing_metrics(tracker, run_id, metrics, 0)
+
+
+def holdout_run_tags(evaluated: EvalManifest) -> dict[str, str]:
+    """The run's tag `digest.holdout` (the text its `holdout/*` metrics are on), or none."""
+    held = evaluated.config.get("holdout")
+    return {"digest.holdout": held["digest"]} if held else {}

@@ -392,30 +392,6 @@ def close_runs_of_flow_run(tracker: MlflowTracker, flow_run_id: str, status: str
     return closed
 
 
-def finished_training(out_dir: str | Path, max_steps: int, shards_digest: str):
-    """The `TrainManifest` of a training that reached `max_steps` in `out_dir` (a run
-    that failed after training: `plan` said `finish`), so that the rerun goes to the end
-    stages without loading a model; None when training has steps left.
-
-    Complete: `out_dir/manifest.json` records `max_steps` steps, stop reason `max_steps`,
-    the shards `shards_digest`, and its checkpoint is the newest intact one.
-    """
-    from mlm_pipeline.manifest import TrainManifest, find_manifest
-    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint  # torch: lazily
-
-    try:
-        trained = find_manifest(out_dir, TrainManifest)
-    except (FileNotFoundError, ValueError):
-        return None
-    if (trained.steps != max_steps or trained.stop_reason != "max_steps"
-            or trained.inputs.get("shards") != shards_digest):
-        return None
-    newest = latest_intact_checkpoint(Path(out_dir) / "checkpoints")
-    if newest is None or newest.name != Path(trained.checkpoint_dir).name:
-        return None
-    return trained
-
-
 def log_missing_metrics(tracker: MlflowTracker, run_id: str, metrics: Mapping[str, float],
                         step: int) -> dict[str, float]:
     """Log the `metrics` the run does not hold at `step` yet (a finished run's end stages

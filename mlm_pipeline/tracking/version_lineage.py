@@ -3,7 +3,7 @@ as model-version tags, so the champion's history reads from the registry alone; 
 final evaluation metrics on the MLflow logged model; and the asset keys of the stage
 outputs that the flows report to Prefect.
 
-Model-version tags (`record_version_lineage`, after `registry.publish` registered the
+Model-version tags (`record_version_lineage`, after `app.publish.publish` registered the
 version; the run gets the `lineage.parent*` and `lineage.steps_added` tags too):
 
 - `lineage.parent_source`: `train.init_from` as given (`models:/NAME@champion`, a run id,
@@ -139,12 +139,12 @@ def _resolve_parent(tracker: MlflowTracker, name: str, new: int, init: Mapping[s
 def record_version_lineage(tracker: MlflowTracker, registered: Mapping[str, Any],
                            trained: TrainManifest, corpus_digest: str,
                            tokenizer_digest: str) -> dict[str, str]:
-    """Tag the model version `registry.publish` registered with its lineage (see the module
+    """Tag the model version `app.publish.publish` registered with its lineage (see the module
     docstring) and the run with its parent and steps added.
 
     Args:
         tracker: the MLflow backend.
-        registered: `registry.publish`'s record: `name`, `version`, `decision`,
+        registered: `app.publish.publish`'s record: `name`, `version`, `decision`,
             `champion_before` (the run is the version's).
         trained: the run's train manifest (`steps`, `init`, the final checkpoint).
         corpus_digest: the ingest manifest's digest the run was trained on.

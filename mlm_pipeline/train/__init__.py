@@ -6,7 +6,8 @@ and the `Checkpointer` (`checkpoint`) saves. `BertMLM` is the model (`model`;
 its layers in `layers`, attention in `attention`).
 """
 
+from mlm_pipeline.train.loop import StopSignal
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.stage import train
 
-__all__ = ["BertMLM", "train"]
+__all__ = ["BertMLM", "StopSignal", "train"]

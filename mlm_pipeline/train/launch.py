@@ -11,7 +11,7 @@ shard and tokenizer manifests) to `<out_dir>/launch/`, starts
 (`torch.distributed.run` is what the `torchrun` command runs), hands every line of its
 output to a callback as it comes, and reads back the `TrainManifest` rank 0 wrote. The
 entry module is `mlm_pipeline.train.launch` (`ENTRY`) unless the caller names another (the
-tracking stage's `mlm_pipeline.tracking.torchrun_entry`, which logs to MLflow live); what
+application layer's `mlm_pipeline.app.torchrun_entry`, which logs to MLflow live); what
 such an entry needs beyond the training inputs travels in `inputs.json` under `extra`. On a
 failure it raises `DistributedTrainingError` with the root cause: the earliest error that a
 rank recorded through the `torch.distributed.elastic` error file (`@record` on `main`,
@@ -75,7 +75,7 @@ class DistributedTrainingError(RuntimeError, TransientError):
 class LaunchInputs:
     """What every rank of a launch reads from `inputs.json`: the arguments of `stage.train`
     and the entry module's `extra` (a JSON object; for `ENTRY`, at most `init_checkpoint`:
-    where the launcher fetched an MLflow `train.init_from`, `tracking.parents.launch_init`)."""
+    where the launcher fetched an MLflow `train.init_from`, `app.training_run.launch_extra`)."""
 
     train: TrainConfig
     model: ModelConfig
@@ -83,6 +83,12 @@ class LaunchInputs:
     shards: ShardManifest
     tokenizer: TokenizerManifest
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def init_checkpoint(self) -> Path | None:
+        """The fetched parent checkpoint (`extra["init_checkpoint"]`), or None."""
+        found = self.extra.get("init_checkpoint")
+        return Path(found) if found else None
 
 
 def write_launch_inputs(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
@@ -297,7 +303,7 @@ def _main(argv: list[str] | None = None) -> None:
     inputs = read_launch_inputs(args.inputs)
     train(inputs.train, inputs.model, inputs.masking, inputs.shards, inputs.tokenizer,
           args.out_dir, sink=StdoutSink() if rank == 0 else None,
-          init_checkpoint=inputs.extra.get("init_checkpoint"))
+          init_checkpoint=inputs.init_checkpoint)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ so a step over k micro-batches computes the same gradient as one batch k times l
 
 Several ranks (`Parts.world`, see `distributed`): masked-token counts and loss sums are
 summed over ranks, gradients synchronized on the last micro-batch only, and decisions on a
-clock or a signal (`max_time_s`, `checkpoint_interval_s`, `request_stop`) agreed by all
+clock or a signal (`max_time_s`, `checkpoint_interval_s`, a `StopSignal`) agreed by all
 ranks each step. Every rank calls the checkpointer (FSDP2 gathers the full state); rank 0
 alone writes, evaluates (the unwrapped model, no collectives) and feeds the sink.
 
@@ -36,7 +36,7 @@ metrics go to the sink at that step; its time is left out of `train/tokens_per_s
 reads no global RNG, so a run with and without it trains bit-identically. A held-out loss
 still at a uniform guess's after the warm-up is warned about once (`warn_not_learning`).
 
-Stopping early: `request_stop()` (the CLI's SIGINT/SIGTERM handler) makes the loop save a
+Stopping early: the run's `StopSignal` (set by the flows' SIGINT/SIGTERM handler) makes the loop save a
 checkpoint of the step it reached and raise `TrainingInterrupted`; `train.max_time_s`
 ends the run with a warning and stop reason `time_cap`. Sinks are flushed before every
 checkpoint, so a checkpoint never declares steps whose metrics were not delivered.
@@ -77,29 +77,27 @@ logger = logging.getLogger(__name__)
 NOT_LEARNING_SHARE = 0.99
 
 
-_STOP = threading.Event()
-_ACTIVE = threading.Event()
+class StopSignal:
+    """A request to stop one training run early, owned by whoever starts the run (the
+    flows' signal handler sets it on SIGINT and SIGTERM) and given to `train`: the loop
+    checkpoints the step it reached and raises `TrainingInterrupted`. Thread-safe: set
+    from any thread or a signal handler. Two runs in one process have two signals."""
 
+    def __init__(self) -> None:
+        self._event = threading.Event()
 
-def request_stop() -> None:
-    """Ask a running loop (any thread) to checkpoint the step it reached and raise
-    `TrainingInterrupted` (the CLI calls it on SIGINT and SIGTERM)."""
-    _STOP.set()
+    def request(self) -> None:
+        """Ask the run to stop at the end of its current step."""
+        self._event.set()
 
+    def clear(self) -> None:
+        """Forget a request (the loop does once it honoured it)."""
+        self._event.clear()
 
-def clear_stop() -> None:
-    """Forget an earlier `request_stop` (a new run in the same process starts clean)."""
-    _STOP.clear()
-
-
-def stop_requested() -> bool:
-    """True after `request_stop()` until the loop honours it (or `clear_stop()`)."""
-    return _STOP.is_set()
-
-
-def training_active() -> bool:
-    """True while `run_steps` runs in this process (a stop request is then honoured)."""
-    return _ACTIVE.is_set()
+    @property
+    def requested(self) -> bool:
+        """True after `request()` until the loop honours it (or `clear()`)."""
+        return self._event.is_set()
 
 
 class Evaluator(Protocol):
@@ -414,7 +412,8 @@ def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
 
 
 def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
-              sink: MetricsSink) -> tuple[dict[str, float], str]:
+              sink: MetricsSink, stop: StopSignal | None = None
+              ) -> tuple[dict[str, float], str]:
     """Train from `parts.train_state.step` to `cfg.max_steps` (or until `cfg.max_time_s`).
 
     Every `cfg.log_every` steps, at the last step and when out of time, the meter's report
@@ -427,18 +426,10 @@ def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
 
     Raises:
         NonFiniteLossError: a step was not finite (module docstring).
-        TrainingInterrupted: `request_stop()` was called; the step reached is checkpointed.
+        TrainingInterrupted: `stop` was requested; the step reached is checkpointed.
         RuntimeError: `torch.compile` fails.
     """
-    _ACTIVE.set()
-    try:
-        return _run_steps(parts, cfg, checkpointer, sink)
-    finally:
-        _ACTIVE.clear()
-
-
-def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
-               sink: MetricsSink) -> tuple[dict[str, float], str]:
+    stop = stop or StopSignal()
     state, last_metrics = parts.train_state, {}
     run_start = last_save = time.perf_counter()
     parts.meter.start()
@@ -451,8 +442,8 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
         interval = cfg.checkpoint_interval_s
         late = interval is not None and now - last_save >= interval
         # Every rank must take the same branch (one tiny all_reduce; no-op with one rank).
-        out_of_time, late, stop = parts.world.any([out_of_time, late, _STOP.is_set()],
-                                                  parts.device)
+        out_of_time, late, stopping = parts.world.any([out_of_time, late, stop.requested],
+                                                      parts.device)
         if every_step:
             _check_finite(parts, checkpointer)
         if applied and (state.step % cfg.log_every == 0 or state.step == cfg.max_steps
@@ -470,8 +461,8 @@ def _run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
         if (applied and parts.evaluator is not None and state.step < cfg.max_steps
                 and state.step % parts.evaluator.every_steps == 0 and parts.world.is_main):
             _evaluate(parts, sink, cfg.warmup)
-        if stop:
-            _STOP.clear()
+        if stopping:
+            stop.clear()
             raise TrainingInterrupted(state.step, _save(parts, checkpointer, sink))
         due = applied and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
         if (due or late) and state.step < cfg.max_steps and not out_of_time:

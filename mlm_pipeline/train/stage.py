@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from mlm_pipeline.train.distributed import (
     init_world,
 )
 from mlm_pipeline.train.hf import hf_class_name
-from mlm_pipeline.train.loop import Evaluator, Parts, TrainState, run_steps
+from mlm_pipeline.train.loop import Evaluator, Parts, StopSignal, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
@@ -248,7 +247,8 @@ def train(
     out_dir: str | Path,
     sink: MetricsSink | None = None,
     evaluator: Evaluator | None = None,
-    init_checkpoint: str | Path | Callable[[], Path] | None = None,
+    init_checkpoint: Path | None = None,
+    stop: StopSignal | None = None,
 ) -> TrainManifest:
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
@@ -266,10 +266,13 @@ def train(
         evaluator: periodic held-out evaluation during training (`loop.Evaluator`, e.g.
             `mlm_pipeline.evaluate.PeriodicEvaluator`); its metrics go to the same sinks at
             the steps it runs. It does not change what is trained.
-        init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to,
-            or a function fetching it (`tracking.parents.init_checkpoint`); None:
-            `cfg.init_from` is a local path (or unset). Used at a fresh start only: a
-            resumed run continues from its own checkpoint, whose state records its parent.
+        init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to
+            (`app.parents.init_checkpoint`); None: `cfg.init_from` is a local path (or
+            unset). Used at a fresh start only: a resumed run continues from its own
+            checkpoint, whose state records its parent.
+        stop: the run's stop request (`loop.StopSignal`): once set, the step reached is
+            checkpointed and `TrainingInterrupted` raised; None: the run is not stopped
+            early.
 
     Returns:
         The `TrainManifest` (also written as `out_dir/manifest.json`).
@@ -293,7 +296,7 @@ def train(
     world = init_world(cfg.distributed, resolve_device(cfg.device))
     try:
         return _train(cfg, model, masking, shards, tokenizer, out, sink, evaluator, world,
-                      watch, init_checkpoint)
+                      watch, init_checkpoint, stop)
     finally:
         world.close()
 
@@ -319,8 +322,8 @@ def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
 def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
            shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
            sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
-           watch: Stopwatch,
-           init_checkpoint: str | Path | Callable[[], Path] | None = None) -> TrainManifest:
+           watch: Stopwatch, init_checkpoint: Path | None = None,
+           stop: StopSignal | None = None) -> TrainManifest:
     """`train` once the process group (if any) is up: rank 0 alone writes files."""
     if evaluator is not None:
         refuse_fsdp2_evaluation(world.distributed, world.strategy)
@@ -364,7 +367,7 @@ def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     )
     try:
         sinks = MultiSink(*(s for s in (jsonl, sink) if s is not None and world.is_main))
-        last_metrics, stop_reason = run_steps(parts, cfg, checkpointer, sinks)
+        last_metrics, stop_reason = run_steps(parts, cfg, checkpointer, sinks, stop)
         sinks.flush()
         final = checkpointer.save(parts.train_state.step)
     finally:

@@ -5,7 +5,7 @@ directory: its newest intact checkpoint, as `fill-mask` and `export` take them t
 `app.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
 its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
 step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
-local checkpoint by the tracking layer first (`tracking.parents`), which passes it
+local checkpoint by the tracking layer first (`tracking.fetch`, as `app.parents` decides), which passes it
 here as `checkpoint`. An exported `transformers` directory is refused: it holds no
 digests to verify it by (the message names the checkpoint its model card says it was
 exported from).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,7 +208,7 @@ def parent_tokenizer(init: InitSource) -> TokenizerManifest:
 
 def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
                   tokenizer: TokenizerManifest, resume_from: Path | None,
-                  init_checkpoint: str | Path | Callable[[], Path] | None = None
+                  init_checkpoint: Path | None = None
                   ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
     """The parent record (`InitSource.record`) and weights a run starts from: at a fresh
     start with `cfg.init_from`, the verified, compatible parent and its weights; when
@@ -221,8 +220,7 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         cfg, model, shards, tokenizer: the run's train and model configs and inputs.
         resume_from: the checkpoint the run resumes from, or None (a fresh start).
         init_checkpoint: where an MLflow `cfg.init_from` was fetched to (see
-            `resolve_init`), or a function fetching it (called at a fresh start only:
-            `tracking.parents.init_checkpoint`).
+            `resolve_init`; `app.parents.init_checkpoint` fetches it at a fresh start).
 
     Raises:
         ValueError, FileNotFoundError: the errors of `resolve_init` and
@@ -232,8 +230,6 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         return read_state(resume_from).get("init"), None
     if cfg.init_from is None:
         return None, None
-    if callable(init_checkpoint):
-        init_checkpoint = init_checkpoint()
     init = resolve_init(cfg.init_from, init_checkpoint, cfg.trust_unverified_checkpoint)
     check_init_compatible(init, model, shards, tokenizer)
     return init.record(), init_weights(init, cfg.trust_unverified_checkpoint)

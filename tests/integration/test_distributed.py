@@ -207,8 +207,8 @@ def test_torchrun_command_and_rendezvous_rule(tmp_path):
     assert "--standalone" in cmd and cmd[cmd.index("--nproc-per-node") + 1] == "4"
     assert cmd[-6:-4] == ["-m", "mlm_pipeline.train.launch"]
     other = torchrun_command(one_node, tmp_path / "in.json", tmp_path, tmp_path / "logs",
-                             entry="mlm_pipeline.tracking.torchrun_entry")
-    assert other[-6:] == ["-m", "mlm_pipeline.tracking.torchrun_entry", "--inputs",
+                             entry="mlm_pipeline.app.torchrun_entry")
+    assert other[-6:] == ["-m", "mlm_pipeline.app.torchrun_entry", "--inputs",
                           str(tmp_path / "in.json"), "--out-dir", str(tmp_path)]
     with pytest.raises(ValueError, match="nnodes 2 needs rdzv_endpoint"):
         DistributedConfig(nproc_per_node=8, nnodes=2)

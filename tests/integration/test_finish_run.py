@@ -2,7 +2,7 @@
 store and a real tiny trained model:
 
 - its training is not run again (`train_task` returns the finished training's manifest);
-- the end stages done again (`record_results`, `registry.publish`) after the registration
+- the end stages done again (`record_results`, `publish`) after the registration
   failed between creating the version and moving the aliases leave one final point per
   eval key, one logged model and one model version, with the aliases the first attempt
   would have set.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from mlm_pipeline.app.publish import publish, record_results
+from mlm_pipeline.app.training_run import finished_training, train_dir
 from mlm_pipeline.config import (
     EvalConfig,
     MaskingConfig,
@@ -20,8 +22,7 @@ from mlm_pipeline.config import (
     TrainConfig,
 )
 from mlm_pipeline.evaluate import evaluate
-from mlm_pipeline.tracking import MlflowTracker, registry, resume
-from mlm_pipeline.tracking.records import record_results
+from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.train import train
 
 mlflow = pytest.importorskip("mlflow")
@@ -56,7 +57,6 @@ def finished(tmp_path_factory, tiny_shard_manifest, tiny_tokenizer_manifest,
 
 def test_a_finished_training_is_not_run_again(finished, tiny_shard_manifest,
                                               tiny_tokenizer_manifest):
-    from mlm_pipeline_flows.tracking_tasks import train_dir
     from mlm_pipeline_flows.train_evaluate import train_task
 
     cfg, _, run_id, trained, _ = finished
@@ -67,8 +67,8 @@ def test_a_finished_training_is_not_run_again(finished, tiny_shard_manifest,
     assert {p: (p.stat().st_mtime_ns, p.read_bytes())
             for p in out.rglob("*") if p.is_file()} == files  # nothing written
     # another budget is not a finished training: it would train
-    assert resume.finished_training(out, STEPS + 1, tiny_shard_manifest.digest) is None
-    assert resume.finished_training(out, STEPS, "0" * 64) is None
+    assert finished_training(out, STEPS + 1, tiny_shard_manifest.digest) is None
+    assert finished_training(out, STEPS, "0" * 64) is None
 
 
 def test_the_end_stages_done_again_log_and_register_once(finished, monkeypatch,
@@ -86,16 +86,16 @@ def test_the_end_stages_done_again_log_and_register_once(finished, monkeypatch,
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "set_registered_model_alias", fails_once)
-    publish = (tracker, run_id, NAME, trained, evaluated, tiny_tokenizer_manifest.output_dir,
+    args = (tracker, run_id, NAME, trained, evaluated, tiny_tokenizer_manifest.output_dir,
                "Le [MASK] du chat.")
     with pytest.raises(MlflowException, match="server unavailable"):
-        registry.publish(*publish)
+        publish(*args)
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
     assert [int(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == [1]
 
     # The rerun finishes the run: the same end stages again.
     record_results(tracker, run_id, cfg, trained, evaluated)
-    result = registry.publish(*publish)
+    result = publish(*args)
 
     assert [int(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == [1]
     assert (result["version"], result["decision"], result["champion_version"]) == (1, "first", 1)

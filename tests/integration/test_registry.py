@@ -1,5 +1,5 @@
 """The run's MLflow model and the registry's champion and challenger, against a real
-MLflow SQLite backend with real tiny trained models (`tracking.registry.publish`).
+MLflow SQLite backend with real tiny trained models (`app.publish.publish`).
 
 Four runs are trained, evaluated and published in order under one registered name:
 
@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from mlm_pipeline import cli
+from mlm_pipeline.app.publish import publish, record_results
 from mlm_pipeline.app.summary import registry_lines, registry_summary
 from mlm_pipeline.config import (
     EvalConfig,
@@ -44,7 +45,6 @@ from mlm_pipeline.evaluate import evaluate, fill_mask
 from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
 from mlm_pipeline.tracking import MlflowTracker, registry
-from mlm_pipeline.tracking.records import record_results
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.export import export_checkpoint
@@ -96,7 +96,7 @@ def runs(tmp_path_factory, tiny_corpus_manifest, uri, client):
         tracker.log_metrics(run_id, evaluated.metrics, step=trained.steps)
         # As a pipeline run records it: how a later version finds this one's checkpoint.
         tracker.log_artifacts(run_id, trained.path, "manifests/train")
-        result = registry.publish(tracker, run_id, NAME, trained, evaluated, tok.output_dir,
+        result = publish(tracker, run_id, NAME, trained, evaluated, tok.output_dir,
                                   TEXT, sh)
         tracker.end_run(run_id)
         out[name] = {"run_id": run_id, "trained": trained, "evaluated": evaluated,
@@ -331,7 +331,7 @@ def grown(tmp_path_factory, tiny_paragraphs, uri):
         record_results(tracker, run_id, PipelineConfig(), trained, evaluated)
         # v2 passes its shards as the flow does; v3 leaves them to be found by digest,
         # and passes its corpus (not in the work directory's ingest/ here).
-        result = registry.publish(tracker, run_id, GROWN, trained, evaluated, tk.output_dir,
+        result = publish(tracker, run_id, GROWN, trained, evaluated, tk.output_dir,
                                   TEXT, shards[data] if name == "v2" else None,
                                   corpus["B"] if name == "v3" else None)
         tracker.end_run(run_id)

@@ -1,5 +1,5 @@
 """The registry decides on the fixed holdout text (`eval.holdout_sources`), against a real
-MLflow SQLite backend with real tiny trained models (`tracking.registry.publish`).
+MLflow SQLite backend with real tiny trained models (`app.publish.publish`).
 
 Three runs on the same data, each evaluated with a holdout and published in order:
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlm_pipeline.app.publish import publish, record_results
 from mlm_pipeline.config import (
     EvalConfig,
     MaskingConfig,
@@ -29,8 +30,7 @@ from mlm_pipeline.evaluate.bpc import bits_per_char
 from mlm_pipeline.ingest import read_holdout
 from mlm_pipeline.shards.stage import write_shards
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
-from mlm_pipeline.tracking import MlflowTracker, registry
-from mlm_pipeline.tracking.records import record_results
+from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.train import train
 from mlm_pipeline.train.verified import load_verified
 
@@ -71,7 +71,7 @@ def published(tmp_path_factory, tiny_corpus_manifest, tiny_paragraphs):
                              holdout=holdouts[key])
         run_id = tracker.start_run({"run": name})
         record_results(tracker, run_id, PipelineConfig(), trained, evaluated)
-        result = registry.publish(tracker, run_id, NAME, trained, evaluated, tok.output_dir,
+        result = publish(tracker, run_id, NAME, trained, evaluated, tok.output_dir,
                                   TEXT, shards)
         tracker.end_run(run_id)
         out[name] = {"run_id": run_id, "trained": trained, "evaluated": evaluated,

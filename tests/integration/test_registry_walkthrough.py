@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "models.md"
 BIN = Path(sys.executable).parent
-#: A `Decision:` sentence of each kind, numbers as patterns (`registry.decide`).
+#: A `Decision:` sentence of each kind, numbers as patterns (`app.decide`).
 SHAPES = {
     "first": r"version \d+ is the first champion of '[\w-]+'",
     "kept": r"eval/loss \d+\.\d{4} >= champion version \d+'s \d+\.\d{4} on the same data: "

@@ -6,9 +6,9 @@ the steps MLflow lacks)."""
 import pytest
 from mlflow.tracking import MlflowClient
 
+from mlm_pipeline.app.training_run import live_tracking
 from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.config_files import load_config
-from mlm_pipeline.tracking.torchrun_entry import live_tracking
 from mlm_pipeline.tracking.tracker import MlflowTracker
 from mlm_pipeline.train import train
 

@@ -3,7 +3,7 @@ directory: the run ends bit for bit where an uninterrupted run ends (weights, an
 step's logged loss, learning rate, gradient norm and masked-token count, each step once).
 
 The graceful cases of the CLI resume matrix (`tests/flows/test_resume_cli.py`, slow), in
-this process: the loop's stop request (`request_stop`, what the CLI's SIGINT/SIGTERM
+this process: the run's stop request (`StopSignal.request`, what the flows' SIGINT/SIGTERM
 handler calls) is made at the same points of a run, and the loop checkpoints the step it
 reaches and raises `TrainingInterrupted`:
 
@@ -40,12 +40,14 @@ from mlm_pipeline.train.checkpoint import (
     list_checkpoints,
     load_model_state,
 )
-from mlm_pipeline.train.loop import TrainingInterrupted, clear_stop, request_stop
+from mlm_pipeline.train.loop import StopSignal, TrainingInterrupted
 from mlm_pipeline.train.perf import PEAK_TFLOPS_ENV
 
 MAX_STEPS, CHECKPOINT_EVERY, MICRO_BATCH = 24, 5, 16
 #: Keys whose values depend only on the computation (tokens/s and MFU depend on the clock).
 EXACT_KEYS = ("train/loss", "train/lr", "train/grad_norm", "train/masked_tokens")
+#: The interrupted runs' stop signal (one run at a time in this module).
+STOP = StopSignal()
 
 
 def _model(preset: str) -> ModelConfig:
@@ -87,9 +89,9 @@ def shards(tmp_path_factory, tiny_shard_config, tiny_corpus_manifest, tiny_token
                                         tiny_tokenizer_manifest, work, _masking("precomputed"))}
 
 
-def _run(out: Path, preset: str, masking: str, shards, tokenizer, sink=None):
+def _run(out: Path, preset: str, masking: str, shards, tokenizer, sink=None, stop=None):
     return train(_train_cfg(), _model(preset), _masking(masking), shards[masking], tokenizer,
-                 out, sink=sink)
+                 out, sink=sink, stop=stop)
 
 
 def _records(out: Path) -> list[dict]:
@@ -121,7 +123,7 @@ class _StopAfterStep(MetricsSink):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if step == self.step:
-            request_stop()
+            STOP.request()
 
     def flush(self) -> None:
         pass
@@ -140,7 +142,7 @@ class _StopAfterCheckpoint(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith("checkpoint saved") and message.endswith(self.name_):
-            request_stop()
+            STOP.request()
 
 
 @pytest.fixture
@@ -175,7 +177,7 @@ def stop_while_writing(monkeypatch):
             real_fsync(path)
             if path.parent.name.startswith(prefix) and not seen:
                 seen.append(path)
-                request_stop()
+                STOP.request()
         monkeypatch.setattr(checkpoint_module, "_fsync", fsync)
     install.seen = seen
     return install
@@ -204,12 +206,13 @@ def test_a_stopped_run_resumes_bit_for_bit(case, tmp_path, shards, tiny_tokenize
         stop_after_checkpoint(at)
     else:
         stop_while_writing(at)
-    clear_stop()
+    STOP.clear()
     try:
         with pytest.raises(TrainingInterrupted) as stopped:
-            _run(out, preset, masking, shards, tiny_tokenizer_manifest, sink=sink)
+            _run(out, preset, masking, shards, tiny_tokenizer_manifest, sink=sink, stop=STOP)
+        assert not STOP.requested  # the loop clears the request it honoured
     finally:
-        clear_stop()
+        STOP.clear()
     if how == "while-writing":
         assert stop_while_writing.seen, "the checkpoint write was not reached"
     # The step reached is checkpointed; the log holds the steps up to it, each once.

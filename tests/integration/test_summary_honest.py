@@ -20,7 +20,7 @@ from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.manifest import EvalManifest, Manifest, TrainManifest
 from mlm_pipeline.sinks import MetricsSink
 from mlm_pipeline.train import train
-from mlm_pipeline.train.loop import TrainingInterrupted, clear_stop, request_stop
+from mlm_pipeline.train.loop import StopSignal, TrainingInterrupted
 
 
 def _interval_seconds(records: list[dict], tokens_per_step: int) -> list[tuple[int, float]]:
@@ -32,12 +32,12 @@ def _interval_seconds(records: list[dict], tokens_per_step: int) -> list[tuple[i
 class _StopAt(MetricsSink):
     """A sink that asks the loop to stop (as SIGINT does) once `step` is logged."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, stop: StopSignal) -> None:
+        self.step, self.stop = step, stop
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if step >= self.step:
-            request_stop()
+            self.stop.request()
 
     def flush(self) -> None:
         pass
@@ -55,9 +55,9 @@ def test_train_time_spans_both_segments_of_a_resumed_run(
                       checkpoint_every=100, seed=5)
     sections = (cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
                 tiny_tokenizer_manifest, tmp_path / "run")
-    clear_stop()
+    stop = StopSignal()
     with pytest.raises(TrainingInterrupted) as stopped:
-        train(*sections, sink=_StopAt(3))
+        train(*sections, sink=_StopAt(3, stop), stop=stop)
     resumed_at = stopped.value.step
     manifest = train(*sections)  # a second segment, from the interruption's checkpoint
     assert manifest.steps == 8 and 0 < resumed_at < 8

@@ -3,7 +3,7 @@ of `mlm-pipeline runs`, and `mlm-pipeline models NAME` read from the registry al
 real MLflow SQLite store.
 
 Three runs register versions of one model the way `train-evaluate` does, through
-`registry.decide` (no model files: a logged model created and finalized by the client,
+`app.publish.register_and_decide` (no model files: a logged model created and finalized by the client,
 which is all `decide` reads), then `record_version_lineage` with train manifests whose
 checkpoints hold a `state.json` written here:
 
@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 
 from mlm_pipeline import cli
+from mlm_pipeline.app.decide import Challenger
+from mlm_pipeline.app.publish import register_and_decide
 from mlm_pipeline.manifest import TrainManifest
-from mlm_pipeline.tracking import MlflowTracker, registry
+from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.tracking.version_lineage import (
     log_model_metrics,
     record_version_lineage,
 )
-
 from tests.integration.test_runs_compare import _cli  # a command in a fresh process
 
 mlflow = pytest.importorskip("mlflow")
@@ -66,14 +67,15 @@ def _trained(work: Path, run_id: str, steps: int, digest: str,
 
 
 def _register(tracker: MlflowTracker, run_id: str, loss: float) -> dict:
-    """A READY logged model of `run_id`, registered and decided by `registry.decide`."""
+    """A READY logged model of `run_id`, registered and decided
+    (`app.publish.register_and_decide`)."""
     client = tracker.client
     model = client.create_logged_model(tracker.experiment_id(), name="model",
                                        source_run_id=run_id)
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     uri = f"models:/{model.model_id}"
-    return {**registry.decide(tracker, NAME, run_id, uri, loss, EVAL_DATA, "s" * 64),
-            "model_uri": uri}
+    challenger = Challenger(NAME, 0, loss, EVAL_DATA, "s" * 64)
+    return {**register_and_decide(tracker, NAME, run_id, uri, challenger), "model_uri": uri}
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ def test_reused_tokenizer_encodes_a_new_corpus_with_the_parents_ids(
 def test_config_level_tokenizer_reuse_is_what_the_flows_run(
         tmp_path, monkeypatch, parents, tiny_corpus_manifest, tiny_tokenizer_manifest):
     import mlm_pipeline.tokenizer.stage as tokenizer_stage
-    from mlm_pipeline.tracking.parents import prepare_tokenizer, tokenizer_digest_for
+    from mlm_pipeline.app.parents import prepare_tokenizer, tokenizer_digest_for
 
     monkeypatch.setattr(tokenizer_stage, "_run_trainer", None)  # a call would fail
     cfg = PipelineConfig.model_validate({

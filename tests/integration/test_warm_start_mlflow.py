@@ -1,5 +1,5 @@
 """Warm start from an MLflow SOURCE (`models:/NAME@ALIAS`, run id) and the config-level
-wiring the flows use (`tracking.parents`): the parent's checkpoint where its run's train
+wiring the flows use (`app.parents`, over `tracking.fetch`): the parent's checkpoint where its run's train
 manifest says, else the checkpoint the run uploaded, downloaded with its tokenizer;
 `tokenizer.from_init` adopting that tokenizer; the run's parent tags."""
 
@@ -8,15 +8,15 @@ import shutil
 
 import pytest
 
-from mlm_pipeline.config import MaskingConfig, PipelineConfig, TrainConfig
-from mlm_pipeline.tracking import MlflowTracker
-from mlm_pipeline.tracking.parents import (
+from mlm_pipeline.app.parents import (
     init_checkpoint,
     parent_of,
-    parent_tags,
     prepare_tokenizer,
     tokenizer_digest_for,
 )
+from mlm_pipeline.config import MaskingConfig, PipelineConfig, TrainConfig
+from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.tracking.fetch import parent_tags
 from mlm_pipeline.train import train
 
 mlflow = pytest.importorskip("mlflow")
@@ -89,10 +89,11 @@ def test_alias_resolves_to_the_local_checkpoint_then_the_uploaded_one(
         tok = prepare_tokenizer(cfg, tiny_corpus_manifest)
         assert tok.model.sha256 == tiny_tokenizer_manifest.model.sha256
         assert tok.output_dir.startswith(str((tmp_path / "work" / "tokenizer").resolve()))
+        out = tmp_path / "work" / "train" / "child"
         child = train(cfg.train.model_copy(update={"max_steps": 1, "precision": "fp32",
                                                    "compile": "off"}),
                       tiny_model_config, MaskingConfig(), tiny_shard_manifest, tok,
-                      tmp_path / "work" / "train" / "child", init_checkpoint=init_checkpoint(cfg))
+                      out, init_checkpoint=init_checkpoint(cfg, out))
     finally:
         shutil.move(str(moved), published["base"] / "parent-work")
     assert child.init["source"] == f"models:/{NAME}@champion"

@@ -23,6 +23,12 @@ Rules checked here, one test each:
    `cli_commands` and every module of `ingest/`, `tokenizer/`, `tracking/` and `app/`
    (mlflow and torch are imported lazily there).
 8. No module is longer than 600 lines; past 400 a warning asks for the seam (STYLE rule 4).
+9. `mlm_pipeline/tracking/` talks to MLflow and nothing else: none of its modules imports
+   `train` or `evaluate`, not even inside a function (work that needs a model and MLflow,
+   re-scoring the champion or resolving a warm-start parent, is composed in `app/`).
+10. No import circle between modules of `mlm_pipeline` (every import that runs counted,
+   module level and inside functions; one under `if TYPE_CHECKING:` never runs, and a
+   module importing its own package's `__init__` is not a circle).
 
 Rules 6 and 7 hold for each module iff they hold for all of them imported together, so
 each imports all its modules in one fresh interpreter; only when that one sees a forbidden
@@ -87,6 +93,7 @@ class Import(NamedTuple):
     importer: str  # dotted name of the importing module
     line: int
     target: str  # dotted name imported
+    typing_only: bool = False  # under `if TYPE_CHECKING:` (never run)
 
     def __str__(self) -> str:
         return f"{self.importer} (line {self.line}) imports {self.target}"
@@ -95,16 +102,21 @@ class Import(NamedTuple):
 def imports_in(source: str, module: str, is_package: bool) -> Iterator[Import]:
     """Every module name that `source` (the code of `module`) imports, anywhere in it."""
     package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield Import(module, node.lineno, alias.name)
+                yield Import(module, node.lineno, alias.name, id(node) in typing_only)
         elif isinstance(node, ast.ImportFrom):
             base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
-            yield Import(module, node.lineno, base)
+            hint = id(node) in typing_only
+            yield Import(module, node.lineno, base, hint)
             for alias in node.names:
                 if alias.name != "*":
-                    yield Import(module, node.lineno, f"{base}.{alias.name}")
+                    yield Import(module, node.lineno, f"{base}.{alias.name}", hint)
         elif isinstance(node, ast.Call) and node.args:
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -147,8 +159,13 @@ def test_the_scanner_sees_every_kind_of_import():
         "def f():\n"
         "    from mlm_pipeline.tracking import records\n"
         "    import importlib; importlib.import_module('mlflow.tracking')\n"
+        "if TYPE_CHECKING:\n"
+        "    from mlm_pipeline.train import loop\n"
     )
-    got = {i.target for i in imports_in(source, "mlm_pipeline.ingest.sources", False)}
+    found = list(imports_in(source, "mlm_pipeline.ingest.sources", False))
+    assert {i.target for i in found if i.typing_only} == {"mlm_pipeline.train",
+                                                          "mlm_pipeline.train.loop"}
+    got = {i.target for i in found}
     assert {"prefect", "mlm_pipeline.flows", "mlm_pipeline.ingest.stage.x",
             "mlm_pipeline.tracking.records", "mlflow.tracking"} <= got
     got = {i.target for i in imports_in("from . import corpora", "mlm_pipeline.ingest", True)}
@@ -200,6 +217,57 @@ def test_rule_5_every_module_has_a_level():
     names = {p.stem if p.suffix == ".py" else p.name for p in PACKAGE_DIR.iterdir()
              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
     assert names <= set(LEVELS), f"place these in LEVELS: {sorted(names - set(LEVELS))}"
+
+
+def test_rule_9_tracking_imports_neither_train_nor_evaluate():
+    bad = [str(i) for i in IMPORTS if i.importer.startswith("mlm_pipeline.tracking")
+           and i.target.split(".")[1:2] in (["train"], ["evaluate"])]
+    assert not bad, ("tracking/ only talks to MLflow; compose model work in app/:\n"
+                     + "\n".join(bad))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Importer -> the `mlm_pipeline` modules it imports (a `from x import y` counts as
+    `x.y` when that is a module, else as `x`), edges to an importer's own package left out."""
+    graph: dict[str, set[str]] = {m: set() for m in ALL_MODULES}
+    for i in IMPORTS:
+        if i.typing_only:
+            continue
+        target = i.target if i.target in graph else i.target.rpartition(".")[0]
+        if target in graph and target != i.importer and not i.importer.startswith(
+                target + "."):
+            graph[i.importer].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (its modules in order), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_rule_10_no_import_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
+    found = _cycle(_module_graph())
+    assert found is None, "an import circle: " + " -> ".join(found or [])
 
 
 def _imported_by(modules: list[str]) -> frozenset[str]:

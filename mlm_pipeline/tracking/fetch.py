@@ -1,18 +1,18 @@
-"""Warm-start parents (`train.init_from`) from any SOURCE, for the flows and the CLI.
+"""An MLflow run's training checkpoint and tokenizer fetched to this machine: the parent of
+a warm start (`train.init_from`), or the champion the registry re-scores.
 
-A local SOURCE (checkpoint or training run directory) is used where it is. An MLflow
-SOURCE (a run id, `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`) names
+An MLflow SOURCE (a run id, `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`) names
 a run: its training checkpoint is the one its train manifest (artifact
 `manifests/train/manifest.json`) names when that directory exists here (the same machine,
 or a shared work directory), else the checkpoint the run uploaded
 (`tracking.log_training_state`: artifacts `checkpoints/step-*`), downloaded with the
 run's tokenizer (artifacts `tokenizer/`) to `<work_dir>/parents/<run id>/`, laid out as a
 work directory (`train/<run id>/checkpoints/step-*`, `tokenizer/<digest[:16]>/`) so the
-tokenizer is found beside the checkpoint. Either way the checkpoint is then verified and
-loaded by `train.warm_start` (the exported `transformers` model is not a training
-checkpoint and is not used).
+tokenizer is found beside the checkpoint. The checkpoint is then verified and loaded by
+`train.warm_start` (the exported `transformers` model is not a training checkpoint and is
+not used); which parent a run starts from is decided in `mlm_pipeline.app.parents`.
 
-mlflow and torch are imported inside the functions.
+mlflow is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -20,19 +20,14 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest, TrainManifest, read_manifest
-from mlm_pipeline.progress import Progress
+from mlm_pipeline.manifest import TrainManifest, read_manifest
 from mlm_pipeline.store import work_root
 from mlm_pipeline.tracking.registry import CHAMPION, RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker, sqlite_db_path
-
-if TYPE_CHECKING:  # pragma: no cover
-    from mlm_pipeline.train.warm_start import InitSource
 
 logger = logging.getLogger(__name__)
 
@@ -158,84 +153,6 @@ def _download(client: Any, run_id: str, artifact: str, dest: Path) -> None:
         got = Path(client.download_artifacts(run_id, artifact, tmp))
         shutil.rmtree(dest, ignore_errors=True)
         got.rename(dest)
-
-
-def init_checkpoint(cfg: PipelineConfig) -> Callable[[], Path] | None:
-    """What `train.train` takes as `init_checkpoint`: for an MLflow `train.init_from`, a
-    function fetching its checkpoint (`fetch_parent_checkpoint`), called at a fresh start
-    only (a resumed run never reads its parent again); None without `train.init_from` or
-    for a local SOURCE (one that does not exist is refused by `train` at a fresh start)."""
-    source = cfg.train.init_from
-    if source is None or Path(source).expanduser().exists() or not (
-            source.startswith("models:/") or RUN_ID.fullmatch(source)):
-        return None
-    return lambda: fetch_parent_checkpoint(MlflowTracker.from_config(cfg.tracking), source,
-                                           cfg.work_dir)
-
-
-def launch_init(cfg: PipelineConfig, out_dir: str | Path) -> dict[str, str]:
-    """What a torchrun launch adds to its `extra` for the ranks' `train` (`init_checkpoint`):
-    the MLflow parent fetched once here, before any rank starts, when the run directory
-    `out_dir` holds no checkpoint yet (a fresh start); empty otherwise.
-
-    Raises:
-        ValueError: the errors of `fetch_parent_checkpoint`.
-    """
-    from mlm_pipeline.train.verified import list_checkpoints
-
-    fetch = init_checkpoint(cfg)
-    if fetch is None or list_checkpoints(Path(out_dir) / "checkpoints"):
-        return {}
-    return {"init_checkpoint": str(fetch())}
-
-
-def parent_of(cfg: PipelineConfig) -> InitSource | None:
-    """The verified parent of `cfg` (`train.warm_start.resolve_init`), fetched first when
-    it is an MLflow SOURCE; None without `train.init_from`.
-
-    Raises:
-        ValueError, FileNotFoundError: the errors of `fetch_parent_checkpoint` and
-            `resolve_init`.
-    """
-    from mlm_pipeline.train.warm_start import resolve_init
-
-    if cfg.train.init_from is None:
-        return None
-    fetch = init_checkpoint(cfg)
-    return resolve_init(cfg.train.init_from, fetch() if fetch else None,
-                        cfg.train.trust_unverified_checkpoint)
-
-
-def tokenizer_digest_for(cfg: PipelineConfig, corpus: CorpusManifest) -> str:
-    """The digest of the tokenizer `prepare_tokenizer` gives `cfg`: the parent's with
-    `tokenizer.from_init`, else `tokenizer_digest(cfg.tokenizer, corpus)`.
-
-    Raises:
-        ValueError, FileNotFoundError: the errors of `parent_of`.
-    """
-    from mlm_pipeline.tokenizer import tokenizer_digest
-
-    if not cfg.tokenizer.from_init:
-        return tokenizer_digest(cfg.tokenizer, corpus)
-    parent = parent_of(cfg)
-    return str(parent.state.get("tokenizer_digest"))
-
-
-def prepare_tokenizer(cfg: PipelineConfig, corpus: CorpusManifest,
-                      progress: Progress | None = None) -> TokenizerManifest:
-    """The tokenizer stage of `cfg`: the parent's tokenizer adopted into the work
-    directory with `tokenizer.from_init` (nothing trained), else `train_tokenizer`.
-
-    Raises:
-        ValueError, FileNotFoundError, RuntimeError: the errors of `parent_of`,
-            `warm_start.parent_tokenizer`, `adopt_tokenizer` or `train_tokenizer`.
-    """
-    from mlm_pipeline.tokenizer import adopt_tokenizer, train_tokenizer
-    from mlm_pipeline.train.warm_start import parent_tokenizer
-
-    if not cfg.tokenizer.from_init:
-        return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir, progress)
-    return adopt_tokenizer(parent_tokenizer(parent_of(cfg)), cfg.work_dir)
 
 
 def parent_tags(init: dict[str, Any] | None) -> dict[str, str]:

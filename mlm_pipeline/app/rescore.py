@@ -1,21 +1,22 @@
-"""The champion re-scored on a challenger's evaluation data (`tracking.registry.decide`).
+"""The champion scored on a new version's data, for the registry's decision
+(`mlm_pipeline.app.decide`): each scorer is one kind of `Evidence`.
 
-When a challenger was evaluated on other data than the champion (another corpus, shards,
-seed or row cap: another `eval_data_digest`) but with the same tokenizer, the two
-`eval/loss` values the versions carry are not comparable; the champion's model is then
-evaluated again on the challenger's data, and the registry decides on that pair.
+- `ChampionRescorer`: the champion trained with the same tokenizer but evaluated on other
+  data (another corpus, shards, seed or row cap: another `eval_data_digest`). Its
+  checkpoint is found the way warm start finds a parent (`tracking.fetch.fetch_parent_checkpoint`:
+  where its run's train manifest says, else the checkpoint the run uploaded), loaded
+  through the verified loader (`train.verified.load_verified`) and evaluated by the
+  evaluate stage's own function (`evaluate.stage.masked_lm_metrics`) on the new version's
+  validation rows, with its fixed masks (its masking record keyed by its `eval.seed`), its
+  row cap, precision and device: the champion's `eval/loss` is computed exactly as the new
+  version's was. Whether the model runs with document attention is the champion's own
+  training setting, as its own evaluation ran it.
+- `BpcComparison`: a champion with another tokenizer and the new version, both scored in
+  `eval/bits_per_char` (`evaluate.bpc`) on the new version's validation text.
+- `HoldoutRescorer`: the champion scored on the new version's holdout text
+  (`holdout/bits_per_char`), when its own holdout score is on another text or seed.
 
-`champion_checkpoint` finds the champion's training checkpoint the way warm start finds a
-parent (`tracking.parents.fetch_parent_checkpoint`: where its run's train manifest says,
-else the checkpoint the run uploaded); `ChampionRescorer` loads it through the verified
-loader (`train.verified.load_verified`) and runs the evaluate stage's own function
-(`evaluate.stage.masked_lm_metrics`) on the challenger's validation rows, with the
-challenger's fixed masks (its masking record keyed by its `eval.seed`), its row cap and
-its precision and device: the champion's `eval/loss` is then computed exactly as the
-challenger's was, on the same rows and positions. Whether the model runs with document
-attention is the champion's own training setting, as its own evaluation ran it.
-
-torch and mlflow are imported inside the functions.
+torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -26,47 +27,18 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
+from mlm_pipeline.app.decide import BPC_METRIC, HOLDOUT_METRIC, METRIC
+from mlm_pipeline.errors import OtherTokenizer, RescoreUnavailable
 from mlm_pipeline.manifest import CorpusManifest, EvalManifest, ShardManifest, TrainManifest
+from mlm_pipeline.tracking.fetch import fetch_parent_checkpoint
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 logger = logging.getLogger(__name__)
 
-#: The metric the registry decides on (lower is better).
-METRIC = "eval/loss"
-#: The metric it decides on when the tokenizers differ (`evaluate.bpc.METRIC`; lower is
-#: better; the same string, kept here so that importing this module needs no torch).
-BPC_METRIC = "eval/bits_per_char"
-#: The share of words it scores (`evaluate.bpc.DEFAULT_RATE`).
+#: The share of words `eval/bits_per_char` scores (`evaluate.bpc.DEFAULT_RATE`).
 BPC_RATE = 0.15
-
-
-class RescoreUnavailable(ValueError):
-    """The champion cannot be re-scored on the challenger's data; the message says why."""
-
-
-class OtherTokenizer(RescoreUnavailable):
-    """The champion was trained with another tokenizer (its digest: `digest`)."""
-
-    def __init__(self, digest: str) -> None:
-        super().__init__(f"the champion's tokenizer has digest {digest[:12]}")
-        self.digest = digest
-
-
-def champion_tokenizer_digest(tracker: MlflowTracker, champion: dict[str, Any]) -> str | None:
-    """The tokenizer digest a champion version was trained with: its version tag
-    `digest.tokenizer` (versions registered since the tag exists), else its run's tag
-    `digest.tokenizer` (`records.data_tags`); None when neither records it."""
-    if champion.get("tokenizer"):
-        return champion["tokenizer"]
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return tracker.get_run(champion["run_id"]).data.tags.get("digest.tokenizer")
-    except MlflowException:
-        return None
 
 
 def champion_checkpoint(tracker: MlflowTracker, champion: dict[str, Any],
@@ -78,8 +50,6 @@ def champion_checkpoint(tracker: MlflowTracker, champion: dict[str, Any],
         RescoreUnavailable: the version records no run, or the run has no train manifest
             or checkpoint to be found (the reason of `fetch_parent_checkpoint`).
     """
-    from mlm_pipeline.tracking.parents import fetch_parent_checkpoint
-
     if not champion.get("run_id"):
         raise RescoreUnavailable(f"champion version {champion['version']} records no run")
     try:
@@ -112,7 +82,7 @@ class ChampionRescorer:
         masked token) on the challenger's validation rows and masks.
 
         Args:
-            champion: the champion's version record (`registry.champion`).
+            champion: the champion's version record (`tracking.registry.champion`).
 
         Raises:
             OtherTokenizer: its checkpoint was trained with another tokenizer.
@@ -209,7 +179,7 @@ class BpcComparison:
         validation text.
 
         Args:
-            champion: the champion's version record (`registry.champion`).
+            champion: the champion's version record (`tracking.registry.champion`).
 
         Raises:
             RescoreUnavailable: the champion's checkpoint or its tokenizer cannot be
@@ -241,7 +211,7 @@ class BpcComparison:
         except (CheckpointError, FileNotFoundError, ValueError) as exc:
             raise RescoreUnavailable(f"bits per character: {exc}") from exc
         logger.info("registry: %s on %s validation characters: challenger %.4f, champion "
-                    "version %s %.4f", "eval/bits_per_char", cfg.bpc_max_chars, ours,
+                    "version %s %.4f", BPC_METRIC, cfg.bpc_max_chars, ours,
                     champion["version"], theirs)
         return ours, theirs
 
@@ -273,43 +243,45 @@ def load_champion(tracker: MlflowTracker, champion: dict[str, Any], device: str)
             raise RescoreUnavailable(f"its checkpoint {checkpoint}: {exc}") from exc
 
 
-def bpc_scores(before: dict[str, Any], tokenizer_digest: str | None, other: OtherTokenizer,
-               bpc: Callable[[dict[str, Any]], tuple[float, float]] | None
-               ) -> tuple[tuple[float, float] | None, str]:
-    """((this version's, the champion's) `eval/bits_per_char`, "") for a champion with
-    another tokenizer, or (None, why not: the end of the `not_compared` sentence)."""
-    head = (f"with another tokenizer (digest {(tokenizer_digest or 'unknown')[:12]} vs "
-            f"{other.digest[:12]})")
-    if bpc is None:
-        return None, (f"{head}: {METRIC} is per piece of another vocabulary, and its "
-                      f"validation text was not found for {BPC_METRIC}")
-    try:
-        ours, theirs = bpc(before)
-    except RescoreUnavailable as exc:
-        logger.warning("registry: champion version %s not scored in %s: %s",
-                       before["version"], BPC_METRIC, exc)
-        return None, f"{head}: {BPC_METRIC} could not be computed ({exc})"
-    return (float(ours), float(theirs)), ""
+@dataclass(frozen=True)
+class HoldoutRescorer:
+    """Scores the champion on this run's holdout text (`holdout.json` of its evaluation,
+    checked against its digest), with this run's seed, cap and device: its checkpoint and
+    its own tokenizer (`load_champion`).
 
+    Attributes:
+        tracker: the MLflow backend the champion's run is read from.
+        trained: this run's training manifest (its device).
+        evaluated: this run's evaluation, scored on a holdout.
+    """
 
-def rescored_loss(tracker: MlflowTracker, before: dict[str, Any],
-                  tokenizer_digest: str | None,
-                  rescore: Callable[[dict[str, Any]], float] | None
-                  ) -> tuple[float | None, str | OtherTokenizer]:
-    """(the champion's `eval/loss` re-scored on the new version's data, "") or (None,
-    why it was not: the end of the `not_compared` sentence, or the `OtherTokenizer`
-    error when the champion was trained with another tokenizer)."""
-    theirs = None if tokenizer_digest is None else champion_tokenizer_digest(tracker, before)
-    if theirs is not None and theirs != tokenizer_digest:
-        return None, OtherTokenizer(theirs)
-    if tokenizer_digest is None or rescore is None:
-        return None, ("the champion was not re-scored on its data (its tokenizer digest or "
-                      "shards were not given)")
-    try:
-        return float(rescore(before)), ""
-    except OtherTokenizer as exc:
-        return None, exc
-    except RescoreUnavailable as exc:
-        logger.warning("registry: champion version %s not re-scored: %s", before["version"],
-                       exc)
-        return None, f"the champion could not be re-scored on its data ({exc})"
+    tracker: MlflowTracker
+    trained: TrainManifest
+    evaluated: EvalManifest
+
+    def __call__(self, champion: dict[str, Any]) -> float:
+        """The champion's `holdout/bits_per_char` on this run's holdout text.
+
+        Raises:
+            RescoreUnavailable: its checkpoint, its tokenizer or this run's holdout text
+                cannot be found, or its model cannot score it.
+        """
+        from mlm_pipeline.config import EvalConfig
+        from mlm_pipeline.evaluate.holdout import holdout_metrics, read_holdout_text
+
+        cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
+        digest = self.evaluated.config["holdout"]["digest"]
+        try:
+            documents = read_holdout_text(self.evaluated.output_dir, digest)
+        except (OSError, ValueError, KeyError) as exc:
+            raise RescoreUnavailable(f"this run's holdout text: {exc}") from exc
+        model, tok = load_champion(self.tracker, champion, self.trained.device)
+        try:
+            theirs = holdout_metrics(model, tok, documents, cfg, self.trained.device)
+        except ValueError as exc:
+            raise RescoreUnavailable(f"{HOLDOUT_METRIC}: {exc}") from exc
+        logger.info("registry: champion version %s re-scored on holdout %s: %s %.4f (its "
+                    "own tag: %s on %s)", champion["version"], digest[:12], HOLDOUT_METRIC,
+                    theirs[HOLDOUT_METRIC], champion.get("holdout_bits_per_char"),
+                    (champion.get("holdout_digest") or "none")[:12])
+        return float(theirs[HOLDOUT_METRIC])
