@@ -3,8 +3,8 @@
 `work_dir` is a local path (the default, `.mlm-pipeline`), or a URL of any fsspec protocol
 with a writable backend (`s3://bucket/prefix`: s3fs; `gs://`, `az://` likewise). A URL work
 directory is the store of record, and every machine that uses it works in a local mirror:
-`$MLM_PIPELINE_CACHE_DIR/<sha256(url)[:16]>/` (default cache directory:
-`$XDG_CACHE_HOME/mlm-pipeline/work`, i.e. `~/.cache/mlm-pipeline/work`), which has the
+`<cache>/work/<sha256(url)[:16]>/` (the cache, `cache_home`: `$MLM_PIPELINE_CACHE`, else
+`$XDG_CACHE_HOME/mlm-pipeline`, i.e. `~/.cache/mlm-pipeline`), which has the
 same layout (`<stage>/<digest[:16]>/...`, `train/<run>/checkpoints/...`) and holds the
 URL in its `.store-url` file. Stages keep reading and writing local files; this module
 moves them:
@@ -47,8 +47,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable naming the directory that holds the local mirrors of URL work dirs.
-CACHE_ENV = "MLM_PIPELINE_CACHE_DIR"
+#: Environment variable naming the project's one cache directory: fetched corpora
+#: (`ingest.corpora`) and, under `work/`, the local mirrors of URL work directories.
+CACHE_ENV = "MLM_PIPELINE_CACHE"
+#: Its former name for the mirrors alone, refused with a message naming `CACHE_ENV`.
+_OLD_CACHE_ENV = "MLM_PIPELINE_CACHE_DIR"
 #: File in a mirror's root holding the URL it mirrors.
 MARKER = ".store-url"
 #: The file a stage directory's completeness hangs on: uploaded last, read first.
@@ -66,13 +69,31 @@ def _normal_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def cache_root() -> Path:
-    """The directory holding the mirrors of URL work directories (`CACHE_ENV`, or
-    `$XDG_CACHE_HOME/mlm-pipeline/work`, or `~/.cache/mlm-pipeline/work`), absolute."""
+def cache_home() -> Path:
+    """The project's cache directory, absolute: `$MLM_PIPELINE_CACHE` when set, else
+    `$XDG_CACHE_HOME/mlm-pipeline`, else `~/.cache/mlm-pipeline`.
+
+    Raises:
+        ValueError: `$MLM_PIPELINE_CACHE_DIR` (the mirrors' former variable) is set: it is
+            no longer read, and a mirror moved without a word would be downloaded again.
+    """
+    if os.environ.get(_OLD_CACHE_ENV):
+        raise ValueError(f"${_OLD_CACHE_ENV} is no longer read: set ${CACHE_ENV} instead "
+                         f"(the mirrors of URL work directories are in ${CACHE_ENV}/work)")
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser().resolve()
     base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return (Path(base).expanduser() / "mlm-pipeline" / "work").resolve()
+    return (Path(base).expanduser() / "mlm-pipeline").resolve()
+
+
+def cache_root() -> Path:
+    """The directory holding the mirrors of URL work directories: `work/` of
+    `cache_home()`.
+
+    Raises:
+        ValueError: see `cache_home`.
+    """
+    return cache_home() / "work"
 
 
 def work_root(work_dir: str | os.PathLike[str]) -> Path:

@@ -128,7 +128,7 @@ class PipelineConfig(StrictModel):
     """A label for the config (logged as a param)."""
     work_dir: str = ".mlm-pipeline"
     """Root of every stage's outputs (content-addressed subdirectories): a local directory,
-    or an fsspec URL (`s3://bucket/prefix`) mirrored in `$MLM_PIPELINE_CACHE_DIR` (see "the
+    or an fsspec URL (`s3://bucket/prefix`) mirrored in `$MLM_PIPELINE_CACHE/work` (see "the
     work directory on an S3-compatible store")."""
     ingest: IngestConfig = IngestConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()

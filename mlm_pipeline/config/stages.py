@@ -53,7 +53,7 @@ class IngestConfig(StrictModel):
     """Share of documents (by hash of the normalized text) held out for evaluation."""
     cache_dir: str | None = None
     """Where fetched Debian packages and extracted corpora are cached; None uses
-    `$MLM_PIPELINE_CACHE` or `~/.cache/mlm-pipeline`."""
+    the project's cache (`$MLM_PIPELINE_CACHE`, else `~/.cache/mlm-pipeline`)."""
     on_bad_file: Literal["skip", "fail"] = "skip"
     """An input file unreadable in its format (truncated or not-compressed `.gz`, `.json`
     not one array, Parquet or CSV without `text_field`, CSV quote never closed, ...):

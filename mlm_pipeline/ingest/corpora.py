@@ -33,6 +33,7 @@ from typing import Literal
 
 from mlm_pipeline.ingest.corpus_extract import extract_documents, write_jsonl
 from mlm_pipeline.progress import Progress, active
+from mlm_pipeline.store import cache_home
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,9 @@ DEBIAN_CORPUS_SETS: dict[str, tuple[str, ...]] = {
 
 
 def default_cache_dir() -> Path:
-    """`$MLM_PIPELINE_CACHE` when set, else `~/.cache/mlm-pipeline`."""
-    env = os.environ.get("MLM_PIPELINE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlm-pipeline"
+    """The project's cache directory (`store.cache_home`: `$MLM_PIPELINE_CACHE`, else
+    `$XDG_CACHE_HOME/mlm-pipeline` or `~/.cache/mlm-pipeline`)."""
+    return cache_home()
 
 
 def fetch_debian_corpus(name: str, cache_dir: Path,

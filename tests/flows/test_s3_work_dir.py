@@ -4,7 +4,7 @@ A real S3 API: moto's server on loopback (in this process, behind a WSGI wrapper
 records every request), a real MLflow server whose artifact store is a bucket of it
 (`--artifacts-destination s3://...`, the runs upload through the server), and
 `mlm-pipeline run` in fresh processes, each with its own local cache directory
-(`MLM_PIPELINE_CACHE_DIR`) and Prefect home: a second machine. The corpus itself is an
+(`MLM_PIPELINE_CACHE`) and Prefect home: a second machine. The corpus itself is an
 `s3://` source. Credentials and the endpoint reach s3fs only from the environment.
 
 What is checked, independently of the code under test:
@@ -147,7 +147,7 @@ def _env(machine: Path, endpoint: str, **extra: str) -> dict[str, str]:
     """A machine: its own cache directory and Prefect home; S3 from the environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "AWS_"))}
     env.update(KEYS, FSSPEC_S3_ENDPOINT_URL=endpoint, FSSPEC_S3_KEY="testing",
-               FSSPEC_S3_SECRET="testing", MLM_PIPELINE_CACHE_DIR=str(machine / "cache"),
+               FSSPEC_S3_SECRET="testing", MLM_PIPELINE_CACHE=str(machine / "cache"),
                PREFECT_HOME=str(machine / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                MLFLOW_DISABLE_TELEMETRY="true", **extra)
     return env

@@ -1,7 +1,7 @@
 """A URL work directory (`mlm_pipeline.store`) against a real S3 API: moto's server on
 loopback, configured through the environment (`s3_endpoint`, from test_s3_source).
 
-Two machines are two cache directories (`MLM_PIPELINE_CACHE_DIR`) over one bucket. The
+Two machines are two cache directories (`MLM_PIPELINE_CACHE`) over one bucket. The
 expected bytes and hashes are read here with boto3, not through the code under test.
 """
 
@@ -48,7 +48,7 @@ def _machine(monkeypatch, tmp_path: Path, name: str, work: str) -> Path:
     """A machine: its own cache directory, holding its mirror of `work` (as a stage makes
     it, `store.work_root`)."""
     cache = tmp_path / name
-    monkeypatch.setenv("MLM_PIPELINE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MLM_PIPELINE_CACHE", str(cache))
     store.work_root(work)
     return cache
 

@@ -53,12 +53,19 @@ def test_not_debian_is_a_clear_error(tmp_path, monkeypatch):
         corpora.fetch_debian_corpus("debian-reference-fr", tmp_path)
 
 
-def test_default_cache_dir(monkeypatch, tmp_path):
+def test_one_cache_variable_for_corpora_and_mirrors(monkeypatch, tmp_path):
+    from mlm_pipeline import store
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("MLM_PIPELINE_CACHE", str(tmp_path))
-    assert corpora.default_cache_dir() == tmp_path
+    assert corpora.default_cache_dir() == tmp_path.resolve()
+    assert store.cache_root() == tmp_path.resolve() / "work"
     monkeypatch.delenv("MLM_PIPELINE_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert corpora.default_cache_dir() == tmp_path / ".cache" / "mlm-pipeline"
+    assert corpora.default_cache_dir() == tmp_path.resolve() / ".cache" / "mlm-pipeline"
+    monkeypatch.setenv("MLM_PIPELINE_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.raises(ValueError, match=r"\$MLM_PIPELINE_CACHE instead"):
+        store.cache_root()
 
 
 def test_default_set_is_html_only():
