@@ -1,40 +1,58 @@
-"""The `mlm-pipeline` command line.
+"""The `mlm-pipeline` command line: one table of commands over the verbs of
+`mlm_pipeline.app` (and a few stage and config functions).
 
     mlm-pipeline run CONFIG [--set key=value ...] [--fresh] [--summary-json PATH]
     mlm-pipeline config CONFIG [--set key=value ...]
+    mlm-pipeline config-reference [--out PATH]
     mlm-pipeline fetch-corpus [NAME ...] [--cache-dir DIR]
     mlm-pipeline fill-mask CHECKPOINT_OR_RUN_DIR TOKENIZER_MODEL TEXT [TEXT ...]
     mlm-pipeline fill-mask (RUN_ID | models:/NAME@ALIAS) TEXT [TEXT ...] [--tracking-uri URI]
     mlm-pipeline export SOURCE OUT_DIR [--tokenizer PATH] [--force] [--tracking-uri URI]
     mlm-pipeline promote RUN_ID [--name NAME] [--tracking-uri URI]
     mlm-pipeline tokenize [CONFIG | --tokenizer PATH] [--text TEXT ...] [--json]
-    mlm-pipeline runs [--experiment NAME] [--filter FILTER] [--max N] [--json] [--tracking-uri URI]
+    mlm-pipeline runs [--experiment NAME] [--filter FILTER] [--max N] [--json]
     mlm-pipeline models NAME [--json] [--tracking-uri URI]
     mlm-pipeline compare RUN [RUN ...] [--out compare.png] [--experiment NAME] [--json]
+    mlm-pipeline gc [--keep N] [--dry-run] [--experiment NAME] [--work-dir DIR]
+
+Each `Command` names its verb, its arguments (the shared ones, such as `--tracking-uri`
+and `--set`, defined once) and how its result is shown. An argument's destination is the
+verb's keyword; `--tracking-uri` becomes the verb's `tracker`. Errors become one line on
+stderr (`main`).
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. The library never
 imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
-argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.cli:main` (the repository's
-`flows/cli.py`), which calls `main(argv, run_flow=...)` here with the flow. Every other
-command works from `python -m mlm_pipeline.cli` too; `run` from there says which entry to use.
-
-This module parses the arguments and turns errors into one line; the commands' handlers are
-in `mlm_pipeline.cli_commands`, over the verbs of `mlm_pipeline.app`.
+argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.cli:main` (the
+repository's `flows/cli.py`), which calls `main(argv, run_flow=...)` here with the flow.
+Every other command works from `python -m mlm_pipeline.cli` too; `run` from there says
+which entry to use.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from mlm_pipeline import cli_commands as commands
 from mlm_pipeline.app.runlog import one_line, versions
-from mlm_pipeline.cli_commands import RunFlow
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import ConfigError
+
+#: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
+#: dict `mlm_pipeline.app.summary.summary` builds).
+RunFlow = Callable[[str, list[str]], dict[str, Any]]
+
+#: What `run` says when the entry point gave it no flow.
+NO_FLOW = (
+    "`run` needs the Prefect flow, which this entry point does not provide: use the "
+    "`mlm-pipeline` command (entry point mlm_pipeline_flows.cli:main), "
+    "or `python -m mlm_pipeline_flows.cli run ...`"
+)
 
 #: The epilog of `mlm-pipeline run --help`.
 RUN_EXAMPLES = """examples:
@@ -47,155 +65,272 @@ RUN_EXAMPLES = """examples:
   mlm-pipeline -v run tiny       tracebacks in the terminal (else in <work_dir>/logs/)
 See `mlm-pipeline config tiny` for every key and `mlm-pipeline config-reference`."""
 
+#: A model SOURCE, as `fill-mask` and `export` take it.
+SOURCE_HELP = ("a checkpoint directory (…/checkpoints/step-XXXXXXXX), a training run "
+               "directory (its newest checkpoint), an MLflow run id or a models:/NAME@ALIAS "
+               "URI")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument: `argparse.add_argument(*flags, **options)`; its destination is the
+    verb's keyword, unless `verb` is false (it only changes how the result is shown).
+    With `stdin`, a value not given is the lines of standard input."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+    verb: bool = True
+    stdin: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The argument's destination (argparse's rule)."""
+        return self.options.get("dest") or self.flags[0].lstrip("-").replace("-", "_")
+
+
+def arg(*flags: str, verb: bool = True, stdin: bool = False, **options: Any) -> Arg:
+    """An `Arg` (see there)."""
+    return Arg(flags, options, verb, stdin)
+
+
+#: The arguments several commands share, defined once.
+CONFIG = arg("config", help="YAML path, or config name: tiny -> ./configs/tiny.yaml, else "
+             "the shipped tiny config")
+OVERRIDES = arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                help="dotted override, repeatable (e.g. --set train.max_steps=50)")
+TRACKING_URI = arg("--tracking-uri", metavar="URI", help="MLflow tracking URI for run ids "
+                   "and models:/ URIs (default: $MLFLOW_TRACKING_URI, else "
+                   "sqlite:///./mlflow.db)")
+TRUST = arg("--trust-unverified", dest="trust_unverified", action="store_true",
+            help="use a checkpoint that cannot be verified (no digest: written before "
+            "checkpoints were verified); damaged checkpoints are refused all the same")
+SOURCE = arg("source", help=SOURCE_HELP)
+JSON = arg("--json", action="store_true", verb=False, help="print JSON (full ids and "
+           "digests, wall time in seconds)")
+EXPERIMENT = arg("--experiment", metavar="NAME", help="MLflow experiment (default: every "
+                 "experiment, or for runs the newest run's)")
+
+
+def show_json(result: Any, args: argparse.Namespace) -> None:
+    """Print the result as indented JSON."""
+    print(json.dumps(result, ensure_ascii=False, indent=2, default=str))
+
+
+def show_lines(result: Sequence[Any], args: argparse.Namespace) -> None:
+    """Print each item on its own line."""
+    for line in result:
+        print(line)
+
+
+def show_text(result: str, args: argparse.Namespace) -> None:
+    """Write the text as it is."""
+    sys.stdout.write(result)
+
+
+def show_table(result: tuple[Any, str], args: argparse.Namespace) -> None:
+    """A `RunTable` and its title: the rows as JSON with `--json`, else a `rich` table
+    (on a pipe, every column whole)."""
+    table, title = result
+    if args.json:
+        print(json.dumps(table.rows, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped: keep every column whole rather than fit 80 columns
+        console = Console(width=100_000)
+    console.print(table.rich(title))
+
+
+def show_tokens(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The pieces and ids of each text (JSON with `--json`)."""
+    if args.json:
+        show_json(result, args)
+        return
+    for i, r in enumerate(result["results"]):
+        if i:
+            print()
+        print("pieces: " + " ".join(r["pieces"]))
+        print("ids: " + " ".join(str(x) for x in r["ids"]))
+
+
+def _verb(path: str) -> Callable[..., Any]:
+    """The function `module:name`, imported when the command runs (so that the command
+    line starts without torch, mlflow or the stages)."""
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: `verb` (`module:function`) is called with the arguments' values by
+    destination and its result shown by `show`."""
+
+    name: str
+    help: str
+    verb: str
+    args: tuple[Arg, ...] = ()
+    show: Callable[[Any, argparse.Namespace], None] = show_json
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        """Run the verb on the parsed `args` and show its result; returns 0."""
+        kwargs = {a.dest: getattr(args, a.dest) for a in self.args if a.verb}
+        for a in self.args:
+            if a.stdin and kwargs[a.dest] is None:
+                kwargs[a.dest] = [line.rstrip("\n") for line in sys.stdin]
+        if "tracking_uri" in kwargs:
+            from mlm_pipeline.config import TrackingConfig
+            from mlm_pipeline.tracking import MlflowTracker
+
+            uri = kwargs.pop("tracking_uri")
+            kwargs["tracker"] = MlflowTracker.from_config(TrackingConfig(tracking_uri=uri))
+        self.show(_verb(self.verb)(**kwargs), args)
+        return 0
+
+
+COMMANDS = (
+    Command("config", "print the resolved config as YAML",
+            "mlm_pipeline.config_files:resolved_yaml", (CONFIG, OVERRIDES), show_text),
+    Command("config-reference", "print every config key as Markdown (the page "
+            "docs/configuration.md)", "mlm_pipeline.config.reference:reference_page",
+            (arg("--out", metavar="PATH", help="write the page to PATH instead of stdout "
+                 "(refresh the docs: --out docs/configuration.md)"),), show_text),
+    Command("fetch-corpus", "fetch a built-in Debian corpus into the cache",
+            "mlm_pipeline.ingest.corpora:fetch_corpora",
+            (arg("names", nargs="*", default=["fr"], help="corpus names (default: fr)"),
+             arg("--cache-dir", help="cache directory (default: $MLM_PIPELINE_CACHE)")),
+            show_lines),
+    Command("fill-mask", "predict [MASK] tokens with a checkpoint or an MLflow model",
+            "mlm_pipeline.app.consumers:fill_mask_source",
+            (SOURCE, arg("args", nargs="+", metavar="[TOKENIZER_MODEL] TEXT", help="for a "
+                         "checkpoint, its SentencePiece .model file first; then texts with "
+                         "[MASK]"),
+             arg("--top-k", type=int, default=5), TRUST, TRACKING_URI)),
+    Command("export", "write a Hugging Face transformers model directory from a checkpoint "
+            "or an MLflow model", "mlm_pipeline.app.consumers:export_source",
+            (SOURCE, arg("out_dir", help="model directory to create (config.json, "
+                         "model.safetensors, tokenizer files, README.md)"),
+             arg("--tokenizer", metavar="PATH", help="tokenizer stage directory (default: "
+                 "found by the checkpoint's tokenizer digest in its work directory)"),
+             arg("--force", dest="overwrite", action="store_true",
+                 help="replace a non-empty OUT_DIR"), TRUST, TRACKING_URI)),
+    Command("promote", "force the registry alias champion onto a run's model version",
+            "mlm_pipeline.app.models:promote_run",
+            (arg("run", metavar="RUN_ID", help="MLflow run (id, unique id prefix or name) "
+                 "whose registered version becomes champion"),
+             arg("--name", help="registered model name (default: the one the run "
+                 "registered)"), TRACKING_URI), show_lines),
+    Command("tokenize", "show how the tokenizer segments a text",
+            "mlm_pipeline.app.consumers:tokenize",
+            (arg("config", nargs="?", help="config whose trained tokenizer to use (a name or "
+                 "YAML path, as for run)"), OVERRIDES,
+             arg("--tokenizer", metavar="PATH", help="SentencePiece .model file or tokenizer "
+                 "stage directory instead"),
+             arg("--text", dest="texts", action="append", metavar="TEXT", stdin=True,
+                 help="text to segment, repeatable (default: each line of stdin)"),
+             arg("--json", action="store_true", verb=False,
+                 help="print JSON (text, pieces, ids)")), show_tokens),
+    Command("runs", "list the runs of an experiment with the params that differ, speed and "
+            "final metrics", "mlm_pipeline.app.compare:experiment_runs",
+            (EXPERIMENT,
+             arg("--filter", dest="filter_string", default="", metavar="FILTER",
+                 help="MLflow search filter, e.g. \"params.`train.lr` = '0.001'\" or "
+                 "\"metrics.`eval/loss` < 5\""),
+             arg("--max", dest="max_runs", type=int, default=50, metavar="N",
+                 help="at most N runs, newest first (default: 50)"), JSON, TRACKING_URI),
+            show_table),
+    Command("models", "list a registered model's versions, newest first, with parent, "
+            "corpus and tokenizer digests, steps added, decision and aliases (from the "
+            "model registry alone)", "mlm_pipeline.app.models:model_versions",
+            (arg("name", metavar="NAME", help="registered model name (default of a pipeline "
+                 "run: its experiment name)"), JSON, TRACKING_URI), show_table),
+    Command("compare", "compare runs: the table of `runs` and a PNG of train loss and eval "
+            "loss (two panels) against tokens seen", "mlm_pipeline.app.compare:compare_table",
+            (arg("runs", nargs="+", metavar="RUN", help="MLflow run id, unique id prefix "
+                 "(e.g. the 8 characters `runs` shows) or run name"),
+             arg("--out", default="compare.png", metavar="PATH",
+                 help="PNG to write (default: compare.png)"), EXPERIMENT, JSON,
+             TRACKING_URI), show_table),
+    Command("gc", "remove the local training state (checkpoints/) of finished runs, keeping "
+            "the champion's, unfinished runs' and the newest", "mlm_pipeline.app.gc:gc",
+            (arg("--keep", type=int, default=1, metavar="N", help="newest finished runs per "
+                 "experiment whose state is kept (default: 1)"),
+             arg("--dry-run", action="store_true", help="list what would go; remove nothing"),
+             EXPERIMENT,
+             arg("--work-dir", default=PipelineConfig().work_dir, metavar="DIR",
+                 help="the config's work_dir (default: %(default)s)"), TRACKING_URI),
+            show_lines),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `mlm-pipeline` (sub-commands run, config, config-reference,
-    fetch-corpus, fill-mask, export, promote, tokenize, runs, models, compare)."""
+    """The argument parser of `mlm-pipeline`: `run` and every command of `COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="mlm-pipeline", description="Pretrain BERT-style masked language models.")
     parser.add_argument("--version", action="version", version=versions())
     parser.add_argument("-v", "--verbose", action="store_true", help="print tracebacks "
                         "(and, for run, Prefect's failure reports)")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    def config_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("config", help="YAML path, or config name: tiny -> ./configs/tiny.yaml, "
-                       "else the shipped tiny config")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="dotted override, repeatable (e.g. --set train.max_steps=50)")
-
     p = sub.add_parser("run", help="run the full pipeline as a local Prefect flow (through "
                        "the mlm-pipeline command, which provides the flow)", epilog=RUN_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    config_args(p)
+    for a in (CONFIG, OVERRIDES):
+        p.add_argument(*a.flags, **a.options)
     p.add_argument("--summary-json", metavar="PATH",
                    help="write run id, final metrics and stage manifest paths as JSON")
     p.add_argument("--fresh", action="store_true",
                    help="start a new MLflow run even if an unfinished run of this config "
                         "could be continued (tracking.resume=never)")
-    p.set_defaults(func=commands.cmd_run)
-
-    p = sub.add_parser("config", help="print the resolved config as YAML")
-    config_args(p)
-    p.set_defaults(func=commands.cmd_config)
-
-    p = sub.add_parser("config-reference", help="print every config key as Markdown (the "
-                       "page docs/configuration.md)")
-    p.add_argument("--out", metavar="PATH", help="write the page to PATH instead of stdout "
-                   "(refresh the docs: --out docs/configuration.md)")
-    p.set_defaults(func=commands.cmd_config_reference)
-
-    p = sub.add_parser("fetch-corpus", help="fetch a built-in Debian corpus into the cache")
-    p.add_argument("names", nargs="*", default=["fr"], help="corpus names (default: fr)")
-    p.add_argument("--cache-dir", help="cache directory (default: $MLM_PIPELINE_CACHE)")
-    p.set_defaults(func=commands.cmd_fetch_corpus)
-
-    def tracking_uri(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--tracking-uri", metavar="URI", help="MLflow tracking URI for run "
-                       "ids and models:/ URIs (default: $MLFLOW_TRACKING_URI, else "
-                       "sqlite:///./mlflow.db)")
-
-    def trust_unverified(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--trust-unverified", action="store_true", help="use a checkpoint "
-                       "that cannot be verified (no digest: written before checkpoints were "
-                       "verified); damaged checkpoints are refused all the same")
-
-    p = sub.add_parser("fill-mask", help="predict [MASK] tokens with a checkpoint or an "
-                       "MLflow model")
-    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), a "
-                   "training run directory (its newest checkpoint), an MLflow run id or a "
-                   "models:/NAME@ALIAS URI")
-    p.add_argument("args", nargs="+", metavar="[TOKENIZER_MODEL] TEXT", help="for a "
-                   "checkpoint, its SentencePiece .model file first; then texts with [MASK]")
-    p.add_argument("--top-k", type=int, default=5)
-    trust_unverified(p)
-    tracking_uri(p)
-    p.set_defaults(func=commands.cmd_fill_mask)
-
-    p = sub.add_parser("export", help="write a Hugging Face transformers model directory "
-                       "from a checkpoint or an MLflow model")
-    p.add_argument("source", help="a checkpoint directory (…/checkpoints/step-XXXXXXXX), a "
-                   "training run directory (its newest checkpoint), an MLflow run id or a "
-                   "models:/NAME@ALIAS URI")
-    p.add_argument("out_dir", help="model directory to create (config.json, "
-                   "model.safetensors, tokenizer files, README.md)")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer stage directory (default: "
-                   "found by the checkpoint's tokenizer digest in its work directory)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
-    trust_unverified(p)
-    tracking_uri(p)
-    p.set_defaults(func=commands.cmd_export)
-
-    p = sub.add_parser("promote", help="force the registry alias champion onto a run's "
-                       "model version")
-    p.add_argument("run_id", help="MLflow run (id, unique id prefix or name) whose "
-                   "registered version becomes champion")
-    p.add_argument("--name", help="registered model name (default: the one the run "
-                   "registered)")
-    tracking_uri(p)
-    p.set_defaults(func=commands.cmd_promote)
-
-    p = sub.add_parser("tokenize", help="show how the tokenizer segments a text")
-    p.add_argument("config", nargs="?",
-                   help="config whose trained tokenizer to use (a name or YAML path, as for run)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override of the config, repeatable")
-    p.add_argument("--tokenizer", metavar="PATH",
-                   help="SentencePiece .model file or tokenizer stage directory instead")
-    p.add_argument("--text", action="append", metavar="TEXT",
-                   help="text to segment, repeatable (default: each line of stdin)")
-    p.add_argument("--json", action="store_true", help="print JSON (text, pieces, ids)")
-    p.set_defaults(func=commands.cmd_tokenize)
-
-    def table_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--json", action="store_true", help="print the rows as JSON (full "
-                       "ids and digests, wall time in seconds)")
-        tracking_uri(p)
-
-    p = sub.add_parser("runs", help="list the runs of an experiment with the params that "
-                       "differ, speed and final metrics")
-    p.add_argument("--experiment", metavar="NAME", help="MLflow experiment (default: the "
-                   "experiment of the newest run in the store)")
-    p.add_argument("--filter", default="", metavar="FILTER", help="MLflow search filter, "
-                   "e.g. \"params.`train.lr` = '0.001'\" or \"metrics.`eval/loss` < 5\"")
-    p.add_argument("--max", type=int, default=50, metavar="N", help="at most N runs, "
-                   "newest first (default: 50)")
-    table_args(p)
-    p.set_defaults(func=commands.cmd_runs)
-
-    p = sub.add_parser("models", help="list a registered model's versions, newest first, "
-                       "with parent, corpus and tokenizer digests, steps added, decision "
-                       "and aliases (from the model registry alone)")
-    p.add_argument("name", metavar="NAME", help="registered model name (default of a "
-                   "pipeline run: its experiment name)")
-    table_args(p)
-    p.set_defaults(func=commands.cmd_models)
-
-    p = sub.add_parser("compare", help="compare runs: the table of `runs` and a PNG of "
-                       "train loss and eval loss (two panels) against tokens seen")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run id, unique id prefix "
-                   "(e.g. the 8 characters `runs` shows) or run name")
-    p.add_argument("--out", default="compare.png", metavar="PATH",
-                   help="PNG to write (default: compare.png)")
-    p.add_argument("--experiment", metavar="NAME", help="look run names up in this "
-                   "experiment only (default: every experiment)")
-    table_args(p)
-    p.set_defaults(func=commands.cmd_compare)
-
-    p = sub.add_parser("gc", help="remove the local training state (checkpoints/) of "
-                       "finished runs, keeping the champion's, unfinished runs' and the newest")
-    p.add_argument("--keep", type=int, default=1, metavar="N", help="newest finished runs "
-                   "per experiment whose state is kept (default: 1)")
-    p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
-    p.add_argument("--experiment", metavar="NAME", help="only runs of this experiment")
-    p.add_argument("--work-dir", default=PipelineConfig().work_dir, metavar="DIR",
-                   help="the config's work_dir (default: %(default)s)")
-    tracking_uri(p)
-    p.set_defaults(func=commands.cmd_gc)
-    for command in sub.choices.values():  # also accepted after the command
-        command.add_argument("-v", "--verbose", action="store_true",
-                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.set_defaults(command_=None)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        for a in command.args:
+            p.add_argument(*a.flags, **a.options)
+        p.set_defaults(command_=command)
+    for p in sub.choices.values():  # also accepted after the command
+        p.add_argument("-v", "--verbose", action="store_true",
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
+
+
+def run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
+    """`mlm-pipeline run`: check the config and local inputs, run the flow, print the
+    summary; returns the exit status."""
+    from mlm_pipeline.app.runlog import print_summary, run_logging
+    from mlm_pipeline.config_files import load_config
+
+    if run_flow is None:
+        print(f"mlm-pipeline: {NO_FLOW}", file=sys.stderr)
+        return 2
+    # Fail on a bad config or a mistyped input path before paying for Prefect's start-up
+    # (and before its task-failure tracebacks).
+    overrides = list(args.overrides) + (["tracking.resume=never"] if args.fresh else [])
+    cfg = load_config(args.config, overrides)
+    from mlm_pipeline.ingest.holdout import check_holdout
+    from mlm_pipeline.ingest.sources import check_local_sources
+
+    check_local_sources(cfg.ingest)
+    check_holdout(cfg)
+    console, log = run_logging(cfg.work_dir, args.verbose)
+    try:
+        result = run_flow(args.config, overrides)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the flow becomes one line
+        log.handle(logging.LogRecord(__name__, logging.ERROR, __file__, 0, "run failed", None,
+                                     sys.exc_info()))
+        if args.verbose and not console.reported:
+            traceback.print_exc()
+        stage = f"stage {console.failed_task!r} failed: " if console.failed_task else ""
+        where = "" if args.verbose else f" (traceback in {log.baseFilename}; --verbose)"
+        print(f"mlm-pipeline: error: {stage}{one_line(exc)}{where}", file=sys.stderr)
+        return 1
+    if args.summary_json:
+        from mlm_pipeline.app.summary import write_summary
+
+        write_summary(result, args.summary_json)
+    print_summary(result, cfg.tracking.experiment_name)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> int:
@@ -214,11 +349,11 @@ def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> 
         for `run` also in the log file the line names).
     """
     args = build_parser().parse_args(argv)
-    if args.func is not commands.cmd_run:  # `run` logs through `RunConsole` and a log file
+    command = args.command_
+    if command is not None:  # `run` logs through `RunConsole` and a log file
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return (commands.cmd_run(args, run_flow) if args.func is commands.cmd_run
-                else args.func(args))
+        return run(args, run_flow) if command is None else command(args)
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2

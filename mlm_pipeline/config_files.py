@@ -209,3 +209,13 @@ def _flatten_into(out: dict[str, Any], key: str, value: Any) -> None:
         out[key] = ",".join(str(v) for v in value)
     else:
         out[key] = "None" if value is None else value
+
+
+def resolved_yaml(config: str, overrides: list[str]) -> str:
+    """`mlm-pipeline config`: the config `config` with `overrides` applied
+    (`load_config`), as YAML (`dump_config`).
+
+    Raises:
+        The errors of `load_config`.
+    """
+    return dump_config(load_config(config, overrides))

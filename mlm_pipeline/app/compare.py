@@ -316,6 +316,25 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
     return RunTable(columns, rows)
 
 
+def experiment_runs(tracker: MlflowTracker, experiment: str | None = None,
+                    filter_string: str = "", max_runs: int = 50) -> tuple[RunTable, str]:
+    """`mlm-pipeline runs`: the table of an experiment's runs (`find_runs`, `run_table`;
+    default: the experiment of the newest run in the store) and its title."""
+    name = experiment or newest_run_experiment(tracker) or tracker.experiment_name
+    runs = find_runs(tracker, name, filter_string, max_runs)
+    which = "" if experiment else ", the newest run's; --experiment NAME for another"
+    return run_table(tracker, runs), (f"{len(runs)} runs of experiment {name} "
+                                      f"({tracker.tracking_uri}{which})")
+
+
+def compare_table(tracker: MlflowTracker, runs: Sequence[str], out: str | Path,
+                  experiment: str | None = None) -> tuple[RunTable, str]:
+    """`mlm-pipeline compare`: the table of `compare_runs` (its figure written to `out`)
+    and its title."""
+    table, _ = compare_runs(tracker, runs, out, experiment)
+    return table, f"{len(table.rows)} runs; loss against tokens seen: {out}"
+
+
 def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | None = None,
                  experiment: str | None = None) -> tuple[RunTable, Figure]:
     """The table and the loss-against-tokens figure of the runs `refs` (ids, unique id

@@ -1,4 +1,5 @@
-"""Using a trained model from any SOURCE: `mlm-pipeline fill-mask` and `export`.
+"""Using a trained model from any SOURCE: `mlm-pipeline fill-mask` and `export`; and its
+tokenizer: `mlm-pipeline tokenize`.
 
 A SOURCE is a checkpoint directory, a training run directory (its newest checkpoint), an
 MLflow run id (the run's logged model) or a `models:/NAME@ALIAS` URI (also
@@ -120,3 +121,29 @@ def export_source(source: str, out_dir: str | Path, *, tokenizer: str | None,
         origin = {"checkpoint": str(checkpoint)}
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     return {**origin, "out_dir": str(out), "files": files}
+
+
+def tokenize(texts: list[str], config: str | None = None, overrides: list[str] | None = None,
+             tokenizer: str | None = None) -> dict[str, Any]:
+    """`mlm-pipeline tokenize`: the pieces and ids of `texts` with the trained tokenizer of
+    `config` (its stage directory found by digest, `prepared.find_tokenizer`) or the one at
+    `tokenizer` (a SentencePiece `.model` file or a tokenizer stage directory).
+
+    Returns:
+        `tokenizer` (its path), `vocab_size`, and `results`: per text, `text`, `pieces`
+        and `ids`.
+
+    Raises:
+        ConfigError: neither or both of `config` and `tokenizer` are given.
+        StageMissingError, FileNotFoundError: the tokenizer cannot be found.
+    """
+    from mlm_pipeline.app.prepared import find_tokenizer
+    from mlm_pipeline.config_files import ConfigError, load_config
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    if (config is None) == (tokenizer is None):
+        raise ConfigError("tokenize: give either CONFIG or --tokenizer")
+    tok = Tokenizer.load(tokenizer or find_tokenizer(load_config(config, overrides or [])))
+    return {"tokenizer": str(tok.path), "vocab_size": tok.vocab_size, "results": [
+        {"text": text, "pieces": [tok.id_to_piece(i) for i in ids], "ids": ids}
+        for text, ids in zip(texts, tok.encode(texts))]}

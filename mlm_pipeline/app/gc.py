@@ -195,6 +195,16 @@ def gc_report(items: list[GcItem], dry_run: bool) -> list[str]:
     return lines
 
 
+def gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
+       experiment: str | None = None, dry_run: bool = False) -> list[str]:
+    """`mlm-pipeline gc`: remove (or, with `dry_run`, only list) what `plan_gc` marks;
+    returns the report's lines (`gc_report`)."""
+    items = plan_gc(tracker, work_dir, keep, experiment)
+    if not dry_run:
+        apply_gc(items)
+    return gc_report(items, dry_run)
+
+
 def keep_last_runs(tracker: MlflowTracker, cfg: PipelineConfig) -> int:
     """After a run finished: `plan_gc` + `apply_gc` with `tracking.keep_last_runs` on the
     run's experiment (nothing when it is None); each removal is logged.

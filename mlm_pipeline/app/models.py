@@ -18,11 +18,34 @@ from mlm_pipeline.app.compare import RunTable, check_store
 from mlm_pipeline.tracking.tracker import MlflowTracker
 from mlm_pipeline.tracking.version_lineage import PREFIX, parent_label
 
-__all__ = ["COLUMNS", "model_history"]
+__all__ = ["COLUMNS", "model_history", "model_versions", "promote_run"]
 
 #: The columns of the history, in order.
 COLUMNS = ["version", "aliases", "parent", "corpus", "tokenizer", "steps added",
            "decision", "eval/loss", "registered", "id"]
+
+
+def model_versions(tracker: MlflowTracker, name: str) -> tuple[RunTable, str]:
+    """`mlm-pipeline models NAME`: `model_history` and its title."""
+    table = model_history(tracker, name)
+    return table, (f"{len(table.rows)} versions of registered model {name} "
+                   f"({tracker.tracking_uri})")
+
+
+def promote_run(tracker: MlflowTracker, run: str, name: str | None = None) -> list[str]:
+    """`mlm-pipeline promote RUN`: force `champion` onto the version of `run` (an id, a
+    unique id prefix or a name; `tracking.registry.promote`); returns the decision's
+    lines (`summary.registry_lines`).
+
+    Raises:
+        ValueError: the run is unknown or ambiguous, or registered no version.
+    """
+    from mlm_pipeline.app.compare import resolve_run_id
+    from mlm_pipeline.app.summary import registry_lines, registry_summary
+    from mlm_pipeline.tracking.registry import promote
+
+    run_id = resolve_run_id(tracker, run).info.run_id
+    return registry_lines(registry_summary(promote(tracker, run_id, name)))
 
 
 def model_history(tracker: MlflowTracker, name: str) -> RunTable:

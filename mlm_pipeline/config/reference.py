@@ -209,3 +209,13 @@ def write_config_reference(path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config_reference(), encoding="utf-8")
     return path
+
+
+def reference_page(out: str | Path | None = None) -> str:
+    """`mlm-pipeline config-reference`: the page (`config_reference()`), or, with `out`, the
+    path it was written to (`write_config_reference`), as text to print.
+
+    Raises:
+        OSError: `out` cannot be written.
+    """
+    return config_reference() if out is None else f"{write_config_reference(out)}\n"

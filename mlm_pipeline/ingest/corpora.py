@@ -115,6 +115,17 @@ def default_cache_dir() -> Path:
     return cache_home()
 
 
+def fetch_corpora(names: list[str], cache_dir: str | Path | None = None) -> list[Path]:
+    """`fetch_debian_corpus` of each name, into `cache_dir` (None: `default_cache_dir()`);
+    the JSONL files of all of them, in order.
+
+    Raises:
+        The errors of `fetch_debian_corpus`.
+    """
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    return [path for name in names for path in fetch_debian_corpus(name, cache)]
+
+
 def fetch_debian_corpus(name: str, cache_dir: Path,
                         progress: Progress | None = None) -> list[Path]:
     """Download, extract and cache a built-in corpus (or a set such as `fr`).
