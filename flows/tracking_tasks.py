@@ -20,8 +20,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import deployment, flow_run
 from prefect.utilities.urls import url_for
 
-from mlm_pipeline.app.open_run import open_or_continue
-from mlm_pipeline.app.training_run import train_dir
+from mlm_pipeline.app.open_run import open_or_continue, record_data
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
@@ -29,12 +28,6 @@ from mlm_pipeline.tracking import records as pipeline
 
 from mlm_pipeline_flows.pretrain_params import PretrainParams
 from mlm_pipeline_flows.task_support import IO_RETRIES, NOT_CACHED
-
-
-def _newest_checkpoint(cfg: PipelineConfig):
-    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint
-
-    return lambda run_id: latest_intact_checkpoint(train_dir(cfg, run_id) / "checkpoints")
 
 
 def keep_name(tracker: MlflowTracker, run_id: str) -> str:
@@ -77,7 +70,7 @@ def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) ->
     tracker = MlflowTracker.from_config(cfg.tracking)
     tags = pipeline.run_tags(extra, entrypoint, "JOB" if deployment.id else "LOCAL")
     # One name for both runs: the flow run's (`flow_run_name`), unless the config sets one.
-    opened = open_or_continue(cfg, tracker, tags, _newest_checkpoint(cfg), fresh=fresh,
+    opened = open_or_continue(cfg, tracker, tags, fresh=fresh,
                               run_name=str(flow_run.name) if flow_run.id else None)
     return keep_name(tracker, opened.run_id) if opened.continued else opened.run_id
 
@@ -95,18 +88,8 @@ def record_data_task(
         key="ingestion-accounting", table=pipeline.accounting_rows(corpus),
         description="documents read, kept, dropped and repaired, by reason",
     )
-    tracker = MlflowTracker.from_config(cfg.tracking)
-    recorded = tracker.get_run(run_id).data.tags.get("digest.shards")
-    if recorded == shards.digest:
-        return run_id
-    if recorded is not None:
-        tracker.set_tags(run_id, {"mlflow.note.content": (
-            f"Not continued: the training data changed (shards {recorded[:12]} -> "
-            f"{shards.digest[:12]}); a new run trains on the new data.")})
-        tracker.end_run(run_id, "KILLED")
-        run_id = start_tracking.fn(cfg, entrypoint, fresh=True)
-    pipeline.record_data(tracker, run_id, corpus, tokenizer, shards)
-    return run_id
+    return record_data(MlflowTracker.from_config(cfg.tracking), run_id, corpus, tokenizer,
+                       shards, lambda: start_tracking.fn(cfg, entrypoint, fresh=True))
 
 
 @task(name="end-tracking", **NOT_CACHED, **IO_RETRIES)

@@ -3,7 +3,9 @@ continued (the policy of `tracking.resume` and `tracking.resume_run_id`, over th
 records of `mlm_pipeline.tracking.resume`).
 
 The flows call `open_or_continue` at the start of a run (`flows/tracking_tasks.py`), with
-the tags that name the flow run; nothing here imports Prefect.
+the tags that name the flow run, and `record_data` once the data is prepared (a continued
+run whose data changed since is closed and a new one takes over); nothing here imports
+Prefect.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from mlm_pipeline.app.training_run import train_dir
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.manifest import CorpusManifest, ShardManifest, TokenizerManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline.tracking import records as pipeline
 
@@ -25,9 +29,16 @@ class OpenedRun(NamedTuple):
     continued: bool
 
 
+def newest_checkpoint(cfg: PipelineConfig, run_id: str) -> Path | None:
+    """The newest intact checkpoint of MLflow run `run_id`'s training (`train_dir`), or
+    None."""
+    from mlm_pipeline.train.checkpoint import latest_intact_checkpoint
+
+    return latest_intact_checkpoint(train_dir(cfg, run_id) / "checkpoints")
+
+
 def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict[str, str],
-                     newest: Callable[[str], Path | None], *, fresh: bool = False,
-                     run_name: str | None = None) -> OpenedRun:
+                     *, fresh: bool = False, run_name: str | None = None) -> OpenedRun:
     """Open the MLflow run, or continue this job's unfinished one (`tracking.resume`,
     `tracking.resume_run_id`; see `mlm_pipeline.tracking.resume`).
 
@@ -36,7 +47,6 @@ def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict
         tracker: the MLflow backend.
         run_tags: tags every opened or continued run gets (`records.run_tags`); the
             process and job-key tags are added here.
-        newest: the newest intact checkpoint of an MLflow run id (None: none).
         fresh: never continue (`--fresh`); `tracking.resume_run_id` still does.
         run_name: the name of a new run when the config sets none (the flow run's);
             None: `records.run_name`.
@@ -50,6 +60,9 @@ def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict
         ResumeRefusedError: a `train.max_steps` at or below the step it would continue
             from (before any data stage).
     """
+    def newest(run_id: str) -> Path | None:
+        return newest_checkpoint(cfg, run_id)
+
     params = pipeline.run_params(cfg)
     tags = {**run_tags, **resume.process_tags(), resume.JOB_KEY_TAG: resume.job_key(cfg)}
     if cfg.tracking.resume_run_id:
@@ -75,3 +88,24 @@ def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict
     name = cfg.tracking.run_name or run_name
     return OpenedRun(tracker.start_run(params, tags, run_name=name or pipeline.run_name(cfg)),
                      False)
+
+
+def record_data(tracker: MlflowTracker, run_id: str, corpus: CorpusManifest,
+                tokenizer: TokenizerManifest, shards: ShardManifest,
+                reopen: Callable[[], str]) -> str:
+    """Record the data a run trains on (`records.record_data`: lineage, accounting, the
+    tokenizer; once per run: a continued run already has them). A continued run whose
+    data changed since (a corpus update: another shards digest) is closed KILLED with a
+    note, and `reopen()` opens the run that takes over; returns the id of the run that
+    goes on."""
+    recorded = tracker.get_run(run_id).data.tags.get("digest.shards")
+    if recorded == shards.digest:
+        return run_id
+    if recorded is not None:
+        tracker.set_tags(run_id, {"mlflow.note.content": (
+            f"Not continued: the training data changed (shards {recorded[:12]} -> "
+            f"{shards.digest[:12]}); a new run trains on the new data.")})
+        tracker.end_run(run_id, "KILLED")
+        run_id = reopen()
+    pipeline.record_data(tracker, run_id, corpus, tokenizer, shards)
+    return run_id

@@ -142,8 +142,8 @@ def test_run_refuses_in_one_line_with_status_1(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tracker, run_id = _failed_run(tmp_path, 200)
     checkpoints = tmp_path / "work" / "train" / run_id / "checkpoints"
-    monkeypatch.setattr("mlm_pipeline_flows.tracking_tasks._newest_checkpoint",
-                        lambda cfg: lambda rid: checkpoints / "step-00000100")
+    monkeypatch.setattr("mlm_pipeline.app.open_run.newest_checkpoint",
+                        lambda cfg, rid: checkpoints / "step-00000100")
 
     def run_flow(config: str, overrides: list[str]):
         return start_tracking.fn(load_config(config, overrides), "flows/pretraining.py")
