@@ -31,29 +31,9 @@ from mlm_pipeline.train.checkpoint import (
     list_checkpoints,
     seal_state,
 )
+from tests.fakes import fake_parts
+
 TEXT = "Le [MASK] est là."
-
-
-class _Part:
-    """A Stateful fake: only `state_dict` / `load_state_dict`."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
-def fake_parts(seed: int) -> dict[str, _Part]:
-    import torch
-
-    from mlm_pipeline.train.checkpoint import LAYOUT
-
-    return {name: _Part({"w": torch.full((3,), float(seed))} if not file.endswith(".json")
-                        else {"value": seed}) for name, (file, _) in LAYOUT.items()}
 
 
 def _train_cfg(**kw) -> TrainConfig:

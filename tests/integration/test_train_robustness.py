@@ -12,6 +12,7 @@ from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.train import train
 from mlm_pipeline.train.checkpoint import Checkpointer, list_checkpoints, load_model_state
 from mlm_pipeline.train.loop import NonFiniteLossError
+from tests.fakes import FakePart as Part
 from tests.faults.mlm_faults import nan_at_step
 
 
@@ -54,16 +55,6 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_intact_one(
 
 
 def test_a_checkpoint_is_never_written_from_non_finite_weights(tmp_path):
-    class Part:
-        def __init__(self, state):
-            self.state = state
-
-        def state_dict(self):
-            return self.state
-
-        def load_state_dict(self, state):
-            self.state = state
-
     parts = {name: Part({"x": 1}) for name in ("train_state", "cursor", "masker", "meter")}
     parts |= {"model": Part({"w": torch.tensor([1.0, float("nan")])}),
               "optimizer": Part({}), "lr_scheduler": Part({}), "rng": Part({})}

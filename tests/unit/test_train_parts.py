@@ -17,29 +17,12 @@ from mlm_pipeline.train.checkpoint import (
 )
 from mlm_pipeline.train.loop import TrainState
 from mlm_pipeline.train.meter import Meter
-
-
-class FakePart:
-    """Implements only `state_dict` / `load_state_dict`."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
+from tests.fakes import FakePart, fake_parts
 
 
 def _parts(seed: int) -> dict[str, FakePart]:
-    """Tensor states for the `.pt` parts, JSON values for the `state.json` ones."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        name: FakePart({"w": torch.randn(3, generator=g)} if not file.endswith(".json")
-                       else {"value": seed, "name": name})
-        for name, (file, _) in LAYOUT.items()
-    }
+    """Random tensor states for the `.pt` parts, JSON values for the `state.json` ones."""
+    return fake_parts(seed, random=True)
 
 
 def test_round_trip_under_fixed_keys(tmp_path):
