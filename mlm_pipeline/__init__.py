@@ -11,6 +11,14 @@ it computes its own output directory from a digest of its config and its inputs'
 writes its files atomically and returns a small pydantic manifest; the digest is its cache
 key and lineage (docs/architecture.md has the table of stages). Importing this package
 imports neither torch nor prefect.
+
+Rooms, lowest first. The ground floor: `config` (typed configs), `config_files` (finding,
+loading and printing config files), `manifest` (stage manifests and digests), `errors` (the
+kinds of failure), `sinks` (metric sinks), `store` (the work directory, local or mirrored
+from an object store; the cache), `locks` (one builder per stage directory), `progress`
+(progress reporters). The stages: `ingest`, `tokenizer`, `masking`, `shards`, `train`,
+`evaluate`, `tracking`. Above them `app` (the verbs), and `cli` (the `mlm-pipeline`
+commands).
 """
 
 __version__ = "0.1.0"

@@ -10,5 +10,11 @@ Rooms: `consumers` (`fill-mask` and `export` from any SOURCE), `compare` (the `r
 log file, one-line errors and summary), `summary` (the run summary: its dict, text lines
 and Markdown report), `prepared` (which stage outputs of a config exist;
 checks that prepared data matches a config), `open_run` (the resume policy: a new MLflow
-run or this job's unfinished one continued).
+run or this job's unfinished one continued; the data a run records), `models` (a
+registered model's history, `promote`), `parents` (the parent of a run, `train.init_from`,
+and the retrain policy), `training_run` (the tracked training run: sinks, evaluator,
+parent, stop signal, torchrun) and `torchrun_entry` (its entry on every rank), `publish`
+(the end of a run: results recorded, the model exported, logged, registered and decided),
+`decide` (the registry's decision, pure) and `rescore` (the champion scored on a new
+version's data).
 """

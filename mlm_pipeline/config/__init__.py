@@ -8,6 +8,11 @@ is `mlm_pipeline.config_files`.
 
 This package imports neither torch nor prefect (STYLE rule 3): flows and CPU workers load
 configs cheaply.
+
+Rooms: `base` (the base model and the fixed special-token ids), `stages` (ingest,
+tokenizer, shards, masking, model, train), `evaluation` (probes, held-out evaluation,
+linear probe, fine-tuning), `lr_auto` (`train.lr: auto`), `masking_schedule` (masking-rate
+schedules), `reference` (the configuration reference page).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ holds; special entries named and skipped), `readers` (file formats),
 `json_array` (`.json` arrays, resynchronised after a syntax error), `cleaning`
 (screening, splitting, dedup, filters), `corpora`, `corpus_extract` and `page_text` (the
 built-in French corpora), `documents` (reading the ingested files back for later stages),
-`holdout` (the fixed benchmark text, kept out of the corpus).
+`holdout` (the fixed benchmark text, kept out of the corpus), `allowed` (event-named
+sources checked against `ingest.allowed_sources`), `hashing` (sha256 of local and remote
+inputs, remembered), `partitions` (ingestion over input partitions, in parallel).
 """
 
 from mlm_pipeline.ingest.holdout import Holdout, read_holdout

@@ -1,5 +1,6 @@
 """Stage 2, the tokenizer: SentencePiece trained on a seeded sample of the training split
-(`stage`), and the `Tokenizer` that loads, checks and encodes with it (`tokenizer`).
+(`stage`), the `Tokenizer` that loads, checks and encodes with it (`tokenizer`), and the
+same tokenizer as Hugging Face `tokenizers` / `transformers` files (`export`).
 """
 
 from mlm_pipeline.tokenizer.stage import adopt_tokenizer, tokenizer_digest, train_tokenizer

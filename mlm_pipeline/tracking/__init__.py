@@ -1,14 +1,16 @@
-"""Stage 7, tracking: the MLflow tracker (mlflow imported lazily); the verbs that read or
-clean up after runs (runs/compare, gc, fill-mask/export, the run log) are in
-`mlm_pipeline.app`, above the stages.
+"""Stage 7, tracking: the one package that talks to MLflow (imported lazily), and nothing
+else: it imports neither `train` nor `evaluate`. Work that needs a model and MLflow
+(re-scoring the champion, resolving a warm-start parent, the tracked training run) and the
+verbs that read or clean up after runs are in `mlm_pipeline.app`, above the stages.
 
 Rooms: `tracker` (`MlflowTracker`: run lifecycle, params, tags, artifacts; tracking URIs),
 `sink` (`MlflowSink`: batched step metrics), `records` (what a pipeline run records:
-params, lineage tags, data accounting and results; the run summary is
-`mlm_pipeline.app.summary`), `lineage` (the shards
-as MLflow dataset inputs), `periodic` (the periodic evaluator of a tracked run and the
-fill-mask table), `plots` (`plots/loss.png`), `resume` (the records of continuing
-unfinished runs), `registry` (logging, registering and promoting the model).
+params, lineage tags, data accounting and results), `lineage` (the shards as MLflow
+dataset inputs), `fill_mask_table` (the run's fill-mask table), `plots` (`plots/loss.png`),
+`resume` (the records of continuing unfinished runs), `registry` (logging and registering
+the model, writing the registry's decisions, promoting), `version_lineage` (a model
+version's parent, data and steps as its tags), `fetch` (a run's checkpoint and tokenizer
+fetched to this machine), `failures` (which MLflow errors a retry cures).
 """
 
 from mlm_pipeline.tracking.sink import MlflowSink

@@ -4,6 +4,12 @@
 `meter.Meter`, `schedule`, `data.RowCursor`, the masker) that `run_steps` (`loop`) drives
 and the `Checkpointer` (`checkpoint`) saves. `BertMLM` is the model (`model`;
 its layers in `layers`, attention in `attention`).
+
+Rooms besides: `perf` (device, precision, compilation, peak FLOP/s), `verified` (finding,
+verifying and loading checkpoints), `warm_start` (a run started from a parent's weights),
+`hf` (the mapping onto Hugging Face masked-LM classes) and `export` (a checkpoint as a
+`transformers` directory), `distributed` (data-parallel training in one worker) and
+`launch` (training under torchrun).
 """
 
 from mlm_pipeline.train.loop import StopSignal

@@ -29,6 +29,8 @@ Rules checked here, one test each:
 10. No import circle between modules of `mlm_pipeline` (every import that runs counted,
    module level and inside functions; one under `if TYPE_CHECKING:` never runs, and a
    module importing its own package's `__init__` is not a circle).
+11. Every module and sub-package of a package is named (in backquotes) in its package's
+   room list, the docstring of its `__init__.py`: a newcomer finds every room from there.
 
 Rules 6 and 7 hold for each module iff they hold for all of them imported together, so
 each imports all its modules in one fresh interpreter; only when that one sees a forbidden
@@ -46,6 +48,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -267,6 +270,19 @@ def test_rule_10_no_import_circle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
     found = _cycle(_module_graph())
     assert found is None, "an import circle: " + " -> ".join(found or [])
+
+
+PACKAGES = sorted({p.parent for p in FILES if p.name == "__init__.py"})
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_rule_11_every_room_is_in_its_package_room_list(package):
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8")))
+    named = {part for name in re.findall(r"`([\w.]+)`", doc or "") for part in name.split(".")}
+    rooms = {p.stem if p.suffix == ".py" else p.name for p in package.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert rooms <= named, (f"{package / '__init__.py'}: name these rooms in its docstring: "
+                            f"{sorted(rooms - named)}")
 
 
 def _imported_by(modules: list[str]) -> frozenset[str]:
