@@ -21,9 +21,10 @@ Progress: in a terminal, one live `rich` line per stage
 (`mlm_pipeline.progress.LogProgress`).
 
 Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
-is closed KILLED, and `run` prints how to continue (the same command) and exits 130 (the
-handler is the tracked training run's, `mlm_pipeline.app.training_run.stop_on_signals`). A second
-signal, or one outside training, stops at once.
+is closed KILLED, and `run` prints how to continue (the command line as typed) and exits 130
+(`mlm_pipeline.cli.run`; the handler is the tracked training run's,
+`mlm_pipeline.app.training_run.stop_on_signals`). A second signal, or one outside training,
+stops at once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline import cli
-from mlm_pipeline.errors import TrainingInterrupted
 
 from mlm_pipeline_flows.prefect_private import start_server, startup_timeout_s
 
@@ -135,20 +134,25 @@ def _max_steps(params: Any) -> int | None:
         return None
 
 
-def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
-    """Run the `mlm-pretraining` flow in this process.
+def _no_view_links(record: logging.LogRecord) -> bool:
+    """A logging filter: False for the flow engine's `View at <url>` lines."""
+    return not record.getMessage().startswith("View at ")
+
+
+def run_pretraining(config: str, overrides: list[str],
+                    sweep: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """Run the `mlm-pretraining` flow in this process (with `sweep`, the `mlm-sweep` flow).
 
     Args:
         config: config name (`tiny`) or YAML path.
         overrides: dotted `key=value` overrides applied after the file.
+        sweep: config key -> values to train every combination of (`app.sweep`).
 
     Returns:
         The run summary (MLflow run id, metrics, manifest paths, wall times). A failing
-        task's exception propagates (Prefect has logged its traceback).
-
-    Raises:
-        SystemExit: 130 after an interruption (Ctrl-C, SIGTERM), with one line on stderr
-            saying how to continue.
+        task's exception propagates (Prefect has logged its traceback), an interruption
+        too (`TrainingInterrupted`, `KeyboardInterrupt`: `mlm_pipeline.cli.run` says how
+        to continue).
     """
     # Settings read when prefect is imported: route our library logs through Prefect's
     # handlers and silence the temporary server's analytics (harmless "database is
@@ -163,54 +167,27 @@ def run_pretraining(config: str, overrides: list[str]) -> dict[str, Any]:
         # Registered before prefect is imported, so it runs after Prefect's own exit
         # handlers have delivered the last logs and events to the API (atexit is LIFO).
         atexit.register(api.stop)
-    try:
-        from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
-        from mlm_pipeline_flows.progress_display import display
+        # The engine's "View at <url>" lines would link to this server, gone when the
+        # command ends: say so once instead.
+        logging.getLogger("prefect.flow_runs").addFilter(_no_view_links)
+    from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
+    from mlm_pipeline_flows.progress_display import display
 
-        logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
-        params = PretrainParams.model_validate(
-            {**_config_param(config), "overrides": list(overrides)})
-        with display(_max_steps(params)):
-            return mlm_pretraining(params)
-    except BaseException as exc:
-        if isinstance(exc, TrainingInterrupted | KeyboardInterrupt):
-            again = shlex.join(["mlm-pipeline", "run", config,
-                                *(a for o in overrides for a in ("--set", o))])
-            where = f" at step {exc.step}, checkpoint {exc.checkpoint}" if hasattr(
-                exc, "checkpoint") else ""
-            _tell_after_interrupt(f"mlm-pipeline: interrupted{where}; to continue, run the "
-                                  f"same command: {again}")
-            raise SystemExit(130) from None
-        raise
+    logging.getLogger("mlm_pipeline").setLevel(logging.INFO)
+    if _no_view_links in logging.getLogger("prefect.flow_runs").filters:
+        log = logging.getLogger(__name__)  # not a flow-run logger: terminal and log file
+        log.setLevel(logging.INFO)
+        log.info(
+            "Prefect: a temporary local server for this command only (its UI ends with "
+            "it); for a lasting UI, run `prefect server start` and set PREFECT_API_URL")
+    params = PretrainParams.model_validate(
+        {**_config_param(config), "overrides": list(overrides)})
+    with display(_max_steps(params)):
+        if sweep:
+            from mlm_pipeline_flows.sweep import mlm_sweep
 
-
-def _tell_after_interrupt(line: str) -> None:
-    """Print `line` on stderr after Ctrl-C, also behind `| tee` or `2>&1 | tee`.
-
-    The terminal's SIGINT reaches the pipe's reader too, which exits: writing to the pipe
-    then raises BrokenPipeError, and flushing it at exit turns the exit status into 120.
-    So a stream whose reader is gone is pointed at /dev/null (the recipe of the Python
-    docs, "Note on SIGPIPE"), and a line that cannot go to stderr goes to the controlling
-    terminal, where the user pressed Ctrl-C.
-    """
-    def broken(stream) -> bool:
-        try:
-            stream.flush()
-            return False
-        except (BrokenPipeError, ValueError):  # ValueError: already closed
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-            return True
-
-    broken(sys.stdout)
-    if not broken(sys.stderr):
-        try:
-            print(line, file=sys.stderr, flush=True)
-            return
-        except BrokenPipeError:
-            broken(sys.stderr)
-    with contextlib.suppress(OSError), open("/dev/tty", "w", encoding="utf-8") as tty:
-        tty.write(line + "\n")
+            return mlm_sweep(params, sweep)
+        return mlm_pretraining(params)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,10 +43,12 @@ from typing import Any
 from mlm_pipeline.app.runlog import one_line, versions
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import ConfigError
+from mlm_pipeline.errors import TrainingInterrupted
 
 #: Runs the pretraining flow: (config name or path, dotted overrides) -> run summary (the
-#: dict `mlm_pipeline.app.summary.summary` builds).
-RunFlow = Callable[[str, list[str]], dict[str, Any]]
+#: dict `mlm_pipeline.app.summary.summary` builds); with the keyword `sweep` (a grid,
+#: `app.sweep.parse_grid`), the sweep flow, whose record has the children's summaries.
+RunFlow = Callable[..., dict[str, Any]]
 
 #: What `run` says when the entry point gave it no flow.
 NO_FLOW = (
@@ -62,6 +65,8 @@ RUN_EXAMPLES = """examples:
   mlm-pipeline run my.yaml --set tracking.run_name=lr-sweep-1   a YAML file, a run name
   mlm-pipeline run tiny          after Ctrl-C or a crash: continues the unfinished run
   mlm-pipeline run tiny --fresh  starts a new MLflow run instead
+  mlm-pipeline run tiny --sweep train.lr=1e-4,3e-4,1e-3   a sweep: one parent run, three
+                                 nested runs on data prepared once
   mlm-pipeline -v run tiny       tracebacks in the terminal (else in <work_dir>/logs/)
 See `mlm-pipeline config tiny` for every key and `mlm-pipeline config-reference`."""
 
@@ -106,7 +111,9 @@ TRUST = arg("--trust-unverified", dest="trust_unverified", action="store_true",
             "checkpoints were verified); damaged checkpoints are refused all the same")
 SOURCE = arg("source", help=SOURCE_HELP)
 JSON = arg("--json", action="store_true", verb=False, help="print JSON (full ids and "
-           "digests, wall time in seconds)")
+           "digests, wall time in seconds, every column)")
+WIDE = arg("--wide", action="store_true", verb=False, help="every column, as wide as it "
+           "takes (default: the main columns, fitted to 100 columns)")
 EXPERIMENT = arg("--experiment", metavar="NAME", help="MLflow experiment (default: every "
                  "experiment, or for runs the newest run's)")
 
@@ -127,9 +134,14 @@ def show_text(result: str, args: argparse.Namespace) -> None:
     sys.stdout.write(result)
 
 
+#: The width a table fits on a pipe (in a terminal: the terminal's).
+TABLE_WIDTH = 100
+
+
 def show_table(result: tuple[Any, str], args: argparse.Namespace) -> None:
-    """A `RunTable` and its title: the rows as JSON with `--json`, else a `rich` table
-    (on a pipe, every column whole)."""
+    """A `RunTable` and its title: the rows as JSON with `--json`, else a `rich` table of
+    its main columns fitted to the terminal (on a pipe, `TABLE_WIDTH`), or with `--wide`
+    every column, as wide as it takes."""
     table, title = result
     if args.json:
         print(json.dumps(table.rows, indent=2))
@@ -137,9 +149,8 @@ def show_table(result: tuple[Any, str], args: argparse.Namespace) -> None:
     from rich.console import Console
 
     console = Console()
-    if not console.is_terminal:  # piped: keep every column whole rather than fit 80 columns
-        console = Console(width=100_000)
-    console.print(table.rich(title))
+    width = 100_000 if args.wide else console.width if console.is_terminal else TABLE_WIDTH
+    Console(width=width).print(table.rich(title, wide=args.wide))
 
 
 def show_tokens(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -239,19 +250,23 @@ COMMANDS = (
                  help="MLflow search filter, e.g. \"params.`train.lr` = '0.001'\" or "
                  "\"metrics.`eval/loss` < 5\""),
              arg("--max", dest="max_runs", type=int, default=50, metavar="N",
-                 help="at most N runs, newest first (default: 50)"), JSON, TRACKING_URI),
+                 help="at most N runs, newest first (default: 50)"),
+             arg("--parent", metavar="RUN", help="only the runs nested under this run (a "
+                 "sweep's children; id, unique id prefix or name)"), JSON, WIDE,
+             TRACKING_URI),
             show_table),
     Command("models", "list a registered model's versions, newest first, with parent, "
             "corpus and tokenizer digests, steps added, decision and aliases (from the "
             "model registry alone)", "mlm_pipeline.app.models:model_versions",
             (arg("name", metavar="NAME", help="registered model name (default of a pipeline "
-                 "run: its experiment name)"), JSON, TRACKING_URI), show_table),
+                 "run: its experiment name)"), JSON, WIDE, TRACKING_URI), show_table),
     Command("compare", "compare runs: the table of `runs` and a PNG of train loss and eval "
             "loss (two panels) against tokens seen", "mlm_pipeline.app.compare:compare_table",
             (arg("runs", nargs="+", metavar="RUN", help="MLflow run id, unique id prefix "
-                 "(e.g. the 8 characters `runs` shows) or run name"),
+                 "(e.g. the 8 characters `runs` shows) or run name; a sweep's parent run "
+                 "stands for its children"),
              arg("--out", default="compare.png", metavar="PATH",
-                 help="PNG to write (default: compare.png)"), EXPERIMENT, JSON,
+                 help="PNG to write (default: compare.png)"), EXPERIMENT, JSON, WIDE,
              TRACKING_URI), show_table),
     Command("gc", "remove the local training state (checkpoints/) of finished runs, keeping "
             "the champion's, unfinished runs' and the newest", "mlm_pipeline.app.gc:gc",
@@ -283,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true",
                    help="start a new MLflow run even if an unfinished run of this config "
                         "could be continued (tracking.resume=never)")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="train every combination of these values (repeatable) on data "
+                   "prepared once: an MLflow parent run with a nested run per combination")
     p.set_defaults(command_=None)
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help)
@@ -295,10 +313,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
+def continue_command(argv: Sequence[str]) -> str:
+    """The command that continues an interrupted `mlm-pipeline run`: the command line as
+    typed (`argv`, without the program name), less `--fresh`, which would start a new
+    run instead."""
+    return shlex.join(["mlm-pipeline", *(a for a in argv if a != "--fresh")])
+
+
+def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str]) -> int:
     """`mlm-pipeline run`: check the config and local inputs, run the flow, print the
-    summary; returns the exit status."""
-    from mlm_pipeline.app.runlog import print_summary, run_logging
+    summary; returns the exit status (130 after an interruption, with the command that
+    continues it)."""
+    from mlm_pipeline.app.runlog import (
+        print_summary,
+        print_sweep_summary,
+        quiet_third_party,
+        run_logging,
+        tell_after_interrupt,
+    )
+    from mlm_pipeline.app.sweep import parse_grid
     from mlm_pipeline.config_files import load_config
 
     if run_flow is None:
@@ -313,9 +346,20 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
 
     check_local_sources(cfg.ingest)
     check_holdout(cfg)
+    grid = parse_grid(args.sweep)
+    if grid and args.fresh:
+        raise ConfigError("--sweep continues its own unfinished runs; --fresh is not for it")
     console, log = run_logging(cfg.work_dir, args.verbose)
+    if not args.verbose:
+        quiet_third_party()
     try:
-        result = run_flow(args.config, overrides)
+        result = run_flow(args.config, overrides, **({"sweep": grid} if grid else {}))
+    except (TrainingInterrupted, KeyboardInterrupt) as exc:
+        where = (f" at step {exc.step}, checkpoint {exc.checkpoint}"
+                 if isinstance(exc, TrainingInterrupted) else "")
+        tell_after_interrupt(f"mlm-pipeline: interrupted{where}; to continue, run the same "
+                             f"command: {continue_command(argv)}")
+        return 130
     except Exception as exc:  # noqa: BLE001 -- any failure of the flow becomes one line
         log.handle(logging.LogRecord(__name__, logging.ERROR, __file__, 0, "run failed", None,
                                      sys.exc_info()))
@@ -329,7 +373,10 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None) -> int:
         from mlm_pipeline.app.summary import write_summary
 
         write_summary(result, args.summary_json)
-    print_summary(result, cfg.tracking.experiment_name)
+    if grid:
+        print_sweep_summary(result)
+    else:
+        print_summary(result, cfg.tracking.experiment_name)
     return 0
 
 
@@ -348,12 +395,13 @@ def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> 
         bad input or a failed run, with one line on stderr (the traceback with `--verbose`;
         for `run` also in the log file the line names).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = args.command_
     if command is not None:  # `run` logs through `RunConsole` and a log file
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args, run_flow) if command is None else command(args)
+        return run(args, run_flow, argv) if command is None else command(args)
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2

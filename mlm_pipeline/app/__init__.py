@@ -15,6 +15,6 @@ registered model's history, `promote`), `parents` (the parent of a run, `train.i
 and the retrain policy), `training_run` (the tracked training run: sinks, evaluator,
 parent, stop signal, torchrun) and `torchrun_entry` (its entry on every rank), `publish`
 (the end of a run: results recorded, the model exported, logged, registered and decided),
-`decide` (the registry's decision, pure) and `rescore` (the champion scored on a new
-version's data).
+`decide` (the registry's decision, pure), `rescore` (the champion scored on a new
+version's data) and `sweep` (a sweep: its grid, its parent run and nested runs).
 """

@@ -51,27 +51,33 @@ SHORT = 8
 @dataclass(frozen=True)
 class RunTable:
     """The comparison table: `columns` in order, one dict per run (column -> value; None
-    is blank). Values are raw (numbers, full ids and digests); `rich` shortens them."""
+    is blank). Values are raw (numbers, full ids and digests); `rich` shortens them.
+    `narrow` are the columns shown by default, to fit a 100-column terminal (None: all);
+    every column is shown with `wide` and in the rows' JSON."""
 
     columns: list[str]
     rows: list[dict[str, Any]]
+    narrow: list[str] | None = None
 
-    def rich(self, title: str | None = None):
-        """A `rich.table.Table` of the rows: ids and digests cut to 8 and 12 characters,
-        wall time as h:mm:ss, floats to 4 decimals, counts with thousands separators."""
+    def rich(self, title: str | None = None, wide: bool = False):
+        """A `rich.table.Table` of the rows (the `narrow` columns unless `wide`): ids and
+        digests cut to 8 and 12 characters, wall time as h:mm:ss, floats to 4 decimals,
+        counts with thousands separators."""
         from rich.table import Table
 
         table = Table(title=title)
         # Run names stay whole on one line (copyable into `compare`): the column is as wide
         # as the longest name, and narrow terminals shrink the other columns instead.
         longest = max((len(str(r.get("run") or "")) for r in self.rows), default=3)
-        for col in self.columns:
+        shown = self.columns if wide or self.narrow is None else [
+            c for c in self.columns if c in self.narrow]
+        for col in shown:
             if col == "run":
                 table.add_column(col, no_wrap=True, min_width=longest)
             else:
                 table.add_column(col, justify="right" if col in _NUMERIC else "left")
         for row in self.rows:
-            table.add_row(*(_cell(col, row.get(col)) for col in self.columns))
+            table.add_row(*(_cell(col, row.get(col)) for col in shown))
         return table
 
 
@@ -214,17 +220,32 @@ def resolve_run_id(tracker: MlflowTracker, ref: str, experiment: str | None = No
     return found[0]
 
 
+def nested_runs(tracker: MlflowTracker, parent: Run) -> list[Run]:
+    """The runs nested under `parent` (MLflow's tag `mlflow.parentRunId`: a sweep's
+    children), oldest first."""
+    return list(tracker.client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+        order_by=["attributes.start_time ASC"], max_results=1000))
+
+
 def resolve_runs(tracker: MlflowTracker, refs: Sequence[str],
                  experiment: str | None = None) -> list[Run]:
     """The runs named by `refs`, in that order (each as in `resolve_run_id`: a run id, a
-    unique id prefix or a run name).
+    unique id prefix or a run name); a sweep's parent run (tag `mlm.sweep`) stands for its
+    children (`nested_runs`).
 
     Raises:
         ValueError: `refs` is empty, or as `resolve_run_id` for a reference.
     """
     if not refs:
         raise ValueError("compare: give at least one run id or run name")
-    return [resolve_run_id(tracker, ref, experiment) for ref in refs]
+    runs = []
+    for ref in refs:
+        run = resolve_run_id(tracker, ref, experiment)
+        runs += (nested_runs(tracker, run) or [run]) if run.data.tags.get(
+            "mlm.sweep") == "parent" else [run]
+    return runs
 
 
 def loop_tokens_per_s(tokens_seen: list[tuple[int, float]],
@@ -269,8 +290,14 @@ def _aliases(client: MlflowClient, run_id: str, models: dict[str, dict[str, int]
 
 
 def _differing(params: list[dict[str, str]]) -> list[str]:
-    """Keys whose value is not the same in every run (absent counts as a value)."""
-    keys = sorted({k for p in params for k in p})
+    """The config keys (`train.lr`, `name`, ...: a key of `PipelineConfig` or under one of
+    its sections, as `records.run_params` logs them) whose value is not the same in every
+    run (absent counts as a value). Params others log on the run (MLflow's model flavors:
+    `tokenizer_kwargs/truncation`) are not the user's and are left out."""
+    from mlm_pipeline.config import PipelineConfig
+
+    keys = sorted({k for p in params for k in p
+                   if k.split(".")[0] in PipelineConfig.model_fields})
     return [k for k in keys if len({p.get(k) for p in params}) > 1]
 
 
@@ -313,13 +340,27 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
             "data (digest.shards)": data.tags.get("digest.shards"),
             "registry alias": _aliases(client, info.run_id, models),
         })
-    return RunTable(columns, rows)
+    narrow = ["run", "id", "status", "decision", *differing, SPEED, "eval/loss",
+              "eval/mlm_accuracy"]
+    return RunTable(columns, rows, narrow)
 
 
 def experiment_runs(tracker: MlflowTracker, experiment: str | None = None,
-                    filter_string: str = "", max_runs: int = 50) -> tuple[RunTable, str]:
+                    filter_string: str = "", max_runs: int = 50,
+                    parent: str | None = None) -> tuple[RunTable, str]:
     """`mlm-pipeline runs`: the table of an experiment's runs (`find_runs`, `run_table`;
-    default: the experiment of the newest run in the store) and its title."""
+    default: the experiment of the newest run in the store) and its title; with `parent`
+    (a run id, prefix or name), the runs nested under it (a sweep's children).
+
+    Raises:
+        ValueError: see `find_runs` and `resolve_run_id`.
+    """
+    if parent is not None:
+        run = resolve_run_id(tracker, parent, experiment)
+        runs = nested_runs(tracker, run)[:max_runs]
+        return run_table(tracker, runs), (f"{len(runs)} runs nested under {run.info.run_name}"
+                                          f" ({run.info.run_id[:SHORT]}, "
+                                          f"{tracker.tracking_uri})")
     name = experiment or newest_run_experiment(tracker) or tracker.experiment_name
     runs = find_runs(tracker, name, filter_string, max_runs)
     which = "" if experiment else ", the newest run's; --experiment NAME for another"

@@ -20,6 +20,9 @@ from mlm_pipeline.tracking.version_lineage import PREFIX, parent_label
 
 __all__ = ["COLUMNS", "model_history", "model_versions", "promote_run"]
 
+#: The columns shown by default (`--wide`: all).
+NARROW = ["version", "aliases", "parent", "corpus", "tokenizer", "steps added", "decision",
+          "eval/loss"]
 #: The columns of the history, in order.
 COLUMNS = ["version", "aliases", "parent", "corpus", "tokenizer", "steps added",
            "decision", "eval/loss", "registered", "id"]
@@ -89,4 +92,4 @@ def model_history(tracker: MlflowTracker, name: str) -> RunTable:
             "eval/loss": float(loss) if loss is not None else None,
             "registered": when.strftime("%Y-%m-%d %H:%M"), "id": v.run_id,
         })
-    return RunTable(list(COLUMNS), rows)
+    return RunTable(list(COLUMNS), rows, NARROW)

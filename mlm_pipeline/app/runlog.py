@@ -11,11 +11,14 @@ its logging config) and adds no console handler, while its `APILogHandler` on th
 `prefect.flow_runs`/`prefect.task_runs` loggers still sends everything to the Prefect
 server. A deployment (a worker running the flow) never calls this and logs as Prefect does.
 
+After Ctrl-C, `tell_after_interrupt` prints how to continue, also behind a closed pipe.
+
 Only `logging` is used here: neither prefect nor mlflow is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -53,6 +56,24 @@ _FAILURE_REPORTS = ("Finished in state Failed", "Finished in state Crashed",
                     "Encountered exception during execution")
 
 
+#: Loggers whose records the terminal shows at every level: ours, Prefect's (the stages'
+#: task runs), the console entry's.
+OWN_LOGGERS = ("mlm_pipeline", "prefect", "root")
+#: Other libraries' records reach the terminal from this level on (all with `--verbose`).
+THIRD_PARTY_LEVEL = logging.ERROR
+
+
+def quiet_third_party() -> None:
+    """Before the libraries are imported: transformers' and huggingface_hub's progress
+    bars (`Loading weights`, `Writing model shards`) and advisory notes off, and MLflow's
+    own console handler (it does not propagate to ours) at WARNING, unless the environment
+    sets them (`HF_HUB_DISABLE_PROGRESS_BARS`, `TRANSFORMERS_VERBOSITY`,
+    `MLFLOW_LOGGING_LEVEL`)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
+
 class RunConsole(logging.StreamHandler):
     """The terminal's log handler of `mlm-pipeline run` (on the root logger, so Prefect's
     `setup_logging` leaves the root alone and adds no console handler of its own; its API
@@ -62,7 +83,9 @@ class RunConsole(logging.StreamHandler):
     Lines look like Prefect's (`12:00:00.123 | INFO    | Task run 'ingest-36b' - ...`).
     Unless `verbose`, records of Prefect's engines that report a failure (a traceback, a
     Failed/Crashed state) are left to the log file and the one error line that `run`
-    prints, and other records lose their traceback. Writes to the `sys.stderr` of the moment
+    prints, other records lose their traceback, and third-party libraries' records below
+    ERROR (MLflow's system-metrics and signature notices, transformers' notes) are left to
+    the log file (`THIRD_PARTY_LEVEL`). Writes to the `sys.stderr` of the moment
     (a live progress display may have replaced it).
 
     Attributes:
@@ -86,6 +109,9 @@ class RunConsole(logging.StreamHandler):
                 record, "task_name", None)):
             self.failed_task = name
         if failure and not self.verbose:
+            return
+        if not self.verbose and record.levelno < THIRD_PARTY_LEVEL and not record.name.startswith(
+                OWN_LOGGERS):
             return
         record = logging.makeLogRecord(record.__dict__)
         if not self.verbose:
@@ -174,4 +200,61 @@ def print_summary(result: dict, experiment: str) -> None:
 
         lines += registry_lines(reg)
     for line in lines:  # paths and commands must stay copyable: never wrap them
+        console.print(line, soft_wrap=True, highlight=False)
+
+
+def tell_after_interrupt(line: str) -> None:
+    """Print `line` on stderr after Ctrl-C, also behind `| tee` or `2>&1 | tee`.
+
+    The terminal's SIGINT reaches the pipe's reader too, which exits: writing to the pipe
+    then raises BrokenPipeError, and flushing it at exit turns the exit status into 120.
+    So a stream whose reader is gone is pointed at /dev/null (the recipe of the Python
+    docs, "Note on SIGPIPE"), and a line that cannot go to stderr goes to the controlling
+    terminal, where the user pressed Ctrl-C.
+    """
+    def broken(stream) -> bool:
+        try:
+            stream.flush()
+            return False
+        except (BrokenPipeError, ValueError):  # ValueError: already closed
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            return True
+
+    broken(sys.stdout)
+    if not broken(sys.stderr):
+        try:
+            print(line, file=sys.stderr, flush=True)
+            return
+        except BrokenPipeError:
+            broken(sys.stderr)
+    with contextlib.suppress(OSError), open("/dev/tty", "w", encoding="utf-8") as tty:
+        tty.write(line + "\n")
+
+
+def print_sweep_summary(result: dict) -> None:
+    """Print the end of a successful sweep (`mlm-pipeline run --sweep`): the parent run, its
+    children's table (`app.compare.experiment_runs` with the parent) and how to compare them.
+
+    Args:
+        result: the sweep flow's record (`app.sweep.finish_parent`, with
+            `mlflow_tracking_uri`).
+    """
+    from rich.console import Console
+
+    from mlm_pipeline.app.compare import experiment_runs
+    from mlm_pipeline.tracking.tracker import MlflowTracker
+
+    parent = result["parent"]
+    tracker = MlflowTracker(result["mlflow_tracking_uri"])
+    table, title = experiment_runs(tracker, parent=parent)
+    console = Console()
+    console.print(table.rich(title))
+    lines = [f"Sweep run id:  {parent} ({len(result['children'])} runs)",
+             f"Tracking URI:  {result['mlflow_tracking_uri']}",
+             f"Best run:      {result['best_run']} (eval/loss {result['best_eval_loss']:.4f})"
+             if result.get("best_run") else "Best run:      none logged eval/loss",
+             f"Compare them:  mlm-pipeline compare {parent} --tracking-uri "
+             f"{result['mlflow_tracking_uri']}"]
+    for line in lines:
         console.print(line, soft_wrap=True, highlight=False)

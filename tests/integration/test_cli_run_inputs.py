@@ -84,3 +84,19 @@ def test_run_checks_the_config_then_calls_the_flow_it_was_given(capsys, run_in_t
     assert "mlm-pipeline: error: task train failed" in err
     (log,) = (run_in_tmp / ".mlm-pipeline" / "logs").glob("run-*.log")
     assert f"traceback in {log}" in err and "RuntimeError: task train failed" in log.read_text()
+
+
+def test_an_interrupted_run_says_how_to_continue_with_the_whole_command(capsys, run_in_tmp):
+    from mlm_pipeline.cli import main
+    from mlm_pipeline.errors import TrainingInterrupted
+
+    def interrupted_flow(config: str, overrides: list[str]) -> dict:
+        raise TrainingInterrupted(7, run_in_tmp / "step-00000007")
+
+    argv = ["run", "tiny", "--set", "train.max_steps=5", "--summary-json", "my summary.json",
+            "--fresh"]
+    assert main(argv, run_flow=interrupted_flow) == 130
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"mlm-pipeline: interrupted at step 7, checkpoint {run_in_tmp}/step-00000007"
+                    "; to continue, run the same command: mlm-pipeline run tiny --set "
+                    "train.max_steps=5 --summary-json 'my summary.json'")  # --fresh would not

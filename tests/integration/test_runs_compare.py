@@ -52,7 +52,9 @@ COMPARE_WIDTH_PX = 1200  # two panels side by side
 def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = True) -> str:
     tracker.run_name = name
     cfg = load_config(None, [f"train.lr={spec['lr']}"])
-    run_id = tracker.start_run(run_params(cfg), {"digest.shards": spec["digest"]})
+    # a param MLflow's transformers flavor logs on the run, on one run only
+    flavor = {"tokenizer_kwargs/truncation": "True"} if name == "run-a" else {}
+    run_id = tracker.start_run({**run_params(cfg), **flavor}, {"digest.shards": spec["digest"]})
     sink = tracker.sink(run_id)
     for step, loss, speed in zip(STEPS, spec["loss"], spec["speed"]):
         sink.log({"train/loss": loss, "train/lr": float(spec["lr"]) * step / STEPS[-1],
@@ -126,6 +128,7 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged, run_cli
         assert row["id"] == ids[name] and row["status"] == "FINISHED"
         assert row["train.lr"] == spec["lr"]
         assert "model.hidden_size" not in row and "train.max_steps" not in row
+        assert "tokenizer_kwargs/truncation" not in row  # not the user's param
         assert row["tokens seen"] == STEPS[-1] * TOKENS_PER_STEP
         assert row["tokens/s (seen / loop time)"] == pytest.approx(
             _expected_speed(spec["speed"]))
@@ -141,11 +144,18 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged, run_cli
 
     table = run_cli("runs", "--experiment", EXPERIMENT, "--tracking-uri", tracker.tracking_uri)
     assert table.returncode == 0, table.stderr
+    assert max(len(line) for line in table.stdout.splitlines()) <= 100  # fits 100 columns
     for name in RUNS:
         assert name in table.stdout and ids[name][:8] in table.stdout
-        assert RUNS[name]["digest"][:12] in table.stdout
+        assert RUNS[name]["digest"][:12] not in table.stdout  # a --wide column
     assert "train.lr" in table.stdout and "model.hidden_size" not in table.stdout
+    assert "tokenizer_kwargs" not in table.stdout
     assert "0.0010" not in table.stdout and "0.001" in table.stdout  # params shown as logged
+    wide = run_cli("runs", "--experiment", EXPERIMENT, "--tracking-uri", tracker.tracking_uri,
+                   "--wide")
+    for name in RUNS:
+        assert RUNS[name]["digest"][:12] in wide.stdout
+    assert "champion (tiny-model v1)" in wide.stdout
 
 
 def test_runs_filter_and_unknown_experiment(logged, run_cli):

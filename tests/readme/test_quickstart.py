@@ -228,6 +228,12 @@ def test_command_1_exits_0_and_prints_the_run_and_metrics(quickstart, record_pro
     assert summary["mlflow_run_id"] in out
     assert "eval/mlm_accuracy" in out
     assert (quickstart["clone"] / "mlflow.db").is_file()
+    # Third-party noise stays in the log file; no link to the temporary Prefect server.
+    both = out + quickstart["proc"].stderr
+    for noise in ("View at http", "Skip logging GPU metrics", "Loading weights",
+                  "Writing model shards"):
+        assert noise not in both, noise
+    assert "a temporary local server for this command only" in both
 
 
 @slow
