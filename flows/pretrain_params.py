@@ -156,24 +156,26 @@ class PretrainParams(BaseModel):
         """The config these parameters name (`resolved`), with `event_sources` applied.
         When an event chose the config, its `ingest.allowed_sources` is replaced by the
         deployment config's (`config_file` or `config`, with the overrides): the allow-list
-        never comes from a file an event names. Sources are checked against it first.
+        never comes from a file an event names, and every data input of the chosen config
+        (its own sources included, when the event named none) must pass it
+        (`ingest.allowed.under_allow_list`). Sources are checked against it first.
 
         Raises:
             ValueError: the event's config file is refused (`event_file`).
             The errors of `load_config` (a file an event named is never quoted) and
-            `with_event_sources` (a bad override, a source the config does not allow).
+            `with_event_sources` / `under_allow_list` (a bad override, a source the
+            allow-list does not cover).
         """
         path, overrides = self.resolved()
         chosen = self.event_config_file is not None or self.event_config is not None
         cfg = load_config(path, overrides, quote=self.event_config_file is None)
+        from mlm_pipeline.ingest.allowed import under_allow_list, with_event_sources
+
         if chosen:
             own = load_config(self.config_file or self.config, overrides)
-            ingest = cfg.ingest.model_copy(
-                update={"allowed_sources": own.ingest.allowed_sources})
-            cfg = cfg.model_copy(update={"ingest": ingest})
+            return under_allow_list(cfg, own.ingest.allowed_sources, self.event_sources,
+                                    quote=self.event_config_file is None)
         if self.event_sources is not None:
-            from mlm_pipeline.ingest.allowed import with_event_sources
-
             cfg = with_event_sources(cfg, self.event_sources)
         return cfg
 

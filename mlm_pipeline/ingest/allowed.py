@@ -12,7 +12,14 @@ allow-list (`IngestConfig.allowed_sources`):
 * `debian:NAME` must be listed as such.
 
 No list (None) allows no event source. Sources of the config itself are the user's own and
-are not checked.
+are not checked, unless an event chose that config (`under_allow_list`): then its own
+`ingest.sources` are read only when they pass the deployment's allow-list too, so that
+every source a run reads passes it, whoever named it.
+
+A hard link is not a link to follow: it is the file itself under another name, so a hard
+link that someone made inside an allowed root to a file outside it is read (no path
+check, `realpath` included, can tell it from a file created there). Keep write access to
+the allowed roots to those who may choose what is read (the security page of the docs).
 
 The check of a source string is not enough: a directory inside an allowed root may hold a
 file symlink leading out of it, and a glob inside the root may match one. So, with an
@@ -179,3 +186,57 @@ def with_event_sources(cfg: PipelineConfig, sources: Sequence[str]) -> PipelineC
     check_event_sources(sources, cfg.ingest.allowed_sources)
     ingest = IngestConfig.model_validate({**cfg.ingest.model_dump(), "sources": list(sources)})
     return cfg.model_copy(update={"ingest": ingest})
+
+
+
+def _read_sources(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """(field, source) for every input a run of `cfg` reads as data: `ingest.sources`,
+    `eval.holdout_sources` and the linear probe's local `data_path`."""
+    found = [(f"ingest.sources[{i}]", s) for i, s in enumerate(cfg.ingest.sources)]
+    found += [(f"eval.holdout_sources[{i}]", s) for i, s in enumerate(cfg.eval.holdout_sources)]
+    if cfg.linear_probe.data_path is not None:
+        found.append(("linear_probe.data_path", cfg.linear_probe.data_path))
+    return found
+
+
+def under_allow_list(cfg: PipelineConfig, allowed: Sequence[str] | None,
+                     event_sources: Sequence[str] | None = None, *,
+                     quote: bool = True) -> PipelineConfig:
+    """`cfg`, a config an event chose, under the deployment's allow-list `allowed`: its
+    `ingest.allowed_sources` replaced by `allowed`, `event_sources` (when the event named
+    some) in place of `ingest.sources`, and every data input the run will read
+    (`ingest.sources`, `eval.holdout_sources`, `linear_probe.data_path`) checked against
+    `allowed` before anything is read. Without this, a config file an event named could
+    list any file of the worker as its corpus.
+
+    Args:
+        cfg: the config the event chose (a shipped config, or a file in `config_dirs`).
+        allowed: the deployment config's `ingest.allowed_sources` (None: no source passes).
+        event_sources: the sources the event named, or None.
+        quote: False for a file nobody vouches for: a refusal names the fields of its
+            sources (`ingest.sources[2]`), never their text.
+
+    Returns:
+        The config to run.
+
+    Raises:
+        ValueError: a source is refused (one line per source, with the reason unless
+            `quote` is False; the allow-list named).
+    """
+    ingest = cfg.ingest.model_copy(update={"allowed_sources": allowed})
+    cfg = cfg.model_copy(update={"ingest": ingest})
+    if event_sources is not None:
+        cfg = with_event_sources(cfg, event_sources)
+    own = [(f, s) for f, s in _read_sources(cfg)
+           if event_sources is None or not f.startswith("ingest.sources")]
+    refused = [(f, s, refused_reason(s, allowed or [])) for f, s in own]
+    refused = [(f, s, why) for f, s, why in refused if why is not None]
+    if refused:
+        lines = "\n".join(f"  {f} = {s!r}: {why}" if quote else f"  {f}"
+                          for f, s, why in refused)
+        listed = (f"ingest.allowed_sources = {list(allowed)}" if allowed is not None else
+                  "the deployment's config sets no ingest.allowed_sources")
+        raise ValueError("inputs of the config an event chose refused before reading "
+                         f"anything (the deployment's allow-list applies):\n{lines}\n"
+                         f"({listed})")
+    return cfg

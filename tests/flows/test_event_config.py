@@ -124,3 +124,49 @@ def test_the_trigger_parameters_of_an_event_without_a_config_pass_the_schema():
     jsonschema.validate(rendered, PretrainParams.model_json_schema())
     params = PretrainParams.model_validate(rendered)
     assert params.resolved()[0] == "tiny" and params.config_dirs == []
+
+
+def _own_sources_file(path: Path, *, sources, **extra) -> Path:
+    """A config file an event may name (in a declared directory) that reads `sources`
+    itself, with a planted allow-everything list."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tree = {"name": "own-sources", "ingest": {"sources": sources, "allowed_sources": ["/"]},
+            "tokenizer": {"vocab_size": 128}, **extra}
+    path.write_text(yaml.safe_dump(tree) + f"# {SECRET}\n")
+    return path
+
+
+@pytest.mark.parametrize("sources, extra, field", [
+    ([f"/etc/{SECRET}"], {}, "ingest.sources[0]"),
+    (["debian:fr"], {"eval": {"holdout_sources": ["debian:fr", f"/etc/{SECRET}"]}},
+     "eval.holdout_sources[1]"),
+    (["debian:fr"], {"linear_probe": {"data_path": f"/etc/{SECRET}.csv"}},
+     "linear_probe.data_path"),
+], ids=["ingest.sources", "eval.holdout_sources", "linear_probe.data_path"])
+def test_an_event_named_file_reads_only_what_the_deployment_allows(tmp_path, sources, extra,
+                                                                    field):
+    """An event that names a config file but no corpus: the file's own inputs must pass
+    the deployment's allow-list too, refused by field, never quoted."""
+    planted = _own_sources_file(tmp_path / "configs" / "own.yaml", sources=sources, **extra)
+    params = _event(config_file=str(planted), config_dirs=[str(planted.parent)])
+    assert params.event_sources is None  # the event named no corpus
+    with pytest.raises(ValueError, match="refused before reading anything") as info:
+        params.load()
+    message = str(info.value)
+    assert field in message and str(TINY_ALLOWED) in message
+    assert SECRET not in message and "/etc" not in message
+
+
+def test_an_event_named_file_with_allowed_sources_runs_under_the_deployment_list(tmp_path):
+    planted = _own_sources_file(tmp_path / "configs" / "own.yaml", sources=["debian:fr"])
+    cfg = _event(config_file=str(planted), config_dirs=[str(planted.parent)]).load()
+    assert cfg.name == "own-sources" and cfg.ingest.sources == ["debian:fr"]
+    assert cfg.ingest.allowed_sources == TINY_ALLOWED
+
+
+def test_a_shipped_config_an_event_picks_reads_only_what_the_deployment_allows():
+    """`small` reads `debian:fr-general`, which `tiny` (the deployment's config) does not
+    allow: picked by an event without a corpus, it is refused, and quoted (it is ours)."""
+    with pytest.raises(ValueError, match="'debian:fr-general'"):
+        _event(config="small").load()
+    assert _event(config="small", corpus="debian:fr").load().ingest.sources == ["debian:fr"]

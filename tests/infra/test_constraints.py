@@ -137,6 +137,26 @@ def test_readme_install_lines_use_the_constraints():
         assert "-c constraints.txt" in cmd, cmd
 
 
+
+def _index_options(cmd: str) -> list[str]:
+    """The index options of a pip command (`--index-url URL`, `--extra-index-url URL`)."""
+    return re.findall(r"--(?:extra-)?index-url\s+\S+", cmd)
+
+
+def test_ci_installs_torch_as_the_readme_does():
+    """The same torch: the README's Quickstart torch install and CI's name the same
+    constraints and the same package index (PyTorch's CPU build)."""
+    readme = (ROOT / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    ours = [c for c in _pip_installs(quickstart) if re.search(r"\storch(\s|$)", c)]
+    ci = [c for c in _pip_installs(CI_RUN.read_text()) if re.search(r"\storch(\s|$)", c)]
+    assert ours and len(ci) == 1, (ours, ci)
+    for cmd in ours:
+        assert _index_options(cmd) == _index_options(ci[0]), (cmd, ci[0])
+        assert _index_options(cmd) == [
+            "--extra-index-url https://download.pytorch.org/whl/cpu"], cmd
+
+
 @pytest.mark.skipif(os.environ.get("CI") != "true",
                     reason="only CI installs with the constraints (.ci/run)")
 def test_ci_environment_is_the_pinned_set():
