@@ -206,15 +206,25 @@ class MaskingConfig(StrictModel):
 
 #: Field values a `ModelConfig.preset` fills in when the config does not set them.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # BERT (Devlin et al. 2019): weight-compatible with Hugging Face `BertForMaskedLM`.
+    # BERT (Devlin et al. 2019): weight-compatible with Hugging Face `BertForMaskedLM`,
+    # global attention in every layer.
     "bert": {"norm": "post", "position": "learned", "activation": "gelu", "bias": True,
-             "layer_norm_eps": 1e-12, "dropout": 0.1},
-    # ModernBERT (Warner et al. 2024) with global attention in every layer: pre-LN, rotary,
-    # GeGLU, no biases, LayerNorm eps 1e-5, no dropout for pretraining; weight-compatible
-    # with Hugging Face `ModernBertForMaskedLM`.
+             "layer_norm_eps": 1e-12, "dropout": 0.1, "global_every": 1},
+    # ModernBERT (Warner et al. 2024): pre-LN, rotary, GeGLU, no biases, LayerNorm eps
+    # 1e-5, no dropout for pretraining, and its attention layout: a global layer every
+    # third layer from layer 0, the others attending within a 128-token window with RoPE
+    # base 10,000 (answerdotai/ModernBERT-base config.json and transformers'
+    # `ModernBertConfig`: global_attn_every_n_layers 3, local_attention 128,
+    # local_rope_theta 10,000). Weight-compatible with Hugging Face `ModernBertForMaskedLM`.
     "modern": {"norm": "pre", "position": "rope", "activation": "geglu", "bias": False,
-               "layer_norm_eps": 1e-5, "dropout": 0.0},
+               "layer_norm_eps": 1e-5, "dropout": 0.0, "global_every": 3,
+               "local_attention_window": 128, "local_rope_base": 10000.0},
 }
+#: What a stored model config (a checkpoint's `config.model`, a manifest's) written before
+#: a field existed meant by its absence: every layer global (the `modern` preset's layout
+#: before its sliding-window layers) and, with document attention, positions counted along
+#: the row. `ModelConfig.from_record` applies them.
+LEGACY_MODEL_FIELDS: dict[str, Any] = {"global_every": 1, "document_positions": "row"}
 
 
 class ModelConfig(StrictModel):
@@ -222,9 +232,9 @@ class ModelConfig(StrictModel):
 
     preset: Literal["bert", "modern"] | None = None
     """Architecture recipe (`MODEL_PRESETS`): `bert` = post-LN, learned positions, GELU,
-    biases (Hugging Face `BertForMaskedLM` compatible); `modern` = pre-LN, rotary positions,
-    GeGLU, no biases (`ModernBertForMaskedLM` compatible, global attention in every layer).
-    Fields set explicitly in the config win."""
+    biases, global attention (Hugging Face `BertForMaskedLM` compatible); `modern` = pre-LN,
+    rotary positions, GeGLU, no biases, two sliding-window layers for every global one
+    (`ModernBertForMaskedLM` compatible). Fields set explicitly in the config win."""
 
     hidden_size: int = Field(default=128, ge=8)
     """Width of the residual stream."""
@@ -256,6 +266,23 @@ class ModelConfig(StrictModel):
     """LayerNorm epsilon (BERT uses 1e-12)."""
     initializer_range: float = Field(default=0.02, gt=0.0)
     """Std of the truncated-normal weight init (BERT: 0.02)."""
+    global_every: int = Field(default=1, ge=1)
+    """Every this many layers one attends globally, from layer 0 (ModernBERT
+    `global_attn_every_n_layers`: 3 = layers 0, 3, 6, ... global); the layers between
+    attend within `local_attention_window`. 1: every layer global (BERT)."""
+    local_attention_window: int = Field(default=128, ge=2, multiple_of=2)
+    """Width of a local (sliding-window) layer's attention in tokens (ModernBERT
+    `local_attention`): a query sees the keys at most half of it away on either side
+    (128: 64 before, 64 after, itself)."""
+    local_rope_base: float = Field(default=10000.0, gt=1.0)
+    """RoPE frequency base of the local layers (ModernBERT `local_rope_theta`);
+    `rope_base` is the global layers'."""
+    document_positions: Literal["restart", "row"] = "restart"
+    """Position ids of packed rows under document attention (`train.document_attention`):
+    `restart` at 0 in every document, so a document is encoded as if it were alone in its
+    row; `row`: counted along the row, as models trained before positions restarted were
+    (the same function for rotary positions, which see only distances within a
+    document; learned positions differ)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -274,6 +301,47 @@ class ModelConfig(StrictModel):
                 f"num_heads {self.num_heads}"
             )
         return self
+
+    @classmethod
+    def from_record(cls, record: Any) -> ModelConfig:
+        """The config a stored record (a checkpoint's or manifest's `config.model`) was
+        trained with: fields it predates take their meaning then (`LEGACY_MODEL_FIELDS`:
+        an old `modern` checkpoint is all-global), not today's preset defaults.
+
+        Raises:
+            pydantic.ValidationError: the record is not a valid model config (not a
+                mapping, None included).
+        """
+        if not isinstance(record, dict):
+            return cls.model_validate(record)
+        return cls.model_validate({**LEGACY_MODEL_FIELDS, **record})
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) attends globally (`global_every`)."""
+        return layer % self.global_every == 0
+
+    @property
+    def local_half_window(self) -> int:
+        """Keys a local layer's query sees on each side: `local_attention_window // 2`."""
+        return self.local_attention_window // 2
+
+    @property
+    def has_local_layers(self) -> bool:
+        """True when some layer attends within a window (`global_every > 1` and a second
+        layer)."""
+        return self.global_every > 1 and self.num_layers > 1
+
+    def digest_record(self, document_attention: bool) -> dict[str, Any]:
+        """The config as a run's digest hashes it: the fields that cannot change what this
+        model computes are left out (the local-layer fields without local layers, how
+        positions are numbered without document attention or when counted along the row,
+        as before that field existed), so digests made before they existed still hold."""
+        unused = set()
+        if self.global_every == 1:
+            unused |= {"global_every", "local_attention_window", "local_rope_base"}
+        if not document_attention or self.document_positions == "row":
+            unused.add("document_positions")
+        return self.model_dump(mode="json", exclude=unused)
 
 
 #: Warm-up steps when a config sets neither `train.warmup_steps` nor `train.warmup_ratio`.
@@ -394,9 +462,13 @@ class TrainConfig(StrictModel):
     verify_shards: bool = True
     """Recompute every shard's sha256 before training and fail, naming the file, on a
     mismatch (reads the whole dataset once: about 1 s per GB)."""
-    document_attention: bool = False
-    """Let tokens attend only within their own document of a packed row (boundaries are
-    the [SEP] tokens the shards keep in-band); disables the fastest SDPA kernels."""
+    document_attention: bool = True
+    """Tokens attend only within their own document of a packed row (boundaries are the
+    [SEP] tokens the shards keep in-band) and positions restart in each document
+    (`model.document_positions`), so a document's encoding does not depend on what it was
+    packed beside; a variable-length kernel keeps the cost of a mask-free step (see the
+    models page). false: every token attends to its whole row (the behaviour before this
+    was the default; ablations)."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads on CPU; None keeps torch's default."""
     checkpoint_every: int | None = Field(default=None, ge=1)
@@ -413,9 +485,11 @@ class TrainConfig(StrictModel):
     directory or uploaded with `tracking.log_training_state`; an exported `transformers`
     directory is refused: it cannot be verified, the error names its checkpoint). Weights
     only: the optimizer, LR schedule (with its own warm-up), data order and step count start
-    afresh. Its architecture (`model.*`), `vocab_size`, tokenizer and `seq_len` must be
-    this config's (each difference is named); the source, its digest and step are part of
-    the run's digest. A resumed run continues from its own checkpoint, never from this.
+    afresh. Its architecture (`model.*`), `vocab_size` and tokenizer must be this config's
+    (each difference is named); a length phase may change `shards.seq_len` (a learned
+    position table is cut, or extended by copying its rows) and the RoPE bases, which the
+    run's lineage records (`mlm.init_changes`). The source, its digest and step are part
+    of the run's digest. A resumed run continues from its own checkpoint, never from this.
     None: random initialization."""
     trust_unverified_checkpoint: bool = False
     """Resume from a checkpoint that cannot be verified (no digest of its `state.json`:

@@ -17,6 +17,7 @@ mlflow is imported inside the functions.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -157,8 +158,13 @@ def _download(client: Any, run_id: str, artifact: str, dest: Path) -> None:
 
 def parent_tags(init: dict[str, Any] | None) -> dict[str, str]:
     """MLflow tags of a run's parent (`TrainManifest.init`): `mlm.init_from`,
-    `mlm.init_digest`, `mlm.init_step`, `mlm.init_checkpoint`; empty without one."""
+    `mlm.init_digest`, `mlm.init_step`, `mlm.init_checkpoint`, and `mlm.init_changes` (JSON:
+    what a length phase changed, e.g. `seq_len` and `model.rope_base`) when it changed
+    something; empty without one."""
     if not init:
         return {}
-    return {"mlm.init_from": str(init["source"]), "mlm.init_digest": str(init["digest"]),
+    tags = {"mlm.init_from": str(init["source"]), "mlm.init_digest": str(init["digest"]),
             "mlm.init_step": str(init["step"]), "mlm.init_checkpoint": str(init["checkpoint"])}
+    if init.get("changes"):
+        tags["mlm.init_changes"] = json.dumps(init["changes"], sort_keys=True)
+    return tags

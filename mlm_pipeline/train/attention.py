@@ -1,5 +1,6 @@
-"""Bidirectional self-attention, its masks (padding, documents of packed rows) and rotary
-position embeddings for `BertMLM`.
+"""Bidirectional self-attention, the document layout of packed rows (document ids from
+[SEP], positions within documents) and rotary position embeddings for `BertMLM`; which
+keys a query sees, and the kernels that compute it, are in `kernels`.
 
 Shapes: B = batch size, L = tokens per row, H = hidden size, h = heads, d = H / h.
 The attention mask convention is SDPA's boolean one: True = may attend.
@@ -7,94 +8,96 @@ The attention mask convention is SDPA's boolean one: True = may attend.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlm_pipeline.config import SEP_ID, ModelConfig
 
+if TYPE_CHECKING:  # pragma: no cover
+    from mlm_pipeline.train.kernels import AttentionLayout
+
 
 class SelfAttention(nn.Module):
-    """Multi-head bidirectional self-attention through `F.scaled_dot_product_attention`.
+    """Multi-head bidirectional self-attention; the kernel is the batch's
+    `kernels.AttentionLayout`'s.
 
     Args:
         cfg: model shape; `num_heads` divides `hidden_size`.
+        layer: index of the layer (0-based): a local layer (`cfg.is_global(layer)` False)
+            attends within `cfg.local_half_window` positions and is rotated with the local
+            RoPE tables.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.dropout = cfg.dropout
+        self.is_global = cfg.is_global(layer)
+        self.window = None if self.is_global else cfg.local_half_window
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.bias)
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None,
+    def forward(self, x: Tensor, layout: AttentionLayout | None = None,
                 rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Attend (B, L, H) -> (B, L, H); `attn_mask` bool (B, 1, 1, L) or (B, 1, L, L),
-        True = may attend; `rope` = (cos, sin), each (L, H / heads), rotates queries and
+        """Attend (B, L, H) -> (B, L, H) over the keys `layout` lets each query see (None:
+        no padding, one document per row); `rope` = (cos, sin), fp32 tables shaped to
+        broadcast against (B, L, 2, heads, H / heads) (`rope_at`), rotates queries and
         keys."""
         batch, seq_len, hidden = x.shape
+        if layout is None:
+            from mlm_pipeline.train.kernels import AttentionLayout
+
+            layout = AttentionLayout(batch, seq_len, x.device, None, None)
         qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, hidden // self.num_heads)
         if rope is None:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)  # 3 x (B, heads, L, H / heads) views
         else:
             # Queries and keys rotated in one pass over the (B, L, 2, heads, D) slice.
-            cos, sin = (t[:seq_len, None, None, :] for t in rope)
-            q, k = apply_rope(qkv[:, :, :2], cos, sin).permute(2, 0, 3, 1, 4)
+            q, k = apply_rope(qkv[:, :, :2], *rope).permute(2, 0, 3, 1, 4)
             v = qkv[:, :, 2].transpose(1, 2)
-        y = attention(q, k, v, attn_mask, self.dropout if self.training else 0.0)
+        y = layout.attend(q, k, v, self.window, self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, hidden))
 
 
-def document_ids_from_sep(input_ids: Tensor) -> Tensor:
+def document_ids_from_sep(input_ids: Tensor, sep_id: int = SEP_ID) -> Tensor:
     """Document index of every position of packed rows, from the in-band [SEP] tokens.
 
     Rows are packed as `[CLS] doc1 [SEP] doc2 [SEP] ...`: a [SEP] ends the document it
-    follows, so the id of a position is the number of [SEP] (`config.SEP_ID`) strictly
-    before it in its row (an exclusive prefix count). Trailing [PAD] after the last [SEP]
-    form one more "document", which the attention mask hides anyway.
+    follows, so the id of a position is the number of [SEP] strictly before it in its row
+    (an exclusive prefix count). Trailing [PAD] after the last [SEP] form one more
+    "document", which the attention mask hides anyway.
 
     Args:
         input_ids: integer (B, L) token ids.
+        sep_id: the id of [SEP] in the run's tokenizer (the caller reads it there; the
+            default is the id this project's tokenizers give it).
 
     Returns:
         int32 (B, L) document ids, 0 for the first document of each row.
     """
-    is_sep = (input_ids == SEP_ID).to(torch.int32)
+    is_sep = (input_ids == sep_id).to(torch.int32)
     return (torch.cumsum(is_sep, dim=1, dtype=torch.int32) - is_sep)
 
 
-def attention_bias_mask(attention_mask: Tensor | None,
-                        document_ids: Tensor | None) -> Tensor | None:
-    """The boolean SDPA mask (True = may attend) for padding and document boundaries.
+def positions_in_documents(document_ids: Tensor) -> Tensor:
+    """Position of every token within its document: 0 at each document's first token.
 
     Args:
-        attention_mask: (B, L), 1 = real token, 0 = padding (keys ignored); None = all real.
-        document_ids: integer (B, L); a query attends only to keys of its own id.
+        document_ids: integer (B, L), constant over each document's tokens (as
+            `document_ids_from_sep` gives them).
 
     Returns:
-        None when nothing is masked; bool (B, 1, 1, L) for padding only; bool
-        (B, 1, L, L) with document ids.
+        int64 (B, L) positions, each below L.
     """
-    attn_mask = None
-    # Skipping an all-ones mask lets SDPA use its fastest kernels; the check costs one
-    # host-device sync, which callers avoid by passing None for unpadded batches.
-    if attention_mask is not None and not bool(attention_mask.all()):
-        keep = attention_mask.bool()
-        # A row with no real token softmaxes over nothing: NaN (also in backward) in
-        # torch < 2.5's math kernel, zeros in later ones. Let such rows attend
-        # everywhere, the same on every version; they are never predicted anyway.
-        keep = keep | ~keep.any(dim=1, keepdim=True)
-        attn_mask = keep[:, None, None, :]
-    if document_ids is not None:
-        same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, L, L)
-        if attn_mask is not None:
-            # Every query keeps its own key, so a padding query (whose document is
-            # all padding) never softmaxes over nothing.
-            eye = torch.eye(same.shape[1], dtype=torch.bool, device=same.device)
-            same = (same & attn_mask[:, 0]) | eye
-        attn_mask = same[:, None]
-    return attn_mask
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
+    first = torch.ones_like(document_ids, dtype=torch.bool)
+    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.where(first, index, 0).cummax(dim=1).values
+    return index - start
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -205,3 +208,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # chunk, negation and concatenation (3x faster forward + backward in bf16 on CPU).
     signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(x.dtype)
     return torch.addcmul(x * cos.to(x.dtype), x.roll(half, dims=-1), signed_sin)
+
+
+def rope_at(cos: Tensor, sin: Tensor, positions: Tensor | None,
+            seq_len: int) -> tuple[Tensor, Tensor]:
+    """The rows of the RoPE tables of each token, shaped for `SelfAttention.forward`.
+
+    Args:
+        cos, sin: fp32 (max positions, D) tables from `rope_tables`.
+        positions: int64 (B, L) position of each token (`positions_in_documents`); None =
+            0 .. L - 1 in every row.
+        seq_len: L.
+
+    Returns:
+        (cos, sin), each (L, 1, 1, D) without `positions`, else (B, L, 1, 1, D).
+    """
+    if positions is None:
+        return cos[:seq_len, None, None, :], sin[:seq_len, None, None, :]
+    return cos[positions][:, :, None, None, :], sin[positions][:, :, None, None, :]

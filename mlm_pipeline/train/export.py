@@ -54,7 +54,7 @@ def export_class(state: dict[str, Any]) -> str:
     """
     from mlm_pipeline.train.hf import HF_CLASSES, check_compatible, hf_class_name
 
-    cfg = ModelConfig.model_validate(state["config"]["model"])
+    cfg = ModelConfig.from_record(state["config"]["model"])
     hf_class = hf_class_name(cfg)
     if hf_class is None:
         check_compatible(cfg, HF_CLASSES[cfg.preset or "bert"])
@@ -144,6 +144,17 @@ def _eval_metrics(checkpoint: Path) -> dict[str, float]:
     return {}
 
 
+def modern_layout(state: dict[str, Any]) -> str:
+    """The attention layout of a `modern` checkpoint in words, as trained (a checkpoint
+    written before the layout existed is all-global: `ModelConfig.from_record`)."""
+    cfg = ModelConfig.from_record(state["config"]["model"])
+    if not cfg.has_local_layers:
+        return f"global attention in every layer, RoPE base {cfg.rope_base:g}"
+    return (f"a global layer every {cfg.global_every} layers (RoPE base {cfg.rope_base:g}), "
+            f"the others sliding-window over {cfg.local_attention_window} tokens (RoPE "
+            f"base {cfg.local_rope_base:g})")
+
+
 def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
                tok_manifest: TokenizerManifest | None, corpus: CorpusManifest | None,
                corpus_digest: str | None, shards: ShardManifest | None,
@@ -182,8 +193,7 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
         f"- Steps: {counts['step']:,}; tokens seen: {counts['tokens_seen']:,}",
     ]
     if hf_class == "ModernBertForMaskedLM":
-        lines.append(f"- Architecture: ModernBERT with global attention in every layer (no "
-                     f"sliding-window layers), RoPE base {model.get('rope_base')}")
+        lines.append(f"- Architecture: ModernBERT, {modern_layout(state)}")
     if train:
         warmup = (f"{train['warmup_steps']} warm-up steps" if train.get("warmup_steps")
                   is not None else f"warm-up ratio {train.get('warmup_ratio')}")
@@ -193,7 +203,9 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
                      f"sequences per step; precision {train.get('precision')}")
         if train.get("document_attention"):
             lines.append("- Trained with document attention (tokens attend within their "
-                         "document); the exported model attends over its whole input")
+                         "document of a packed row, positions restarting there); the "
+                         "exported model attends over its whole input: give it one "
+                         "document per row")
     if masking:
         rate = masking.get("mlm_probability")
         if isinstance(rate, dict):  # a masking-rate schedule (config.masking_schedule)

@@ -9,10 +9,11 @@ The `bert` preset (post-LN, learned positions, GELU, biases) is BERT itself (Dev
 - HF BERT adds token-type embeddings: exported as zeros, so they add nothing.
 
 The `modern` preset (pre-LN, RoPE, GeGLU, no biases) is ModernBERT (Warner et al. 2024) as
-transformers implements it (`models/modernbert/modeling_modernbert.py`), with global
-attention in every layer (`layer_types = ["full_attention"] * num_layers`; ModernBERT's
-default alternates two local 128-token sliding-window layers with one global layer, which
-would need a banded mask and a second RoPE base in our attention). Every tensor maps to
+transformers implements it (`models/modernbert/modeling_modernbert.py`), its attention
+layout included: `layer_types` says which layers are global (`model.global_every`; the
+preset's two local 128-token sliding-window layers for every global one, or every layer
+global for a checkpoint trained before the layout existed), `local_attention` the window
+and `rope_parameters` the two RoPE bases. Every tensor maps to
 one HF tensor under another name (`_modern_names`), nothing split or added: fused `Wqkv`
 rows [q | k | v] with heads contiguous (HF views them as (3, heads, d) as ours does), `Wi`
 rows [gelu input | gate], no attention LayerNorm in layer 0 (HF `attn_norm` is Identity
@@ -53,7 +54,7 @@ TYPE_VOCAB_SIZE = 2
 #: values it requires (ModernBERT's biases are options: `bias` maps onto all of them).
 HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "BertForMaskedLM": {"norm": "post", "position": "learned", "activation": "gelu",
-                        "bias": True},
+                        "bias": True, "global_every": 1},
     "ModernBertForMaskedLM": {"norm": "pre", "position": "rope", "activation": "geglu"},
 }
 #: The class each `model.preset` maps to.
@@ -170,9 +171,20 @@ def hf_bert_state_dict(model: BertMLM) -> dict[str, Tensor]:
     return out
 
 
+def hf_layer_types(cfg: ModelConfig) -> list[str]:
+    """ModernBERT's `layer_types` of `cfg`: `full_attention` for a global layer
+    (`cfg.is_global`), `sliding_attention` for a local one (transformers builds the same
+    list from `global_attn_every_n_layers`: local when `i % n`)."""
+    return ["full_attention" if cfg.is_global(i) else "sliding_attention"
+            for i in range(cfg.num_layers)]
+
+
 def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
-    """The `transformers.ModernBertConfig` of `model`'s shape: global attention in every
-    layer with RoPE base `rope_base`, exact GELU in the MLP and head, LayerNorm eps
+    """The `transformers.ModernBertConfig` of `model`'s shape: `layer_types` from
+    `global_every` (`hf_layer_types`), `local_attention` = `local_attention_window` (HF's
+    sliding mask lets a query see keys at most `local_attention // 2` away, as ours), RoPE
+    base `rope_base` in the global layers and `local_rope_base` in the local ones,
+    exact GELU in the MLP and head, LayerNorm eps
     `layer_norm_eps`, every bias option (`norm_bias`, `attention_bias`, `mlp_bias`,
     `classifier_bias`) = `bias`, `decoder_bias` on, each dropout = `dropout`, our special
     ids, SDPA attention, dense logits (`sparse_prediction` off, as pipelines expect).
@@ -200,9 +212,12 @@ def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
         mlp_bias=cfg.bias,
         classifier_bias=cfg.bias,
         decoder_bias=True,
-        layer_types=["full_attention"] * cfg.num_layers,
-        rope_parameters={"full_attention": {"rope_type": "default",
-                                            "rope_theta": cfg.rope_base}},
+        layer_types=hf_layer_types(cfg),
+        local_attention=cfg.local_attention_window,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_base},
+        },
         embedding_dropout=cfg.dropout,
         attention_dropout=cfg.dropout,
         mlp_dropout=cfg.dropout,

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.train.attention import Dropout, SelfAttention
+from mlm_pipeline.train.kernels import AttentionLayout
 
 
 def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
@@ -60,11 +61,13 @@ class Embeddings(nn.Module):
         self.layer_norm = layer_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Embed int64 ids (B, L) into (B, L, H)."""
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Embed int64 ids (B, L) into (B, L, H); `positions`: int64 (B, L) position of
+        each token (positions restarting per document), None = 0 .. L - 1."""
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.position_embeddings(positions)
         return self.dropout(self.layer_norm(x))
 
@@ -77,14 +80,15 @@ class Block(nn.Module):
 
     Args:
         cfg: model shape.
-        first: this is layer 0.
+        layer: index of the block (0-based; layer 0 is the first, `cfg.is_global` says
+            whether its attention is global or local).
     """
 
-    def __init__(self, cfg: ModelConfig, first: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.pre_norm = cfg.norm == "pre"
-        self.attention = SelfAttention(cfg)
-        self.attention_norm = nn.Identity() if self.pre_norm and first else layer_norm(cfg)
+        self.attention = SelfAttention(cfg, layer)
+        self.attention_norm = nn.Identity() if self.pre_norm and layer == 0 else layer_norm(cfg)
         h, i = cfg.hidden_size, cfg.intermediate_size
         geglu = cfg.activation == "geglu"
         # GeGLU: W1 and V fused into one (H, 2I) matmul, split by the gate, which also
@@ -98,13 +102,13 @@ class Block(nn.Module):
         self.dropout = Dropout(cfg.dropout)
         self.ffn_dropout = Dropout(0.0 if geglu else cfg.dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None,
+    def forward(self, x: Tensor, layout: AttentionLayout | None = None,
                 rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """(B, L, H) -> (B, L, H); `rope` as in `SelfAttention.forward`."""
+        """(B, L, H) -> (B, L, H); `layout` and `rope` as in `SelfAttention.forward`."""
         if self.pre_norm:
-            x = x + self.dropout(self.attention(self.attention_norm(x), attn_mask, rope))
+            x = x + self.dropout(self.attention(self.attention_norm(x), layout, rope))
             return x + self.ffn_dropout(self.ffn(self.ffn_norm(x)))
-        x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask, rope)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, layout, rope)))
         return self.ffn_norm(x + self.ffn_dropout(self.ffn(x)))
 
 

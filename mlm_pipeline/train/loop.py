@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mlm_pipeline.config import IGNORE_INDEX, TrainConfig
+from mlm_pipeline.config import IGNORE_INDEX, SEP_ID, TrainConfig
 from mlm_pipeline.errors import (  # noqa: F401 - raised here, importable from here too
     CompileError,
     NonFiniteLossError,
@@ -170,6 +170,7 @@ class Parts:
         precision: `fp32` or `bf16` (resolved from `train.precision`).
         autocast: context entered around each forward pass (bf16 autocast or a no-op).
         document_attention: pass document ids from [SEP] tokens to the model.
+        sep_id: the id of [SEP] in the run's tokenizer (the document boundaries).
         compile_errors: exceptions of a failing `torch.compile` build (empty when eager).
         evaluator: periodic held-out evaluation (`Evaluator`), or None.
         masked_per_row: passed to the model's forward (a static head size) when it is
@@ -199,6 +200,7 @@ class Parts:
     precision: str
     autocast: contextlib.AbstractContextManager
     document_attention: bool = False
+    sep_id: int = SEP_ID
     compile_errors: tuple[type[BaseException], ...] = ()
     masked_per_row: int | None = None
     evaluator: Evaluator | None = None
@@ -274,7 +276,7 @@ def next_micro_batches(parts: Parts, count: int) -> tuple[list[tuple[torch.Tenso
         row_index = torch.from_numpy(rows).to(parts.device)
         masked = parts.masker(input_ids, row_index, epoch, step)
         if parts.document_attention:
-            masked = (*masked, document_ids_from_sep(input_ids))
+            masked = (*masked, document_ids_from_sep(input_ids, parts.sep_id))
         micro.append(masked)
     return micro, epoch
 

@@ -10,8 +10,9 @@ erf form, as in BERT), biases everywhere, no token-type embeddings (one segment 
 config switches each of these to its ModernBERT counterpart (Warner et al. 2024): pre-LN,
 rotary positions, GeGLU feed-forward (Shazeer 2020), no biases in linear layers and
 LayerNorms. The `modern` preset is Hugging Face `ModernBertForMaskedLM` (transformers
-`models/modernbert/modeling_modernbert.py`) with global attention in every layer, tensor for
-tensor (`train.hf`): embeddings LayerNorm, no attention LayerNorm in layer 0 (its input is
+`models/modernbert/modeling_modernbert.py`), its local/global attention layout included
+(`global_every`, `local_attention_window`, `local_rope_base`), tensor for tensor
+(`train.hf`): embeddings LayerNorm, no attention LayerNorm in layer 0 (its input is
 the embeddings' LayerNorm output), fused `qkv` rows [q | k | v] with heads contiguous,
 half-split RoPE, GeGLU `[gelu half | gate half]`, final LayerNorm, head. The MLM head (dense
 + GELU + LayerNorm, then a decoder tied to the word embeddings plus its own bias, which
@@ -19,7 +20,9 @@ ModernBERT keeps too: `decoder_bias=True`) runs only at masked positions when la
 given, which saves the (B, L, V) logits.
 
 Packed rows hold several documents (`[CLS] doc1 [SEP] doc2 [SEP] ...`); with
-`document_ids` (see `document_ids_from_sep`) a token attends only within its own document.
+`document_ids` (see `document_ids_from_sep`) a token attends only within its own document
+and its position restarts there, so a document is encoded as it would be alone in a row;
+`kernels` computes that without the cost of the masked scores.
 
 The layers (embeddings, blocks, GeGLU, head) are in `layers`, attention in `attention`.
 Distributed training, `torch.compile`, autocast and logging belong to the training loop.
@@ -36,10 +39,12 @@ from torch import Tensor, nn
 
 from mlm_pipeline.config import IGNORE_INDEX, ModelConfig
 from mlm_pipeline.train.attention import (
-    attention_bias_mask,
     document_ids_from_sep,  # noqa: F401 (loop and evaluate import it from here)
+    positions_in_documents,
+    rope_at,
     rope_tables,
 )
+from mlm_pipeline.train.kernels import KERNELS, AttentionLayout
 from mlm_pipeline.train.layers import Block, Embeddings, MLMHead, layer_norm
 
 #: Rows of the embedding table are padded to a multiple of this: matmuls whose dimensions
@@ -74,27 +79,41 @@ class BertMLM(nn.Module):
         cfg: model shape.
         vocab_size: V, ids in the vocabulary, the special tokens included.
         seq_len: longest row the position table supports, tokens.
+        attention_kernel: how attention skips the keys a query may not see
+            (`kernels.KERNELS`; `auto` picks per device, `dense` is the masked-SDPA
+            reference). Every kernel computes the same function: not part of the weights
+            or the config.
 
     Raises:
-        ValueError: `vocab_size` or `seq_len` is not positive.
+        ValueError: `vocab_size` or `seq_len` is not positive, or an unknown kernel.
     """
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, seq_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seq_len: int,
+                 attention_kernel: str = "auto") -> None:
         super().__init__()
         if vocab_size < 1 or seq_len < 1:
             raise ValueError(f"model: vocab_size {vocab_size} and seq_len {seq_len} must be >= 1")
+        if attention_kernel not in KERNELS:
+            raise ValueError(f"model: attention_kernel {attention_kernel!r} is not one of "
+                             f"{KERNELS}")
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.seq_len = seq_len
+        self.attention_kernel = attention_kernel
         # Padding rows are never looked up (ids < V) and their logits are sliced off.
         self.padded_vocab_size = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
         self.embeddings = Embeddings(cfg, self.padded_vocab_size, seq_len)
-        self.layers = nn.ModuleList(Block(cfg, first=i == 0) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer=i) for i in range(cfg.num_layers))
         if cfg.position == "rope":
-            cos, sin = rope_tables(seq_len, cfg.hidden_size // cfg.num_heads, cfg.rope_base)
+            head_dim = cfg.hidden_size // cfg.num_heads
+            cos, sin = rope_tables(seq_len, head_dim, cfg.rope_base)
             # Derived from the config: not saved in checkpoints (persistent=False).
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+            if cfg.has_local_layers:  # the local layers' own base (ModernBERT)
+                cos, sin = rope_tables(seq_len, head_dim, cfg.local_rope_base)
+                self.register_buffer("local_rope_cos", cos, persistent=False)
+                self.register_buffer("local_rope_sin", sin, persistent=False)
         # Pre-LN leaves the residual stream unnormalized: normalize it once at the end.
         self.final_norm = layer_norm(cfg) if cfg.norm == "pre" else None
         self.head = MLMHead(cfg, self.embeddings.word_embeddings)
@@ -137,8 +156,9 @@ class BertMLM(nn.Module):
             input_ids: int64 (B, L), ids in [0, V), L <= `seq_len`.
             attention_mask: (B, L), 1 = real token, 0 = padding (keys ignored); None = all real.
             document_ids: integer (B, L) document index per position (`document_ids_from_sep`);
-                when given, a token attends only to tokens of its own document. None = the
-                whole row is one sequence.
+                when given, a token attends only to tokens of its own document and, with
+                `document_positions: restart`, its position counts from its document's
+                first token. None = the whole row is one sequence.
 
         Returns:
             Final hidden states (B, L, H).
@@ -154,11 +174,22 @@ class BertMLM(nn.Module):
                 f"model: document_ids shape {tuple(document_ids.shape)} != input_ids shape "
                 f"{tuple(input_ids.shape)}"
             )
-        attn_mask = attention_bias_mask(attention_mask, document_ids)
-        x = self.embeddings(input_ids)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        layout = AttentionLayout.build(input_ids, attention_mask, document_ids,
+                                       self.attention_kernel,
+                                       self.cfg.dropout if self.training else 0.0)
+        positions = None
+        if document_ids is not None and self.cfg.document_positions == "restart":
+            positions = positions_in_documents(document_ids)
+        x = self.embeddings(input_ids, positions)
+        ropes = {True: None, False: None}
+        if self.cfg.position == "rope":
+            seq_len = input_ids.shape[1]
+            ropes[True] = rope_at(self.rope_cos, self.rope_sin, positions, seq_len)
+            if self.cfg.has_local_layers:
+                ropes[False] = rope_at(self.local_rope_cos, self.local_rope_sin, positions,
+                                       seq_len)
         for layer in self.layers:
-            x = layer(x, attn_mask, rope)
+            x = layer(x, layout, ropes[layer.attention.is_global])
         return x if self.final_norm is None else self.final_norm(x)
 
     def forward(
@@ -270,15 +301,19 @@ class BertMLM(nn.Module):
             per layer   2 * (3*H*H + H*H)          Q, K, V and output projections
                       + 2 * (g*H*I + I*H)          feed-forward, I = intermediate_size;
                                                    g = 1 (GELU), 2 (GeGLU: W1 and V)
-                      + 2 * L*H + 2 * L*H          scores Q K^T and weighted sum A V
-                      = 8*H^2 + 2*(g+1)*H*I + 4*L*H   (no causal halving: bidirectional)
+                      + 2 * K*H + 2 * K*H          scores Q K^T and weighted sum A V over
+                                                   the K keys a query sees: K = L in a
+                                                   global layer, min(L, window + 1) in a
+                                                   local one
+                      = 8*H^2 + 2*(g+1)*H*I + 4*K*H   (no causal halving: bidirectional)
             head        f * (2*H*H + 2*H*V)        transform + tied decoder, only at the
                                                    masked fraction f of tokens, real V
 
-            total = 3 * (num_layers * (8*H^2 + 2*(g+1)*H*I + 4*L*H) + f * (2*H^2 + 2*H*V))
+            total = 3 * (sum over layers (8*H^2 + 2*(g+1)*H*I + 4*K*H) + f * (2*H^2 + 2*H*V))
 
         The GeGLU gate's elementwise product is left out like the activation itself;
-        document attention is counted as full attention (the work SDPA does with a mask).
+        document attention is counted as full attention (the work of a mask-free step; the
+        variable-length kernel does less, so MFU compares with the unmasked model).
 
         Padding rows of the vocabulary are not counted (model FLOPs, not hardware FLOPs).
 
@@ -292,9 +327,12 @@ class BertMLM(nn.Module):
         """
         h, i, v = self.cfg.hidden_size, self.cfg.intermediate_size, self.vocab_size
         gates = 2 if self.cfg.activation == "geglu" else 1
-        per_layer = 8 * h * h + 2 * (gates + 1) * h * i + 4 * seq_len * h
+        local_keys = min(seq_len, 2 * self.cfg.local_half_window + 1)
+        keys = sum(seq_len if self.cfg.is_global(n) else local_keys
+                   for n in range(self.cfg.num_layers))
+        layers = self.cfg.num_layers * (8 * h * h + 2 * (gates + 1) * h * i) + 4 * keys * h
         head = masked_fraction * (2 * h * h + 2 * h * v)
-        return 3.0 * (self.cfg.num_layers * per_layer + head)
+        return 3.0 * (layers + head)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Count parameters, each shared tensor once (the tied decoder weight is the

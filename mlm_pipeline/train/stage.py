@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mlm_pipeline import store
-from mlm_pipeline.config import MaskingConfig, ModelConfig, TrainConfig, resolve_lr
+from mlm_pipeline.config import SEP_ID, MaskingConfig, ModelConfig, TrainConfig, resolve_lr
 from mlm_pipeline.manifest import (
     ShardManifest,
     Stopwatch,
@@ -90,14 +90,15 @@ def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     """Identity of one training run: model, train and masking configs, inputs, run key,
     and the warm start's parent checkpoint digest (`init`: `InitSource.record()`), so two
     runs from different parents (one `models:/NAME@champion` at two times) differ. An
-    unset `init_from` is left out, so digests made before it existed still hold."""
+    unset `init_from` is left out, and the model is hashed as `ModelConfig.digest_record`
+    gives it, so digests made before those fields existed still hold."""
     unset = {"init_from"} if cfg.init_from is None else set()
     train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint", *unset})
     inputs = {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key}
     if init is not None:
         inputs["init"] = init["digest"]
-    return compute_digest("train", {"model": model, "train": train, "masking": masking},
-                          inputs)
+    return compute_digest("train", {"model": model.digest_record(cfg.document_attention),
+                                    "train": train, "masking": masking}, inputs)
 
 
 def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig,
@@ -161,6 +162,7 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         autocast=(torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                   else contextlib.nullcontext()),
         document_attention=cfg.document_attention,
+        sep_id=tokenizer.special_tokens.get("[SEP]", SEP_ID),
         # Inductor builds C++/Triton code at the first step; a missing or broken toolchain
         # surfaces there, deep in a long traceback (empty tuple: nothing to catch).
         compile_errors=(torch._dynamo.exc.BackendCompilerFailed,) if compiled else (),

@@ -213,7 +213,7 @@ def check_sizes(checkpoint: Path, state: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: seq_len {sizes['seq_len']} is above the largest "
                               f"a checkpoint may declare ({MAX_SEQ_LEN})")
     try:
-        model_cfg = ModelConfig.model_validate((state.get("config") or {}).get("model"))
+        model_cfg = ModelConfig.from_record((state.get("config") or {}).get("model"))
         with torch.device("meta"):
             want = {k: tuple(v.shape) for k, v in
                     BertMLM(model_cfg, sizes["vocab_size"], sizes["seq_len"]).state_dict().items()}
@@ -360,7 +360,7 @@ def load_verified(checkpoint: Path, device: str | torch.device = "cpu",
 
     state = verify_checkpoint(Path(checkpoint), trust_unverified)
     check_sizes(Path(checkpoint), state)
-    model_cfg = ModelConfig.model_validate(state["config"]["model"])
+    model_cfg = ModelConfig.from_record(state["config"]["model"])
     model = BertMLM(model_cfg, state["vocab_size"], state["seq_len"])
     model.load_state_dict(load_model_state(checkpoint, "cpu"))
     return model.to(device).eval(), state

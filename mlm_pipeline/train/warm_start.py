@@ -11,11 +11,22 @@ digests to verify it by (the message names the checkpoint its model card says it
 exported from).
 
 `check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
-or compute the network: all but `preset`, `dropout`, `initializer_range`), `vocab_size`,
-tokenizer or `seq_len` differ from the run's, naming every field that differs in one
-error. `init_weights` loads the weights through the verified loader
-(`verified.load_verified`); only the weights: the optimizer, the LR schedule with its
-warm-up, the data order and the step count of the new run start afresh.
+or compute the network: all but `preset`, `dropout`, `initializer_range` and the
+`_RECORDED_MODEL_FIELDS`), `vocab_size` or tokenizer differ from the run's, naming every
+field that differs in one error. `init_weights` loads the weights through the verified
+loader (`verified.load_verified`); only the weights: the optimizer, the LR schedule with
+its warm-up, the data order and the step count of the new run start afresh.
+
+Length phases (BERT's 128 -> 512, ModernBERT's 1,024 -> 8,192 context extension): the
+child's `shards.seq_len` may differ from the parent's. Rotary positions have no table, so
+any length fits, and the RoPE bases (`model.rope_base`, `model.local_rope_base`) may change
+with it (ModernBERT raised the global base from 10,000 to 160,000 to extend its context;
+Warner et al. 2024, section 2.2). A learned position table is cut to the child's length
+when it is shorter, and extended when it is longer by copying the parent's table over the
+new rows, row i taking the parent's row i mod L_parent (Longformer's initialization of its
+4,096 positions from RoBERTa's 512: Beltagy et al. 2020, section 5). What changed is the
+run's lineage (`init_changes`): the parent record gets `changes` (field -> [parent,
+child]) and, for a learned table, `positions` (the rule applied).
 
 `parent_tokenizer` finds the parent's tokenizer manifest (by the checkpoint's
 `tokenizer_digest`, in a `tokenizer/` directory of its work directory), what
@@ -50,6 +61,10 @@ _EXPORTED_FROM = re.compile(r"Exported from `(step-\d+)` of run `([^`]+)`")
 #: `model` fields that neither shape the weights nor change what they compute once
 #: loaded: a parent may differ in them.
 _FREE_MODEL_FIELDS = frozenset({"preset", "dropout", "initializer_range"})
+#: `model` fields that do not shape the weights but change what they compute: a child
+#: may change them (a length phase's RoPE base, positions restarting per document), and
+#: its lineage records the change (`init_changes`).
+_RECORDED_MODEL_FIELDS = frozenset({"rope_base", "local_rope_base", "document_positions"})
 
 
 @dataclass(frozen=True)
@@ -70,11 +85,13 @@ class InitSource:
     step: int
     state: dict[str, Any]
 
-    def record(self) -> dict[str, Any]:
+    def record(self, changes: dict[str, Any] | None = None) -> dict[str, Any]:
         """What runs record of their parent (checkpoint meta, train manifest, MLflow tags):
-        `source`, `checkpoint`, `digest`, `step` (JSON values)."""
-        return {"source": self.source, "checkpoint": str(self.checkpoint),
-                "digest": self.digest, "step": self.step}
+        `source`, `checkpoint`, `digest`, `step` (JSON values), and the `changes` from the
+        parent (`init_changes`) when there are any."""
+        record = {"source": self.source, "checkpoint": str(self.checkpoint),
+                  "digest": self.digest, "step": self.step}
+        return {**record, **({"changes": changes} if changes else {})}
 
 
 def resolve_init(source: str, checkpoint: str | Path | None = None,
@@ -136,30 +153,79 @@ def _refuse_exported(source: str, path: Path) -> None:
 
 def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest,
                      tokenizer: TokenizerManifest | None) -> list[str]:
-    """Every field in which the parent differs from the run, as
+    """Every field in which the parent differs from the run and may not, as
     `model.hidden_size: 128 in the source, 256 in the config` (empty: compatible).
 
-    The model fields are compared as resolved (a preset's values included); the
-    vocabulary as `vocab_size` and tokenizer digest (same size, other pieces: other ids),
-    `seq_len` as the shards'."""
+    The model fields are compared as resolved (a preset's values included, a field the
+    parent's record predates as it was trained: `ModelConfig.from_record`), except those
+    a child may change (`_RECORDED_MODEL_FIELDS`); the vocabulary as `vocab_size` and
+    tokenizer digest (same size, other pieces: other ids). `seq_len` may differ (a length
+    phase, module docstring)."""
     problems = []
-    theirs = ModelConfig.model_validate((init.state.get("config") or {}).get("model") or {})
+    theirs = _parent_model(init)
     for name in ModelConfig.model_fields:
-        if name in _FREE_MODEL_FIELDS:
+        if name in _FREE_MODEL_FIELDS | _RECORDED_MODEL_FIELDS:
             continue
         a, b = getattr(theirs, name), getattr(model, name)
         if a != b:
             problems.append(f"model.{name}: {a!r} in the source, {b!r} in the config")
-    for name, want in (("vocab_size", shards.vocab_size), ("seq_len", shards.seq_len)):
-        have = init.state.get(name)
-        if have != want:
-            problems.append(f"{name}: {have} in the source, {want} in the config's shards")
+    have = init.state.get("vocab_size")
+    if have != shards.vocab_size:
+        problems.append(f"vocab_size: {have} in the source, {shards.vocab_size} in the "
+                        "config's shards")
+    if type(init.state.get("seq_len")) is not int:
+        problems.append(f"seq_len: {init.state.get('seq_len')!r} in the source is not a "
+                        "length")
     parent_tok = init.state.get("tokenizer_digest")
     if tokenizer is not None and parent_tok != tokenizer.digest:
         problems.append(f"tokenizer: digest {str(parent_tok)[:16]} in the source, "
                         f"{tokenizer.digest[:16]} in the config (other pieces; set "
                         "tokenizer.from_init=true to reuse the source's)")
     return problems
+
+
+def _parent_model(init: InitSource) -> ModelConfig:
+    """The parent's model config as it was trained."""
+    return ModelConfig.from_record((init.state.get("config") or {}).get("model") or {})
+
+
+def init_changes(init: InitSource, model: ModelConfig, seq_len: int) -> dict[str, Any]:
+    """What a compatible child changes from its parent: `{"seq_len": [parent, child],
+    "model.rope_base": [parent, child], ...}` (only what differs), plus `positions`, the
+    rule that fitted a learned position table to another length (`fit_positions`)."""
+    theirs, changes = _parent_model(init), {}
+    parent_len = int(init.state["seq_len"])
+    if parent_len != seq_len:
+        changes["seq_len"] = [parent_len, seq_len]
+        if model.position == "learned":
+            changes["positions"] = ("cut to the first rows" if seq_len < parent_len else
+                                    "extended: row i = parent row i mod "
+                                    f"{parent_len} (Longformer)")
+    for name in sorted(_RECORDED_MODEL_FIELDS):
+        a, b = getattr(theirs, name), getattr(model, name)
+        if a != b:
+            changes[f"model.{name}"] = [a, b]
+    return changes
+
+
+def fit_positions(state: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:
+    """`state` with its learned position table (if any) fitted to `seq_len` rows: the first
+    `seq_len` rows of a longer table; a shorter table tiled, row i = row i mod L_parent
+    (Longformer, Beltagy et al. 2020, section 5). Rotary states are returned as they are.
+
+    Args:
+        state: a `BertMLM` state dict (the parent's).
+        seq_len: the child's rows, tokens.
+
+    Returns:
+        The state dict, the position table replaced by a (seq_len, H) fp32 tensor.
+    """
+    key = "embeddings.position_embeddings.weight"
+    table = state.get(key)
+    if table is None or table.shape[0] == seq_len:
+        return state
+    rows = torch.arange(seq_len) % table.shape[0]
+    return {**state, key: table[rows].clone()}
 
 
 def check_init_compatible(init: InitSource, model: ModelConfig, shards: ShardManifest,
@@ -232,4 +298,8 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         return None, None
     init = resolve_init(cfg.init_from, init_checkpoint, cfg.trust_unverified_checkpoint)
     check_init_compatible(init, model, shards, tokenizer)
-    return init.record(), init_weights(init, cfg.trust_unverified_checkpoint)
+    changes = init_changes(init, model, shards.seq_len)
+    if changes:
+        logger.info("warm start: changes from the parent: %s", changes)
+    weights = fit_positions(init_weights(init, cfg.trust_unverified_checkpoint), shards.seq_len)
+    return init.record(changes), weights

@@ -113,12 +113,15 @@ def test_training_and_evaluation_use_the_masking_options(
     vocab = tiny_shard_manifest.vocab_size
     model = load_model(m.file(m.checkpoint_dir), "cpu")
     validation = ShardDataset(tiny_shard_manifest, "validation")
+    documents = cfg.train.document_attention  # on by default: evaluation follows the run
     want = masked_lm_metrics(
         model, validation, batch_size=8,
         masking=KeyedMasking(masking, vocab, word_starts, seed=EVAL.seed),
+        document_attention=documents,
     )
     plain = masked_lm_metrics(model, validation, batch_size=8,
-                              masking=KeyedMasking(MaskingConfig(), vocab, seed=EVAL.seed))
+                              masking=KeyedMasking(MaskingConfig(), vocab, seed=EVAL.seed),
+                              document_attention=documents)
     for key in ("eval/loss", "eval/mlm_accuracy", "eval/masked_tokens"):
         assert e.metrics[key] == pytest.approx(want[key], rel=1e-6), key
     # ...and the option changed which positions were evaluated

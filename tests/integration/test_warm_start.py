@@ -24,6 +24,7 @@ from mlm_pipeline.tokenizer import Tokenizer, adopt_tokenizer, train_tokenizer
 from mlm_pipeline.train import BertMLM, train
 from mlm_pipeline.train.checkpoint import load_model_state
 from mlm_pipeline.train.data import RowCursor, ShardDataset
+from mlm_pipeline.train.model import document_ids_from_sep
 from mlm_pipeline.train.warm_start import parent_tokenizer, resolve_init
 
 
@@ -107,9 +108,11 @@ def _parent_loss_on_first_batch(parent, shards, train_cfg) -> float:
     dataset = ShardDataset(shards, "train")
     rows, epoch = RowCursor(len(dataset), train_cfg.micro_batch_size, train_cfg.seed).next_batch()
     masker = build_masker(MaskingConfig(), shards.vocab_size)
-    input_ids, labels = masker(dataset.get(rows), torch.from_numpy(rows), epoch)
+    original = dataset.get(rows)
+    input_ids, labels = masker(original, torch.from_numpy(rows), epoch)
+    documents = document_ids_from_sep(original) if train_cfg.document_attention else None
     with torch.no_grad():
-        return float(model(input_ids, labels=labels).loss)
+        return float(model(input_ids, labels=labels, document_ids=documents).loss)
 
 
 def test_first_step_loss_is_the_parents(tmp_path, parents, tiny_model_config,
