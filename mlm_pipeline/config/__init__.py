@@ -22,9 +22,11 @@ from mlm_pipeline.config.base import (
     MASK_ID,
     NUM_SPECIAL,
     PAD_ID,
+    SENTENCEPIECE_SPECIAL_IDS,
     SEP_ID,
     SPECIAL_TOKENS,
     UNK_ID,
+    SpecialIds,
     StrictModel,
 )
 from mlm_pipeline.config.evaluation import (
@@ -64,6 +66,7 @@ __all__ = [
     "MODEL_PRESETS",
     "NUM_SPECIAL",
     "PAD_ID",
+    "SENTENCEPIECE_SPECIAL_IDS",
     "SEP_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",
@@ -79,6 +82,7 @@ __all__ = [
     "ModelConfig",
     "PipelineConfig",
     "ShardConfig",
+    "SpecialIds",
     "StepwiseRate",
     "StrictModel",
     "TokenizerConfig",

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from mlm_pipeline.config.base import SENTENCEPIECE_SPECIAL_IDS, SpecialIds
 from mlm_pipeline.manifest.base import FileEntry, Manifest
 
 
@@ -160,6 +161,10 @@ class ShardManifest(Manifest):
     """Validation rows."""
     masking: dict[str, Any] | None = None
     """The masking config and seed the precomputed copies were made with (None = none)."""
+    special_ids: SpecialIds = SENTENCEPIECE_SPECIAL_IDS
+    """The special ids the rows were written with ([CLS] first, [SEP] after each
+    document) and masked with: the tokenizer's (`TokenizerManifest.special_ids`; 0-4 in
+    manifests written before this field). Training and evaluation read them from here."""
 
 
 class TrainManifest(Manifest):
