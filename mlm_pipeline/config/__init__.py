@@ -158,6 +158,9 @@ class PipelineConfig(StrictModel):
                 f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
                 "must be even"
             )
+        if self.tokenizer.from_init and self.tokenizer.adopt_from is not None:
+            problems.append("tokenizer.from_init and tokenizer.adopt_from are exclusive: "
+                            "reuse the parent run's tokenizer, or adopt a Hugging Face one")
         if self.tokenizer.from_init and self.train.init_from is None:
             problems.append("tokenizer.from_init needs train.init_from (the model whose "
                             "tokenizer is reused)")
