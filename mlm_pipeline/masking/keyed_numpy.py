@@ -22,9 +22,11 @@ exact_k ranks a row's maskable positions by `(h, position)` (h = the signed high
 the draw). Ranking by h alone, as 32-bit keys, gives the same k positions unless the
 k-th and (k+1)-th smallest h are equal (probability about k / 2**32 per row, so about
 once in 10**8 rows); such a batch is recomputed by the exact 64-bit path (`keyed`'s
-torch implementation). Whole-word exact_k partially sorts one 64-bit key per word that
-packs `(h, position, length)`, exact for rows up to `_MAX_PACKED_LEN` tokens (longer
-ones: the torch implementation).
+torch implementation). Whole-word exact_k ranks the tokens by their word's h, again as
+32-bit keys (`_selected_words_exact_k`); two words sharing the boundary's h (about 1e-6
+of rows) are resolved by a partial sort of one 64-bit key per word packing `(h,
+position, length)`, exact for rows up to `_MAX_PACKED_LEN` tokens (longer ones: the
+torch implementation).
 """
 
 from __future__ import annotations
@@ -80,11 +82,14 @@ def _flat_positions(batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 @functools.lru_cache(maxsize=32)
-def _exact_k_by_specials(seq_len: int, mlm_probability: float) -> np.ndarray:
+def _exact_k_by_specials(seq_len: int, mlm_probability: float,
+                         minus_one: bool = False) -> np.ndarray:
     """int64 (L + 1,): at index s, `exact_k(L - s, p) = floor(p * (L - s) + 0.5)`, the k
-    of a row with s special tokens; cached."""
+    of a row with s special tokens (with `minus_one`, `max(k - 1, 0)`); cached."""
     n = np.arange(seq_len, -1, -1, dtype=np.float64)
     table = np.floor(mlm_probability * n + 0.5).astype(np.int64)
+    if minus_one:
+        table = np.maximum(table - 1, 0)
     table.setflags(write=False)
     return table
 
@@ -161,8 +166,50 @@ def _word_starts_index(ids: np.ndarray, special: np.ndarray, batch: int, seq_len
 
 def _selected_words_exact_k(bits: np.ndarray, special: np.ndarray, first: np.ndarray,
                             start: np.ndarray, batch: int, seq_len: int,
-                            p: float) -> np.ndarray:
-    """exact_k over whole words: int64, the flat positions of the selected tokens.
+                            p: float) -> np.ndarray | None:
+    """exact_k over whole words: int64, the flat positions of the selected tokens (None:
+    see `_selected_words_exact_k_packed`).
+
+    Words are taken in the order of `(h of the first position, first position)` while the
+    count of their tokens stays `<= k`. Give every token its word's h and rank the tokens
+    by it (a vectorized 32-bit sort): a word's tokens are then consecutive, in word order,
+    so a word is taken exactly when its last token's rank is below k: the words whose h
+    is below `h_k`, the k-th smallest, and the word of `h_k` itself when the (k+1)-th is
+    larger (it ends at rank k - 1). Two words sharing `h_k` (a tie the order by position
+    would break; about 1e-6 of rows) are resolved by `_selected_words_exact_k_packed`.
+    """
+    specials = special.view(np.int8).reshape(batch, seq_len).sum(1, dtype=np.int32)
+    k = _exact_k_by_specials(seq_len, p).take(specials)
+    not_start = first <= special  # not the first token of a maskable word
+    start_keys = _high_keys(bits, not_start)  # h at maskable word starts, else all ones
+    word_keys = start_keys.take(start)  # each token's word's h (all ones: special)
+    ranked = word_keys.reshape(batch, seq_len).copy()
+    ranked.sort(axis=1)
+    ranked = ranked.reshape(-1)
+    row_start = _flat_positions(batch, seq_len)[2]
+    # The k-th smallest (the row's smallest where k = 0) and the (k+1)-th (the next row's
+    # first where k = L: a spurious tie, resolved exactly like a real one).
+    kth = ranked.take(row_start + _exact_k_by_specials(seq_len, p, minus_one=True).take(
+        specials))
+    after = ranked.take(row_start + k, mode="clip")
+    # Exactly one word start with h = kth in each row (>= 1 each, B in all): no tie, and
+    # kth is no sentinel (which every position that does not start a word holds).
+    if (np.count_nonzero(start_keys.reshape(batch, seq_len) == kth.reshape(-1, 1)) != batch
+            or (math.floor(p * seq_len + 0.5) == seq_len and (k == seq_len).any())):
+        return _selected_words_exact_k_packed(bits, special, first, start, batch, seq_len, p)
+    # Taken: h below kth, and the word of kth if it ends at rank k - 1; rows with k = 0:
+    # none (kth is no sentinel, so kth + 1 does not wrap).
+    bound = kth + (after != kth)
+    if not k.all():
+        bound[k == 0] = 0
+    return (word_keys.reshape(batch, seq_len) < bound.reshape(-1, 1)).reshape(-1).nonzero()[0]
+
+
+def _selected_words_exact_k_packed(bits: np.ndarray, special: np.ndarray, first: np.ndarray,
+                                   start: np.ndarray, batch: int, seq_len: int,
+                                   p: float) -> np.ndarray | None:
+    """`_selected_words_exact_k` ordering words by `(h, position)` exactly, ties of h
+    included; None for rows longer than `_MAX_PACKED_LEN` (the torch implementation).
 
     Words are taken in the order of `(h of the first position, first position)` while the
     count of their tokens stays `<= k`, so the `k_cap = exact_k(L, p)` first words of each
@@ -174,6 +221,8 @@ def _selected_words_exact_k(bits: np.ndarray, special: np.ndarray, first: np.nda
     added up in that order, and the taken words expanded into their positions.
     """
     k_cap = math.floor(p * seq_len + 0.5)
+    if seq_len > _MAX_PACKED_LEN:
+        return None
     if k_cap == 0:
         return np.empty(0, np.int64)
     k = _row_k(special, batch, seq_len, p)
@@ -242,9 +291,9 @@ def mask_numpy(ids: np.ndarray, row_index: np.ndarray, *, key: int, gamma: int,
         first, start = _word_starts_index(ids, special, batch, seq_len, word_starts,
                                           word_ends)
         if selection == "exact_k":
-            if seq_len > _MAX_PACKED_LEN:
-                return None
             where = _selected_words_exact_k(bits, special, first, start, batch, seq_len, p)
+            if where is None:
+                return None
             return _replace(ids, bits, where, vocab, mask_replace_prob,
                             random_replace_prob, random_scale, batch, seq_len)
         chosen = np.ones_like(special) if p >= 1.0 else (bits < threshold)
@@ -264,12 +313,13 @@ def _replace(ids: np.ndarray, bits: np.ndarray, where: np.ndarray, vocab: Maskin
     labels.put(where, original)
     corrupted = ids.copy()
     # c = bits mod 2**32: [0, t(pr)) -> random id, [t(pr), t(pr + pm)) -> [MASK], the rest
-    # unchanged.
+    # unchanged (every selected position is written, most with its new id).
     low = bits.take(where)
     low &= _LOW32
-    changed = low < int((mask_replace_prob + random_replace_prob) * 2.0**32)
+    kept = np.where(low < int((mask_replace_prob + random_replace_prob) * 2.0**32),
+                    vocab.mask_id, original)
     if random_scale is None:
-        corrupted.put(where[changed], vocab.mask_id)
+        corrupted.put(where, kept)
     else:
         multiplier, shift = random_scale
         drawn = low * multiplier
@@ -279,6 +329,5 @@ def _replace(ids: np.ndarray, bits: np.ndarray, where: np.ndarray, vocab: Maskin
         else:
             # Positions with c >= t(pr) hold values outside [0, m) (never used): clipped.
             drawn = vocab.normal.take(drawn, mode="clip")
-        replacement = np.where(low < int(random_replace_prob * 2.0**32), drawn, vocab.mask_id)
-        corrupted.put(where[changed], replacement[changed])
+        corrupted.put(where, np.where(low < int(random_replace_prob * 2.0**32), drawn, kept))
     return corrupted.reshape(batch, seq_len), labels.reshape(batch, seq_len)

@@ -157,3 +157,52 @@ def test_cpu_tensors_take_the_numpy_implementation(monkeypatch):
     mask_tokens(bert_rows(2, 16), vocab_size=VOCAB, special_ids=BERT)
     assert calls == [1]
     assert keyed.mask_tokens is mask_tokens
+
+
+def reference_words_exact_k(ids_row, high, starts, special, p):
+    """Selected positions of one row, as the module docstring of `keyed` says: words in
+    `(h of the first position, first position)` order while their tokens fit in k."""
+    words = []
+    for pos, tok in enumerate(ids_row):
+        if tok in special:
+            continue
+        if pos == 0 or ids_row[pos - 1] in special or starts[tok]:
+            words.append([pos])
+        else:
+            words[-1].append(pos)
+    k = int(np.floor(p * sum(t not in special for t in ids_row) + 0.5))
+    chosen, total = [], 0
+    for word in sorted(words, key=lambda w: (high[w[0]], w[0])):
+        if total + len(word) > k:
+            break
+        chosen += word
+        total += len(word)
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["distinct", "boundary-tie"])
+def test_whole_word_exact_k_ranking_and_its_tie_resolution(tie):
+    # One row of 40 tokens; words begin at even ids. The draws' high halves are chosen so
+    # that, with `tie`, two words share h right at the k-th token.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(10, 60, 40)
+    ids[0], ids[20] = 2, 3  # [CLS], a [SEP]
+    starts = np.zeros(60, dtype=bool)
+    starts[::2] = True
+    starts[:5] = True
+    special = ids < 5
+    high = rng.permutation(40).astype(np.int64) * 1000 - 20000
+    bits = (high << 32) | 777
+    first, start = keyed_numpy._word_starts_index(ids, special, 1, 40, starts, None)
+    p = 0.3
+    want = reference_words_exact_k(ids.tolist(), high.tolist(), starts, set(range(5)), p)
+    if tie:  # give the first word past the boundary the h of the last word taken
+        words = sorted(set(start[~special].tolist()), key=lambda q: high[q])
+        taken = sorted({int(start[q]) for q in want}, key=lambda q: high[q])
+        nxt = words[len(taken)]
+        high[nxt] = high[taken[-1]]
+        bits = (high << 32) | 777
+        want = reference_words_exact_k(ids.tolist(), high.tolist(), starts, set(range(5)), p)
+    got = keyed_numpy._selected_words_exact_k(bits, special, first, start, 1, 40, p)
+    packed = keyed_numpy._selected_words_exact_k_packed(bits, special, first, start, 1, 40, p)
+    assert sorted(got.tolist()) == want == sorted(packed.tolist())
