@@ -1,6 +1,7 @@
 """MLM masking throughput against Hugging Face `DataCollatorForLanguageModeling`.
 
     python benchmarks/bench_masking.py [--work DIR] [--batch-sizes 32,256] [--repeats 9]
+        [--layout sentencepiece|bert]
     python benchmarks/bench_masking.py --smoke      # batch 4, one round of 2 calls, seconds
 
 Both sides corrupt the same batches of token ids on the CPU with one thread
@@ -15,10 +16,13 @@ Both sides corrupt the same batches of token ids on the CPU with one thread
   and whole-word selection with both, each call with new global row ids (as in training,
   so that the masks differ from call to call like HF's).
 
-Data: with `--work DIR`, rows of the newest shards under `DIR/shards/` and the word starts
-of a tokenizer under `DIR/tokenizer/` with the same vocabulary; otherwise (said in the
-output) synthetic rows: Zipf-distributed ids (exponent 1.1, V = 32000, fixed seed) packed
-as [CLS] doc [SEP] doc [SEP] ..., and word starts drawn at random (share 0.6).
+Data: with `--work DIR`, rows of the newest shards under `DIR/shards/` (with the special
+ids they were written with) and the word starts of a tokenizer under `DIR/tokenizer/` with
+the same vocabulary; otherwise (said in the output) synthetic rows: Zipf-distributed ids
+(exponent 1.1, V = 32000, fixed seed) packed as [CLS] doc [SEP] doc [SEP] ..., and word
+starts drawn at random (share 0.6). `--layout bert` moves the synthetic rows' special
+ids to BERT's ([PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103: not a prefix of the
+vocabulary, so masking looks them up in tables).
 
 Each figure is the median over `--repeats` rounds of `--calls` calls (after a warm-up);
 the methods take turns inside each round so that background load hits them alike. The
@@ -38,12 +42,29 @@ import torch
 import transformers
 from transformers import DataCollatorForLanguageModeling
 
-from mlm_pipeline.config import NUM_SPECIAL, SPECIAL_TOKENS
+from mlm_pipeline.config import (
+    NUM_SPECIAL,
+    SENTENCEPIECE_SPECIAL_IDS,
+    SPECIAL_TOKENS,
+    SpecialIds,
+)
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest, read_manifest
 from mlm_pipeline.masking.keyed import mask_tokens
 
 MLM_PROBABILITY = 0.15
 SYNTHETIC_VOCAB = 32000
+#: BERT's special ids (`--layout bert`), and the swap that moves ours (0-4) there.
+BERT_SPECIAL_IDS = SpecialIds(pad_id=0, unk_id=100, cls_id=101, sep_id=102, mask_id=103,
+                              all_special_ids=(0, 100, 101, 102, 103))
+_TO_BERT = {1: 100, 2: 101, 3: 102, 4: 103}
+
+
+def to_bert_layout(ids: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows and word starts with our special ids 1-4 swapped with ids 100-103."""
+    perm = np.arange(len(starts))
+    for ours, bert in _TO_BERT.items():
+        perm[ours], perm[bert] = bert, ours
+    return perm[ids], starts[perm]
 
 
 class MinimalTokenizer:
@@ -53,14 +74,16 @@ class MinimalTokenizer:
     pad_token = "[PAD]"
     is_fast = False
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int,
+                 special_ids: SpecialIds = SENTENCEPIECE_SPECIAL_IDS) -> None:
         self.vocab_size = vocab_size
+        self.special_ids = special_ids
 
     def __len__(self) -> int:
         return self.vocab_size
 
     def convert_tokens_to_ids(self, token: str) -> int:
-        return SPECIAL_TOKENS[token]
+        return self.special_ids.roles()[token]
 
 
 def newest_manifest(work: Path, stage: str) -> list[Path]:
@@ -69,8 +92,9 @@ def newest_manifest(work: Path, stage: str) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def load_data(work: str | None, rows_needed: int) -> tuple[np.ndarray, np.ndarray, int, str]:
-    """(rows (N, L) int64, word_starts (V,) bool, vocab_size, description)."""
+def load_data(work: str | None, rows_needed: int
+              ) -> tuple[np.ndarray, np.ndarray, int, str, SpecialIds]:
+    """(rows (N, L) int64, word_starts (V,) bool, vocab_size, description, special ids)."""
     if work is not None:
         from mlm_pipeline.shards.format import open_shard
         from mlm_pipeline.tokenizer import Tokenizer
@@ -99,10 +123,12 @@ def load_data(work: str | None, rows_needed: int) -> tuple[np.ndarray, np.ndarra
         if word_starts is None:
             word_starts = synthetic_word_starts(shards.vocab_size)
         return (rows[:rows_needed], word_starts, shards.vocab_size,
-                f"shards {paths[0].parent} (seq_len {shards.seq_len}), {source}")
+                f"shards {paths[0].parent} (seq_len {shards.seq_len}), {source}",
+                shards.special_ids)
     return (synthetic_rows(rows_needed, 128), synthetic_word_starts(SYNTHETIC_VOCAB),
             SYNTHETIC_VOCAB, "SYNTHETIC rows: Zipf ids (s = 1.1, V = 32000, seed 0), "
-            "documents of 20-300 tokens, random word starts (share 0.6)")
+            "documents of 20-300 tokens, random word starts (share 0.6)",
+            SENTENCEPIECE_SPECIAL_IDS)
 
 
 def synthetic_rows(n_rows: int, seq_len: int) -> np.ndarray:
@@ -134,6 +160,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--calls", type=int, default=0,
                         help="calls per round (default: about 2**20 tokens per round)")
+    parser.add_argument("--layout", choices=["sentencepiece", "bert"], default="sentencepiece",
+                        help="special ids of the synthetic rows (ours 0-4, or BERT's)")
     parser.add_argument("--smoke", action="store_true",
                         help="batch size 4, one round of 2 calls: the table in seconds")
     args = parser.parse_args()
@@ -143,7 +171,11 @@ def main() -> None:
     torch.set_num_threads(1)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     pool = 8  # distinct batches cycled through
-    rows, starts_np, vocab_size, source = load_data(args.work, pool * max(batch_sizes))
+    rows, starts_np, vocab_size, source, special_ids = load_data(args.work,
+                                                                 pool * max(batch_sizes))
+    if args.layout == "bert" and args.work is None:
+        rows, starts_np = to_bert_layout(rows, starts_np)
+        special_ids, source = BERT_SPECIAL_IDS, source + ", BERT's special ids"
     seq_len = rows.shape[1]
     word_starts = torch.from_numpy(np.asarray(starts_np, dtype=bool))
     print(f"data: {source}")
@@ -152,7 +184,7 @@ def main() -> None:
           f"vocab_size {vocab_size}, seq_len {seq_len}, mlm_probability {MLM_PROBABILITY}")
 
     collator = DataCollatorForLanguageModeling(
-        MinimalTokenizer(vocab_size), mlm_probability=MLM_PROBABILITY,
+        MinimalTokenizer(vocab_size, special_ids), mlm_probability=MLM_PROBABILITY,
         mask_replace_prob=0.8, random_replace_prob=0.1, return_tensors="pt",
     )
     collator.generator = torch.Generator().manual_seed(0)
@@ -160,7 +192,8 @@ def main() -> None:
     print(f"{'B':>5} {'method':<22} {'M tokens/s':>11} {'us/call':>9} {'vs HF':>7}")
     for batch in batch_sizes:
         batches = [torch.from_numpy(rows[i * batch:(i + 1) * batch].copy()) for i in range(pool)]
-        special = [b < NUM_SPECIAL for b in batches]
+        specials = torch.tensor(special_ids.all_special_ids)
+        special = [torch.isin(b, specials) for b in batches]
         calls = args.calls or max(4, (1 << 20) // (batch * seq_len))
         counter = [0]
 
@@ -170,7 +203,8 @@ def main() -> None:
                 mask_tokens(batches[i], vocab_size=vocab_size, seed=0, epoch=0,
                             row_index=torch.arange(batch) + counter[0] * batch,
                             mlm_probability=MLM_PROBABILITY, selection=selection,
-                            word_starts=word_starts if whole_word else None)
+                            word_starts=word_starts if whole_word else None,
+                            special_ids=special_ids)
             return call
 
         def hf(i: int) -> None:

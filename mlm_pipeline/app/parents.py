@@ -95,13 +95,17 @@ def parent_of(cfg: PipelineConfig) -> InitSource | None:
 
 def tokenizer_digest_for(cfg: PipelineConfig, corpus: CorpusManifest) -> str:
     """The digest of the tokenizer `prepare_tokenizer` gives `cfg`: the parent's with
-    `tokenizer.from_init`, else `tokenizer_digest(cfg.tokenizer, corpus)`.
+    `tokenizer.from_init`, the adopted files' with `tokenizer.adopt_from`, else
+    `tokenizer_digest(cfg.tokenizer, corpus)`.
 
     Raises:
-        ValueError, FileNotFoundError: the errors of `parent_of`.
+        ValueError, FileNotFoundError: the errors of `parent_of` and
+            `pretrained_tokenizer_digest`.
     """
-    from mlm_pipeline.tokenizer import tokenizer_digest
+    from mlm_pipeline.tokenizer import pretrained_tokenizer_digest, tokenizer_digest
 
+    if cfg.tokenizer.adopt_from is not None:
+        return pretrained_tokenizer_digest(cfg.tokenizer.adopt_from)
     if not cfg.tokenizer.from_init:
         return tokenizer_digest(cfg.tokenizer, corpus)
     return str(parent_of(cfg).state.get("tokenizer_digest"))
@@ -109,16 +113,24 @@ def tokenizer_digest_for(cfg: PipelineConfig, corpus: CorpusManifest) -> str:
 
 def prepare_tokenizer(cfg: PipelineConfig, corpus: CorpusManifest,
                       progress: Progress | None = None) -> TokenizerManifest:
-    """The tokenizer stage of `cfg`: the parent's tokenizer adopted into the work
-    directory with `tokenizer.from_init` (nothing trained), else `train_tokenizer`.
+    """The tokenizer stage of `cfg`: the Hugging Face tokenizer of `tokenizer.adopt_from`,
+    the parent's tokenizer adopted into the work directory with `tokenizer.from_init`
+    (nothing trained either way), else `train_tokenizer`.
 
     Raises:
         ValueError, FileNotFoundError, RuntimeError: the errors of `parent_of`,
-            `warm_start.parent_tokenizer`, `adopt_tokenizer` or `train_tokenizer`.
+            `warm_start.parent_tokenizer`, `adopt_tokenizer`,
+            `adopt_pretrained_tokenizer` or `train_tokenizer`.
     """
-    from mlm_pipeline.tokenizer import adopt_tokenizer, train_tokenizer
+    from mlm_pipeline.tokenizer import (
+        adopt_pretrained_tokenizer,
+        adopt_tokenizer,
+        train_tokenizer,
+    )
     from mlm_pipeline.train.warm_start import parent_tokenizer
 
+    if cfg.tokenizer.adopt_from is not None:
+        return adopt_pretrained_tokenizer(cfg.tokenizer.adopt_from, cfg.work_dir)
     if not cfg.tokenizer.from_init:
         return train_tokenizer(cfg.tokenizer, corpus, cfg.work_dir, progress)
     return adopt_tokenizer(parent_tokenizer(parent_of(cfg)), cfg.work_dir)

@@ -27,9 +27,11 @@ from mlm_pipeline.config.base import (
     MASK_ID,
     NUM_SPECIAL,
     PAD_ID,
+    SENTENCEPIECE_SPECIAL_IDS,
     SEP_ID,
     SPECIAL_TOKENS,
     UNK_ID,
+    SpecialIds,
     StrictModel,
 )
 from mlm_pipeline.config.evaluation import (
@@ -69,6 +71,7 @@ __all__ = [
     "MODEL_PRESETS",
     "NUM_SPECIAL",
     "PAD_ID",
+    "SENTENCEPIECE_SPECIAL_IDS",
     "SEP_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",
@@ -84,6 +87,7 @@ __all__ = [
     "ModelConfig",
     "PipelineConfig",
     "ShardConfig",
+    "SpecialIds",
     "StepwiseRate",
     "StrictModel",
     "TokenizerConfig",
@@ -159,6 +163,9 @@ class PipelineConfig(StrictModel):
                 f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
                 "must be even"
             )
+        if self.tokenizer.from_init and self.tokenizer.adopt_from is not None:
+            problems.append("tokenizer.from_init and tokenizer.adopt_from are exclusive: "
+                            "reuse the parent run's tokenizer, or adopt a Hugging Face one")
         if self.tokenizer.from_init and self.train.init_from is None:
             problems.append("tokenizer.from_init needs train.init_from (the model whose "
                             "tokenizer is reused)")

@@ -79,7 +79,8 @@ class IngestConfig(StrictModel):
 
 
 class TokenizerConfig(StrictModel):
-    """SentencePiece training on the training split."""
+    """SentencePiece training on the training split, or the adoption of a published
+    model's Hugging Face tokenizer (`adopt_from`)."""
 
     model_type: Literal["unigram", "bpe"] = "unigram"
     """SentencePiece algorithm (Kudo 2018 unigram LM, or BPE)."""
@@ -101,6 +102,12 @@ class TokenizerConfig(StrictModel):
     the tokenizer stage is skipped, the corpus is encoded with the parent's tokenizer (same
     pieces, same ids) and the other `tokenizer` settings are ignored. Needs
     `train.init_from`; warm starting from a parent needs its vocabulary anyway."""
+    adopt_from: str | None = None
+    """A local directory holding a Hugging Face tokenizer (`tokenizer.json` and the files
+    `save_pretrained` writes beside it, as in a published model's directory): the stage
+    adopts it as it is instead of training SentencePiece (WordPiece, BPE, byte-level BPE
+    or Unigram; its special ids and word boundaries are read from it), and the other
+    `tokenizer` settings are ignored. Its identity is the files' sha256, not the path."""
 
 
 class ShardConfig(StrictModel):

@@ -14,7 +14,7 @@ import logging
 import unicodedata
 from typing import Any
 
-from mlm_pipeline.config import UNK_ID, FillMaskProbe
+from mlm_pipeline.config import FillMaskProbe
 from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def unreachable_answers(tokenizer: Tokenizer, probes: list[FillMaskProbe]
     for probe in probes:
         for answer in probe.answers:
             ids = tokenizer.encode([answer])[0]
-            if len(ids) == 1 and ids[0] != UNK_ID:
+            if len(ids) == 1 and ids[0] != tokenizer.unk_id:
                 continue
             pieces = " ".join(tokenizer.id_to_piece(i) for i in ids)
             found.append((probe.text, answer, pieces or "nothing"))

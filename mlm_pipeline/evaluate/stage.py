@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from mlm_pipeline.config import (
     IGNORE_INDEX,
-    NUM_SPECIAL,
     EvalConfig,
     FinetuneConfig,
     LinearProbeConfig,
@@ -49,7 +48,7 @@ from mlm_pipeline.manifest import (
     stage_dir,
     write_manifest,
 )
-from mlm_pipeline.masking.maskers import KeyedMasking
+from mlm_pipeline.masking.maskers import KeyedMasking, keyed_masking
 from mlm_pipeline.ingest.holdout import Holdout
 from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.tokenizer import Tokenizer
@@ -161,10 +160,10 @@ def fill_mask(
 ) -> list[dict[str, Any]]:
     """Predict each literal `[MASK]` in `texts`.
 
-    Each text becomes `[CLS] pieces [SEP]` (truncated to `seq_len`), with id 4 at every
-    `[MASK]` marker and the other special names written in it their ids
-    (`Tokenizer.encode_with_mask`, as the exported tokenizer reads them); special ids are
-    never proposed.
+    Each text becomes `[CLS] pieces [SEP]` (truncated to `seq_len`), with the tokenizer's
+    [MASK] id at every `[MASK]` marker and the other special names written in it their
+    ids (`Tokenizer.encode_with_mask`, as the exported tokenizer reads them); the
+    tokenizer's special ids (`special_ids.all_special_ids`) are never proposed.
 
     Returns:
         One dict per text: `text`, and `predictions`, a list per mask of `top_k`
@@ -182,7 +181,7 @@ def fill_mask(
         if positions.numel() == 0:
             raise ValueError(f"fill-mask probe has no [MASK] within {seq_len} tokens: {text!r}")
         logits = model(input_ids).logits[0, positions].float()
-        logits[:, :NUM_SPECIAL] = float("-inf")
+        logits[:, list(tokenizer.special_ids.all_special_ids)] = float("-inf")
         probs = logits.softmax(dim=-1)
         top = probs.topk(top_k, dim=-1)
         predictions = [
@@ -216,15 +215,22 @@ def eval_masking(cfg: EvalConfig, masking: MaskingConfig, shards: ShardManifest,
                  tok: Tokenizer) -> KeyedMasking:
     """The evaluation masks: the training run's masking (selection, whole words,
     `mlm_probability`, or a schedule's fixed `eval_rate`) keyed by `cfg.seed` instead of
-    the training seed."""
-    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
-    return KeyedMasking(masking, shards.vocab_size, word_starts, seed=cfg.seed)
+    the training seed, with the tokenizer's special ids and word boundaries.
+
+    Raises:
+        ValueError: the shards were written with other special ids than `tok`'s.
+    """
+    if shards.special_ids != tok.special_ids:
+        raise ValueError(f"shards {shards.path} were written with special ids "
+                         f"{shards.special_ids.roles()}, the tokenizer {tok.path} has "
+                         f"{tok.special_ids.roles()}")
+    return keyed_masking(masking, tok, seed=cfg.seed)
 
 
 def most_frequent_token(shards: ShardManifest) -> int:
     """The most frequent ordinary (non-special) id in the training split."""
     counts = ShardDataset(shards, "train").token_counts(shards.vocab_size)
-    counts[:NUM_SPECIAL] = -1
+    counts[list(shards.special_ids.all_special_ids)] = -1
     return int(counts.argmax())
 
 

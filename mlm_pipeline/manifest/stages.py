@@ -7,10 +7,11 @@ importing torch. This module imports neither torch nor prefect.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from mlm_pipeline.config.base import SENTENCEPIECE_SPECIAL_IDS, SpecialIds
 from mlm_pipeline.manifest.base import FileEntry, Manifest
 
 
@@ -92,20 +93,45 @@ class CorpusManifest(Manifest):
 
 
 class TokenizerManifest(Manifest):
-    """Output of `train_tokenizer`: a SentencePiece model."""
+    """Output of the tokenizer stage: a SentencePiece model trained by `train_tokenizer`
+    (`kind: sentencepiece`), or a Hugging Face tokenizer adopted by
+    `adopt_pretrained_tokenizer` (`kind: pretrained`)."""
 
+    kind: Literal["sentencepiece", "pretrained"] = "sentencepiece"
+    """`sentencepiece`: our trained `spm.model`; `pretrained`: an adopted `tokenizer.json`
+    (read through the `tokenizers` library) with the files saved beside it."""
     model: FileEntry
-    """The `.model` file (serialized SentencePiece ModelProto)."""
-    vocab: FileEntry
-    """The `.vocab` file (piece and score per line)."""
+    """The model file: the `.model` (serialized SentencePiece ModelProto), or the adopted
+    `tokenizer.json`."""
+    vocab: FileEntry | None = None
+    """The `.vocab` file (piece and score per line) of a SentencePiece model; None for an
+    adopted tokenizer."""
+    files: list[FileEntry] = []  # noqa: RUF012 - pydantic copies defaults
+    """An adopted tokenizer's other files, copied from its directory
+    (`tokenizer_config.json`, `special_tokens_map.json`, `vocab.txt`, ...), which the model
+    export writes back beside the model."""
     vocab_size: int
-    """Pieces in the vocabulary, special tokens included."""
+    """Pieces in the vocabulary, special (and added) tokens included."""
     model_type: str
-    """`unigram` or `bpe`."""
+    """`unigram` or `bpe` (SentencePiece); the adopted model's `wordpiece`, `bpe`,
+    `unigram` or `wordlevel`."""
     special_tokens: dict[str, int]
-    """Special token -> fixed id (`[PAD]`=0 ... `[MASK]`=4)."""
-    training_sentences: int
-    """Sentences the trainer read (after sampling)."""
+    """Every special token's text -> its id (`[PAD]`=0 ... `[MASK]`=4 for ours)."""
+    special_ids: SpecialIds = SENTENCEPIECE_SPECIAL_IDS
+    """The ids of the five roles and every id masking never selects nor draws (read from
+    the adopted tokenizer; the fixed 0-4 of ours, and of manifests written before this
+    field)."""
+    word_boundary: str | None = None
+    """How an adopted tokenizer marks words, which whole-word masking follows:
+    `prefix:<marker>` (a word starts at a piece beginning with the marker: SentencePiece's
+    "▁", byte-level BPE's encoded space "Ġ"), `continuation:<marker>` (WordPiece's
+    "##" continues a word), `suffix:<marker>` (a word ends with the marker), or `none`
+    (whole-word masking refused); None for ours ("▁" prefix)."""
+    source: str | None = None
+    """The directory an adopted tokenizer was read from, as given (its files' sha256 are
+    the stage's `inputs`, its identity)."""
+    training_sentences: int = 0
+    """Sentences the trainer read (after sampling); 0 for an adopted tokenizer."""
     byte_fallback: bool = False
     """Whether unknown characters decompose into UTF-8 byte pieces instead of [UNK]."""
     sample_digest: str | None = None
@@ -115,7 +141,12 @@ class TokenizerManifest(Manifest):
     """Candidate sentences (lines) of the training split the sample was drawn from."""
     normalization: str | None = None
     """Unicode normalization form of the corpus it was trained on (`NFC`, `NFKC`), which
-    `Tokenizer.encode` applies to new text; None in manifests written before this field."""
+    `Tokenizer.encode` applies to new text; None in manifests written before this field,
+    and for an adopted tokenizer (its own normalizer applies)."""
+
+    def tokenizer_files(self) -> list[FileEntry]:
+        """Every file of the tokenizer: `model`, then `vocab` or the adopted `files`."""
+        return [self.model, *([self.vocab] if self.vocab is not None else []), *self.files]
 
 
 class ShardSplit(BaseModel):
@@ -160,6 +191,10 @@ class ShardManifest(Manifest):
     """Validation rows."""
     masking: dict[str, Any] | None = None
     """The masking config and seed the precomputed copies were made with (None = none)."""
+    special_ids: SpecialIds = SENTENCEPIECE_SPECIAL_IDS
+    """The special ids the rows were written with ([CLS] first, [SEP] after each
+    document) and masked with: the tokenizer's (`TokenizerManifest.special_ids`; 0-4 in
+    manifests written before this field). Training and evaluation read them from here."""
 
 
 class TrainManifest(Manifest):

@@ -15,7 +15,8 @@ from mlm_pipeline.masking.maskers import (
     Masker,
     PrecomputedMasker,
     build_masker,
+    keyed_masking,
 )
 
 __all__ = ["MASKING_ALGORITHM", "DynamicMasker", "KeyedMasking", "MaskedCopies", "Masker",
-           "PrecomputedMasker", "build_masker", "mask_tokens"]
+           "PrecomputedMasker", "build_masker", "keyed_masking", "mask_tokens"]

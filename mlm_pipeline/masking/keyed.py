@@ -1,9 +1,13 @@
 """Masked-language-model corruption as pure, vectorized tensor ops with keyed randomness.
 
-The corruption follows Devlin et al. 2019 (BERT), §3.1: maskable tokens (ids
-`>= NUM_SPECIAL`) are selected for prediction at a rate `mlm_probability`; a selected token
-is replaced by a random ordinary token with probability `random_replace_prob`, by [MASK]
-with probability `mask_replace_prob`, and otherwise left unchanged (80/10/10 by default).
+The corruption follows Devlin et al. 2019 (BERT), §3.1: maskable tokens (every id that is
+not one of the tokenizer's special ids, `SpecialIds.all_special_ids`) are selected for
+prediction at a rate `mlm_probability`; a selected token is replaced by a random ordinary
+token with probability `random_replace_prob`, by [MASK] with probability
+`mask_replace_prob`, and otherwise left unchanged (80/10/10 by default). The special ids
+and the [MASK] id are the tokenizer's (`special_ids`): 0-4 for the SentencePiece
+tokenizers this pipeline trains, [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103 for a
+BERT vocabulary (`masking.vocab`).
 
 Selection (`selection`, and whole words when `word_starts` is given)
 --------------------------------------------------------------------
@@ -16,8 +20,11 @@ Selection (`selection`, and whole words when `word_starts` is given)
   (not so with whole words, below).
 - whole words (Devlin et al. 2019, google-research/bert `create_pretraining_data.py`,
   "Whole Word Masking"): a word is a maskable position that begins one (its id has
-  `word_starts[id]`, or it is position 0, or the previous position is not maskable)
-  plus the maskable positions after it that do not. Whole words are selected and every
+  `word_starts[id]`, or it is position 0, or the previous position is not maskable or
+  holds an id with `word_ends[id]`) plus the maskable positions after it that do not.
+  The tokenizer says where words begin and end (`Tokenizer.word_starts`,
+  `Tokenizer.word_ends`: SentencePiece's "▁" prefix, WordPiece's "##" continuation,
+  byte-level BPE's encoded space). Whole words are selected and every
   token of a selected word is predicted. With `bernoulli` each word is selected with
   probability `mlm_probability` (so the expected share of selected *tokens* is
   `mlm_probability`); with `exact_k` words are taken in keyed random order while their
@@ -66,8 +73,9 @@ reading of 64 bits, `h = floor(s(bits) / 2**32)` (the signed high half, uniform 
   `(h, first position)` (`exact_k`).
 - a selected token becomes a random ordinary id iff `c < t(random_replace_prob)`, else
   [MASK] iff `c < t(random_replace_prob + mask_replace_prob)` (a sum of 1 is always
-  true), else stays. The random id is `NUM_SPECIAL + ((c * M) >> S)` with
-  `m = vocab_size - NUM_SPECIAL`, `t = t(random_replace_prob)`,
+  true), else stays. The random id is `normal[(c * M) >> S]`, the `((c * M) >> S)`-th
+  ordinary id in ascending order (`NUM_SPECIAL + ((c * M) >> S)` when the special ids
+  are 0 .. NUM_SPECIAL-1), with `m` = the number of ordinary ids, `t = t(random_replace_prob)`,
   `S = 63 - bit_length(m)` and `M = floor(m * 2**S / t)`: a fixed-point
   `floor(c * m / t)` (no int64 overflow, always below m) of `c`, which is uniform on the
   `t` values of its bucket. Each id then has probability within a relative
@@ -76,7 +84,9 @@ reading of 64 bits, `h = floor(s(bits) / 2**32)` (the signed high half, uniform 
 
 Probabilities are thus resolved to 2**-32 (selection needs about 24 bits); one hash per
 token instead of one per decision is what makes the function fast (`benchmarks/
-bench_masking.py`). Consequences: a row receives the same mask after a resume, in any
+bench_masking.py`). On CPU tensors the function runs in numpy (`keyed_numpy`, about half
+the per-op cost of torch at training batch sizes), elsewhere as the torch ops of this
+module; both give the same bits. Consequences: a row receives the same mask after a resume, in any
 batch composition and on any device; a new epoch gives a new mask; evaluation masks with
 a fixed `(seed, epoch=0)` so its positions never move.
 """
@@ -87,10 +97,13 @@ import functools
 import logging
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from mlm_pipeline.config import IGNORE_INDEX, MASK_ID, NUM_SPECIAL, MaskingConfig
+from mlm_pipeline.config import IGNORE_INDEX, SENTENCEPIECE_SPECIAL_IDS, MaskingConfig, SpecialIds
+from mlm_pipeline.masking import keyed_numpy
+from mlm_pipeline.masking.vocab import MaskingVocab, masking_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +175,7 @@ def mix64_(z: Tensor) -> Tensor:
     return z
 
 
+@functools.lru_cache(maxsize=256)
 def masking_key(seed: int, epoch: int) -> int:
     """The 64-bit key of a (seed, epoch) pair: `mix64(mix64(seed) + (epoch + 1) * GAMMA)`.
 
@@ -267,13 +281,17 @@ def _unselected_tokens(bits: Tensor, special: Tensor, p: float, selection: str) 
 
 
 def _unselected_words(
-    bits: Tensor, ids: Tensor, special: Tensor, word_starts: Tensor, p: float, selection: str
+    bits: Tensor, ids: Tensor, special: Tensor, word_starts: Tensor,
+    word_ends: Tensor | None, p: float, selection: str,
 ) -> Tensor:
     """Like `_unselected_tokens`, selecting whole words (see the module docstring)."""
     seq_len = bits.size(1)
     positions = _positions(seq_len, bits.device)
     first = torch.take(word_starts, ids)
-    first[:, 1:].logical_or_(special[:, :-1])
+    after = special[:, :-1]
+    if word_ends is not None:
+        after = after | torch.take(word_ends, ids[:, :-1])
+    first[:, 1:].logical_or_(after)
     first[:, 0] = True
     # The first position of the word at each position (for maskable positions).
     word_start = first.to(torch.int64).mul_(positions).cummax(1).values
@@ -300,21 +318,52 @@ def _unselected_words(
     return unselected_first.gather(1, word_start).logical_or_(special)
 
 
-def special_tokens_mask(input_ids: Tensor) -> Tensor:
-    """Where the special tokens ([PAD], [UNK], [CLS], [SEP], [MASK]) and padding are.
+def special_tokens_mask(input_ids: Tensor, special_ids: SpecialIds | None = None) -> Tensor:
+    """Where the special tokens ([PAD], [UNK], [CLS], [SEP], [MASK] and the tokenizer's
+    other special tokens) and padding are.
 
     Args:
-        input_ids: integer ids, shape (B, L).
+        input_ids: integer ids, shape (B, L), each below the vocabulary's size.
+        special_ids: the tokenizer's special ids; None: `SENTENCEPIECE_SPECIAL_IDS`
+            (0-4, the SentencePiece tokenizers this pipeline trains).
 
     Returns:
-        Bool tensor (B, L), True at ids below `NUM_SPECIAL`.
+        Bool tensor (B, L), True at the special ids.
     """
-    return input_ids < NUM_SPECIAL
+    special_ids = special_ids or SENTENCEPIECE_SPECIAL_IDS
+    ids = special_ids.all_special_ids
+    if ids == tuple(range(len(ids))):
+        return input_ids < len(ids)
+    return torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
 
 
 def _check_prob(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"masking: {name} = {value!r} must be in [0, 1]")
+
+
+@functools.lru_cache(maxsize=64)
+def _settings(vocab_size: int, special_ids: SpecialIds | None, p: float, pm: float,
+              pr: float, selection: str) -> tuple[MaskingVocab, float, tuple[int, int] | None]:
+    """`(vocab, pm + pr, (M, S) of the random-id formula or None when pr = 0)` of checked
+    settings, cached (they are the same at every call of a run).
+
+    Raises:
+        ValueError: the errors of `mask_tokens` about these arguments.
+    """
+    vocab = masking_vocab(vocab_size, special_ids)
+    _check_prob("mlm_probability", p)
+    _check_prob("mask_replace_prob", pm)
+    _check_prob("random_replace_prob", pr)
+    change_prob = pm + pr
+    if change_prob > 1.0 + 1e-9:
+        raise ValueError(
+            f"masking: mask_replace_prob + random_replace_prob = {change_prob:g} must be <= 1"
+        )
+    if selection not in SELECTIONS:
+        raise ValueError(f"masking: selection {selection!r} must be one of {SELECTIONS}")
+    scale = _random_id_scale(vocab.num_normal, _t32(pr)) if pr > 0.0 else None
+    return vocab, change_prob, scale
 
 
 def mask_tokens(
@@ -329,16 +378,20 @@ def mask_tokens(
     random_replace_prob: float = _DEFAULTS.random_replace_prob,
     selection: str = _DEFAULTS.selection,
     word_starts: Tensor | None = None,
+    word_ends: Tensor | None = None,
+    special_ids: SpecialIds | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Corrupt a batch for masked-language modelling (Devlin et al. 2019, §3.1: 80/10/10).
 
-    Ids `>= NUM_SPECIAL` are maskable; special tokens and [PAD] are never selected. Tokens
-    (or whole words, with `word_starts`) are selected at the rate `mlm_probability` as
-    `selection` says. Of the selected tokens, a share `mask_replace_prob` becomes [MASK],
-    a share `random_replace_prob` a random ordinary id uniform on [NUM_SPECIAL, vocab_size)
-    (which may equal the original id, probability 1 / (vocab_size - NUM_SPECIAL)), the rest
-    stay unchanged. Every choice depends only on (seed, epoch, row_index[b], position) and,
-    for `exact_k` and whole words, the row's ids; the module docstring gives the algorithm.
+    Ids outside `special_ids.all_special_ids` are maskable; special tokens and [PAD] are
+    never selected. Tokens (or whole words, with `word_starts`) are selected at the rate
+    `mlm_probability` as `selection` says. Of the selected tokens, a share
+    `mask_replace_prob` becomes `special_ids.mask_id`, a share `random_replace_prob` a
+    random ordinary id, uniform on the `m` ids of `[0, vocab_size)` that are not special
+    (it may equal the original id, probability 1 / m), the rest stay unchanged. Every
+    choice depends only on (seed, epoch, row_index[b], position) and, for `exact_k` and
+    whole words, the row's ids; the module docstring gives the algorithm. CPU tensors are
+    masked in numpy (`keyed_numpy`), others with torch ops: the same result.
 
     Args:
         input_ids: token ids (B, L), int64, int32 or uint16, on any device; not modified.
@@ -357,6 +410,13 @@ def mask_tokens(
         word_starts: bool (vocab_size,), True where an id begins a word (e.g.
             `Tokenizer.word_starts()`, as a tensor), on any device; given, whole words
             are selected. None selects tokens.
+        word_ends: bool (vocab_size,), True where a word ends with an id, so that the
+            next position begins one (`Tokenizer.word_ends()`: byte-level BPE pieces
+            ending in whitespace); None: only special tokens end words. Used with
+            `word_starts` only.
+        special_ids: the tokenizer's special ids ([MASK] and the never-selected ids);
+            None: `SENTENCEPIECE_SPECIAL_IDS` (0-4, the SentencePiece tokenizers this
+            pipeline trains).
 
     Returns:
         `(input_ids, labels)`, both int64 (B, L) on the device of `input_ids`: the corrupted
@@ -365,9 +425,10 @@ def mask_tokens(
     Raises:
         TypeError: `input_ids` is not an integer tensor.
         ValueError: `input_ids` is not 2-D, L exceeds `MAX_SEQ_LEN`, `row_index` is not
-            shaped (B,), `vocab_size <= NUM_SPECIAL`, a probability lies outside [0, 1],
-            `mask_replace_prob + random_replace_prob > 1`, `selection` is unknown, or
-            `word_starts` is not a bool tensor of shape (vocab_size,).
+            shaped (B,), a special id is not below `vocab_size` or no ordinary id is left,
+            a probability lies outside [0, 1], `mask_replace_prob + random_replace_prob >
+            1`, `selection` is unknown, or `word_starts` / `word_ends` is not a bool
+            tensor of shape (vocab_size,).
     """
     dtype = input_ids.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
@@ -379,48 +440,73 @@ def mask_tokens(
     batch, seq_len = input_ids.shape
     if seq_len > MAX_SEQ_LEN:
         raise ValueError(f"masking: seq_len {seq_len} exceeds the supported {MAX_SEQ_LEN}")
-    if vocab_size <= NUM_SPECIAL:
-        raise ValueError(f"masking: vocab_size {vocab_size} must exceed NUM_SPECIAL={NUM_SPECIAL}")
-    _check_prob("mlm_probability", mlm_probability)
-    _check_prob("mask_replace_prob", mask_replace_prob)
-    _check_prob("random_replace_prob", random_replace_prob)
-    change_prob = mask_replace_prob + random_replace_prob
-    if change_prob > 1.0 + 1e-9:
-        raise ValueError(
-            f"masking: mask_replace_prob + random_replace_prob = {change_prob:g} must be <= 1"
-        )
-    if selection not in SELECTIONS:
-        raise ValueError(f"masking: selection {selection!r} must be one of {SELECTIONS}")
-    if word_starts is not None and (
-        word_starts.dtype != torch.bool or word_starts.shape != (vocab_size,)
-    ):
-        raise ValueError(
-            f"masking: word_starts must be a bool tensor of shape ({vocab_size},), got "
-            f"{word_starts.dtype} {tuple(word_starts.shape)}"
-        )
-    device = input_ids.device
-    if row_index is None:
-        row_index = torch.arange(batch, device=device)
-    elif row_index.shape != (batch,):
+    vocab, change_prob, scale = _settings(vocab_size, special_ids, mlm_probability,
+                                          mask_replace_prob, random_replace_prob, selection)
+    for name, table in (("word_starts", word_starts), ("word_ends", word_ends)):
+        if table is not None and (table.dtype != torch.bool or table.shape != (vocab_size,)):
+            raise ValueError(
+                f"masking: {name} must be a bool tensor of shape ({vocab_size},), got "
+                f"{table.dtype} {tuple(table.shape)}"
+            )
+    if word_starts is None:
+        word_ends = None
+    if row_index is not None and row_index.shape != (batch,):
         raise ValueError(
             f"masking: row_index must have shape ({batch},), got {tuple(row_index.shape)}"
         )
-    # Python-side dtype checks skip a dispatch each (this function is dispatch-bound at
-    # training batch sizes); outputs below are always new tensors.
-    ids = input_ids if dtype == torch.int64 else input_ids.to(torch.int64)
-    if row_index.device != device or row_index.dtype != torch.int64:
-        row_index = row_index.to(device=device, dtype=torch.int64)
-
-    if ids.numel() == 0:
+    if batch * seq_len == 0:
+        ids = input_ids.to(torch.int64)
         return ids.clone(), torch.full_like(ids, IGNORE_INDEX)
-    bits = _draws(seq_len, row_index, masking_key(seed, epoch))
-    special = ids < NUM_SPECIAL
-    if word_starts is None:
-        unselected = _unselected_tokens(bits, special, mlm_probability, selection)
+    key = masking_key(seed, epoch)
+    if input_ids.is_cpu:
+        # Python-side checks skip a conversion each (this function is dispatch-bound at
+        # training batch sizes); the outputs are always new arrays.
+        ids_np = input_ids.numpy()
+        if dtype != torch.int64:
+            ids_np = ids_np.astype(np.int64)
+        if row_index is None:
+            rows_np = np.arange(batch, dtype=np.int64)
+        else:
+            rows_np = row_index.cpu().numpy().astype(np.int64, copy=False)
+        done = keyed_numpy.mask_numpy(
+            ids_np, rows_np, key=key, gamma=GAMMA, multipliers=(_MIX_MUL1, _MIX_MUL2),
+            vocab=vocab, mlm_probability=mlm_probability,
+            mask_replace_prob=mask_replace_prob, random_replace_prob=random_replace_prob,
+            selection=selection, random_scale=scale,
+            word_starts=None if word_starts is None else word_starts.cpu().numpy(),
+            word_ends=None if word_ends is None else word_ends.cpu().numpy())
+        if done is not None:
+            return torch.from_numpy(done[0]), torch.from_numpy(done[1])
+    device = input_ids.device
+    ids = input_ids if dtype == torch.int64 else input_ids.to(torch.int64)
+    if row_index is None:
+        row_index = torch.arange(batch, device=device)
+    elif row_index.device != device or row_index.dtype != torch.int64:
+        row_index = row_index.to(device=device, dtype=torch.int64)
+    return _mask_torch(ids, row_index, key, vocab, mlm_probability, change_prob,
+                       random_replace_prob, selection, scale, word_starts, word_ends)
+
+
+def _mask_torch(ids: Tensor, row_index: Tensor, key: int, vocab: MaskingVocab,
+                p: float, change_prob: float, random_replace_prob: float, selection: str,
+                scale: tuple[int, int] | None, word_starts: Tensor | None,
+                word_ends: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`mask_tokens` as torch ops on `ids`' device (its arguments checked there): int64
+    (B, L) ids and (B,) row ids; `scale` is `_random_id_scale`'s `(M, S)`, None when
+    `random_replace_prob` is 0."""
+    device = ids.device
+    bits = _draws(ids.size(1), row_index, key)
+    if vocab.prefix is not None:
+        special = ids < vocab.prefix
     else:
-        word_starts = word_starts.to(device)
+        special_table, _ = vocab.tables_on(device)
+        special = torch.take(special_table, ids)
+    if word_starts is None:
+        unselected = _unselected_tokens(bits, special, p, selection)
+    else:
         unselected = _unselected_words(
-            bits, ids, special, word_starts, mlm_probability, selection
+            bits, ids, special, word_starts.to(device),
+            None if word_ends is None else word_ends.to(device), p, selection,
         )
     labels = torch.where(unselected, IGNORE_INDEX, ids)
 
@@ -428,13 +514,15 @@ def mask_tokens(
     # unchanged. `a > b` on bools is `a & ~b` in one op.
     low = bits & _LOW32
     changed = torch.gt(low < _t32(change_prob), unselected)
-    if random_replace_prob > 0.0:
-        multiplier, shift = _random_id_scale(vocab_size - NUM_SPECIAL, _t32(random_replace_prob))
-        drawn = torch.mul(low, multiplier).bitwise_right_shift_(shift).add_(NUM_SPECIAL)
-        # `where` rather than `masked_fill`: the faster of the two on CPU (both branch).
-        replacement = torch.where(low < _t32(random_replace_prob), drawn, MASK_ID)
-        corrupted = torch.where(changed, replacement, ids)
+    if scale is None:
+        return ids.masked_fill(changed, vocab.mask_id), labels
+    multiplier, shift = scale
+    drawn = torch.mul(low, multiplier).bitwise_right_shift_(shift)
+    if vocab.prefix is not None:
+        drawn.add_(vocab.prefix)
     else:
-        corrupted = ids.masked_fill(changed, MASK_ID)
-    return corrupted, labels
-
+        # Positions with c >= t(pr) hold values outside [0, m) (never used): clamped.
+        drawn = torch.take(vocab.tables_on(device)[1], drawn.clamp_(0, vocab.num_normal - 1))
+    # `where` rather than `masked_fill`: the faster of the two on CPU (both branch).
+    replacement = torch.where(low < _t32(random_replace_prob), drawn, vocab.mask_id)
+    return torch.where(changed, replacement, ids), labels

@@ -17,17 +17,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mlm_pipeline.config import NUM_SPECIAL, MaskingConfig, schedule_problems
+from mlm_pipeline.config import MaskingConfig, SpecialIds, schedule_problems
 from mlm_pipeline.manifest import ShardManifest
 from mlm_pipeline.masking.keyed import MASKING_ALGORITHM, mask_tokens
+from mlm_pipeline.masking.vocab import masking_vocab
 
 logger = logging.getLogger(__name__)
 
 
 class KeyedMasking:
     """One masking setup, the single object training, precomputed copies and evaluation
-    mask with: the `MaskingConfig` settings, the vocabulary, the seed and (whole words) the
-    word starts, applied by `mask_tokens`.
+    mask with: the `MaskingConfig` settings, the vocabulary and its special ids, the seed
+    and (whole words) the word boundaries, applied by `mask_tokens`.
 
     Args:
         cfg: probabilities, `selection`, `whole_word` and (unless `seed` is given) `seed`;
@@ -37,18 +38,23 @@ class KeyedMasking:
         word_starts: bool (vocab_size,) tensor or array, True where an id begins a word
             (`Tokenizer.word_starts()`); required when `cfg.whole_word`, ignored otherwise.
         seed: the key, when it is not `cfg.seed` (evaluation masks with `eval.seed`).
+        special_ids: the tokenizer's special ids (`Tokenizer.special_ids`, or the
+            shards' `ShardManifest.special_ids`): never selected, never drawn, and the
+            [MASK] id. None: `SENTENCEPIECE_SPECIAL_IDS`, the ids of the SentencePiece
+            tokenizers this pipeline trains.
+        word_ends: bool (vocab_size,), True where a word ends with an id
+            (`Tokenizer.word_ends()`, byte-level BPE); None: only special tokens end words.
 
     Raises:
-        ValueError: `vocab_size <= NUM_SPECIAL`, `cfg.whole_word` without `word_starts`, or
-            `word_starts` not shaped (vocab_size,).
+        ValueError: a special id is not below `vocab_size` or no ordinary id is left,
+            `cfg.whole_word` without `word_starts`, or a word table not shaped
+            (vocab_size,).
     """
 
     def __init__(self, cfg: MaskingConfig, vocab_size: int, word_starts=None,
-                 seed: int | None = None) -> None:
-        if vocab_size <= NUM_SPECIAL:
-            raise ValueError(
-                f"masking: vocab_size {vocab_size} must exceed NUM_SPECIAL={NUM_SPECIAL}"
-            )
+                 seed: int | None = None, *, special_ids: SpecialIds | None = None,
+                 word_ends=None) -> None:
+        self.vocab = masking_vocab(vocab_size, special_ids)
         if cfg.whole_word and word_starts is None:
             raise ValueError(
                 "masking: masking.whole_word is set but no word_starts were given "
@@ -56,23 +62,31 @@ class KeyedMasking:
             )
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.special_ids = self.vocab.special_ids
         self.seed = cfg.seed if seed is None else seed
         self.mlm_probability = cfg.eval_probability
-        self._word_starts: dict[torch.device, Tensor] = {}
+        self._tables: dict[torch.device, tuple[Tensor | None, Tensor | None]] = {}
         if cfg.whole_word:
-            starts = torch.as_tensor(word_starts).to("cpu", torch.bool)
-            if starts.shape != (vocab_size,):
-                raise ValueError(f"masking: word_starts has shape {tuple(starts.shape)}, "
-                                 f"expected ({vocab_size},)")
-            self._word_starts[starts.device] = starts
+            tables = []
+            for name, table in (("word_starts", word_starts), ("word_ends", word_ends)):
+                if table is not None:
+                    table = torch.as_tensor(table).to("cpu", torch.bool)
+                    if table.shape != (vocab_size,):
+                        raise ValueError(f"masking: {name} has shape {tuple(table.shape)}, "
+                                         f"expected ({vocab_size},)")
+                tables.append(table)
+            self._tables[torch.device("cpu")] = (tables[0], tables[1])
 
-    def _starts_on(self, device: torch.device) -> Tensor | None:
-        """The word starts on `device` (copied once per device), or None for tokens."""
-        if not self._word_starts:
-            return None
-        if device not in self._word_starts:
-            self._word_starts[device] = next(iter(self._word_starts.values())).to(device)
-        return self._word_starts[device]
+    def _tables_on(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """`(word_starts, word_ends)` on `device` (copied once per device); Nones for
+        tokens."""
+        if not self._tables:
+            return None, None
+        if device not in self._tables:
+            starts, ends = self._tables[torch.device("cpu")]
+            self._tables[device] = (starts.to(device),
+                                    None if ends is None else ends.to(device))
+        return self._tables[device]
 
     def __call__(self, input_ids: Tensor, row_index: Tensor | None, epoch: int,
                  mlm_probability: float | None = None) -> tuple[Tensor, Tensor]:
@@ -88,14 +102,32 @@ class KeyedMasking:
         Returns:
             `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
         """
+        starts, ends = self._tables_on(input_ids.device)
         return mask_tokens(
             input_ids, vocab_size=self.vocab_size, row_index=row_index, seed=self.seed,
             epoch=epoch,
             mlm_probability=self.mlm_probability if mlm_probability is None else mlm_probability,
             mask_replace_prob=self.cfg.mask_replace_prob,
             random_replace_prob=self.cfg.random_replace_prob,
-            selection=self.cfg.selection, word_starts=self._starts_on(input_ids.device),
+            selection=self.cfg.selection, word_starts=starts, word_ends=ends,
+            special_ids=self.special_ids,
         )
+
+
+def keyed_masking(cfg: MaskingConfig, tokenizer, seed: int | None = None) -> KeyedMasking:
+    """The `KeyedMasking` of `cfg` for a tokenizer (`mlm_pipeline.tokenizer.Tokenizer`):
+    its vocabulary size and special ids, and with `cfg.whole_word` its word boundaries
+    (`word_starts`, `word_ends`).
+
+    Raises:
+        ValueError: `KeyedMasking`'s, and with `cfg.whole_word` a tokenizer that does not
+            mark words.
+    """
+    starts = ends = None
+    if cfg.whole_word:
+        starts, ends = tokenizer.word_starts(), tokenizer.word_ends()
+    return KeyedMasking(cfg, tokenizer.vocab_size, starts, seed,
+                        special_ids=tokenizer.special_ids, word_ends=ends)
 
 
 @runtime_checkable
@@ -267,7 +299,8 @@ class PrecomputedMasker:
 def build_masker(
     cfg: MaskingConfig, vocab_size: int, shards: ShardManifest | None = None,
     word_starts: Tensor | np.ndarray | None = None, copies: MaskedCopies | None = None,
-    max_steps: int | None = None,
+    max_steps: int | None = None, *, special_ids: SpecialIds | None = None,
+    word_ends: Tensor | np.ndarray | None = None,
 ) -> Masker:
     """Build the masker selected by `cfg.mode` (the single dispatch point, STYLE rule 6).
 
@@ -282,12 +315,17 @@ def build_masker(
         copies: the reader of the shards' masked copies
             (`train.data.PrecomputedShardDataset(shards)`); required by `precomputed` mode.
         max_steps: `train.max_steps`; required when `cfg.mlm_probability` is a schedule.
+        special_ids: the ids the shards were written with (`ShardManifest.special_ids`);
+            None: `SENTENCEPIECE_SPECIAL_IDS`. In `precomputed` mode they must be the
+            shards' (the copies were masked with them).
+        word_ends: bool (vocab_size,), where words end (`Tokenizer.word_ends()`), with
+            `word_starts`; None: only special tokens end words.
 
     Returns:
         A `Masker`.
 
     Raises:
-        ValueError: unknown `cfg.mode`, `vocab_size <= NUM_SPECIAL`, in `dynamic` mode
+        ValueError: unknown `cfg.mode`, a special id outside the vocabulary, in `dynamic` mode
             `cfg.whole_word` without `word_starts`, or in `precomputed` mode: no `shards` or
             `copies`, or copies written with another masking config or seed than `cfg`; a
             schedule without `max_steps` or with steps beyond it.
@@ -299,7 +337,8 @@ def build_masker(
                                  "(pass max_steps)")
             if problems := schedule_problems(cfg.mlm_probability, max_steps):
                 raise ValueError("; ".join(problems))
-        masking = KeyedMasking(cfg, vocab_size, word_starts if cfg.whole_word else None)
+        masking = KeyedMasking(cfg, vocab_size, word_starts if cfg.whole_word else None,
+                               special_ids=special_ids, word_ends=word_ends)
         return DynamicMasker(masking, max_steps or 1)
     if cfg.mode == "precomputed":
         if shards is None or copies is None:
@@ -312,5 +351,10 @@ def build_masker(
                 f"masking: the shards in {shards.output_dir} were written with {have}, but "
                 f"training asks for {want}; rewrite them with this masking config"
             )
+        masking_vocab(vocab_size, special_ids)  # the ids fit the vocabulary
+        if special_ids is not None and special_ids != shards.special_ids:
+            raise ValueError(
+                f"masking: the copies in {shards.output_dir} were masked with special ids "
+                f"{shards.special_ids.roles()}, training asks for {special_ids.roles()}")
         return PrecomputedMasker(cfg, vocab_size, copies)
     raise ValueError(f"masking: unknown mode {cfg.mode!r}")

@@ -6,6 +6,7 @@ the only module here that imports torch).
 """
 
 from mlm_pipeline.shards.format import open_shard, split_shards, verify_shards
-from mlm_pipeline.shards.stage import shards_digest, write_shards
+from mlm_pipeline.shards.stage import shard_special_ids, shards_digest, write_shards
 
-__all__ = ["open_shard", "shards_digest", "split_shards", "verify_shards", "write_shards"]
+__all__ = ["open_shard", "shard_special_ids", "shards_digest", "split_shards",
+           "verify_shards", "write_shards"]

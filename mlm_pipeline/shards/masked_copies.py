@@ -17,7 +17,7 @@ import torch
 
 from mlm_pipeline.config import MaskingConfig
 from mlm_pipeline.manifest import FileEntry
-from mlm_pipeline.masking.maskers import KeyedMasking
+from mlm_pipeline.masking.maskers import keyed_masking
 from mlm_pipeline.shards.format import open_shard, write_arrow
 
 if TYPE_CHECKING:
@@ -47,8 +47,9 @@ def write_masked_copies(
         shards: entries of the unmasked training shards, in row order.
         out_dir: the shards stage directory (entries' paths are relative to it).
         masking: `dupe_factor`, `mlm_probability`, replacement shares, `selection`,
-            `whole_word` (word starts from `Tokenizer.word_starts`), `seed`.
-        tok: the tokenizer (vocabulary size, word starts).
+            `whole_word` (word boundaries from `Tokenizer.word_starts` and `word_ends`),
+            `seed`.
+        tok: the tokenizer (vocabulary size, special ids, word boundaries).
         seq_len: tokens per row.
 
     Returns:
@@ -57,8 +58,7 @@ def write_masked_copies(
     Raises:
         OSError: a copy cannot be written (its temporary file is removed).
     """
-    word_starts = torch.from_numpy(tok.word_starts()) if masking.whole_word else None
-    keyed = KeyedMasking(masking, tok.vocab_size, word_starts)
+    keyed = keyed_masking(masking, tok)
     entries: list[FileEntry] = []
     for c in range(masking.dupe_factor):
         first_row = 0

@@ -17,14 +17,14 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
-import sentencepiece as spm
 
-from mlm_pipeline.config import CLS_ID, SEP_ID, ShardConfig
+from mlm_pipeline.config import SENTENCEPIECE_SPECIAL_IDS, ShardConfig, SpecialIds
 from mlm_pipeline.locks import temp_path
 from mlm_pipeline.manifest import FileEntry, ShardSplit, Stopwatch
 from mlm_pipeline.progress import Progress
 from mlm_pipeline.shards.format import write_arrow_from_body
 from mlm_pipeline.shards.parallel import available_cores, encoded_on_threads
+from mlm_pipeline.tokenizer.base import BatchEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -34,26 +34,34 @@ Encoder = Callable[[list[Path], type], Iterator[tuple[int, np.ndarray]]]
 
 
 def write_split(
-    name: str, paths: list[Path], sp: spm.SentencePieceProcessor, cfg: ShardConfig,
+    name: str, paths: list[Path], encoder: BatchEncoder, cfg: ShardConfig,
     dtype: str, out_dir: Path, progress: Progress, encode: Encoder | None = None,
+    special_ids: SpecialIds | None = None,
 ) -> ShardSplit:
     """Encode, pack and write one split; see the module docstring for the packing.
 
+    `special_ids` gives the [CLS] that begins every row and the [SEP] after every
+    document (the tokenizer's; None: `SENTENCEPIECE_SPECIAL_IDS`).
+
     Encoding runs on `cfg.num_threads` worker threads (0 = one per available core), one
-    record batch per task, each with a single-threaded SentencePiece call: SentencePiece
-    releases the GIL while it encodes, so the workers use every core, batches of uneven
+    record batch per task, each with one call of the tokenizer's encoder (a
+    single-threaded SentencePiece call, or `tokenizers`' batch encoding): both release
+    the GIL while they encode, so the workers use every core, batches of uneven
     length balance across them, and Parquet decoding, packing and writing in this thread
     overlap with encoding. Results are consumed in submission order, so the rows do not
     depend on the thread count.
     """
     watch = Stopwatch()
+    special_ids = special_ids or SENTENCEPIECE_SPECIAL_IDS
     np_dtype = _DTYPES[dtype][0]
     workers = cfg.num_threads or available_cores()
-    writer = ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype)
+    writer = ShardWriter(out_dir, name, cfg.seq_len, cfg.rows_per_shard, dtype,
+                         special_ids.cls_id)
     carry = np.empty(0, np_dtype)  # stream tokens not yet in a row; always < body
     documents = tokens_in = rows = 0
     chunks = (encode(paths, np_dtype) if encode is not None
-              else encoded_on_threads(paths, sp, cfg, np_dtype, workers))
+              else encoded_on_threads(paths, encoder, cfg, np_dtype, workers,
+                                      special_ids.sep_id))
     try:
         for n, chunk in chunks:
             documents, tokens_in = documents + n, tokens_in + len(chunk)
@@ -69,9 +77,9 @@ def write_split(
         getattr(chunks, "close", lambda: None)()  # stops the encoders (a generator)
     shards = writer.close()
     rows_total = sum(e.rows or 0 for e in shards)
-    # [SEP] is the model's eos id, which `encode` never emits for text (no `add_eos`):
-    # every [SEP] left over is a separator.
-    separators = int(np.count_nonzero(carry == SEP_ID))
+    # The encoders never emit [SEP] for text (no `add_eos`, special names encoded as
+    # text): every [SEP] left over is a separator.
+    separators = int(np.count_nonzero(carry == special_ids.sep_id))
     logger.info(
         "shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder tokens "
         "(%d [SEP]) (%.0f tokens/s, %d encode threads)", name, documents, tokens_in,
@@ -99,9 +107,10 @@ class ShardWriter:
     """
 
     def __init__(
-        self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str
+        self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str,
+        cls_id: int = SENTENCEPIECE_SPECIAL_IDS.cls_id,
     ) -> None:
-        self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
+        self.out_dir, self.split, self.seq_len, self.cls_id = out_dir, split, seq_len, cls_id
         self.rows_per_shard = rows_per_shard
         self.dtype = _DTYPES[dtype][0]
         self.filled = 0
@@ -129,7 +138,7 @@ class ShardWriter:
         while done < n:
             take = min(n - done, self.rows_per_shard - self.filled)
             rows = np.empty((take, self.seq_len), self.dtype)
-            rows[:, 0] = CLS_ID
+            rows[:, 0] = self.cls_id
             rows[:, 1:] = stream[done * body : (done + take) * body].reshape(take, body)
             if self.body is None:
                 self.body = open(self._body_path(), "wb")  # noqa: SIM115 (closed in _flush)

@@ -8,11 +8,16 @@ sequential in the calling process, and the shards are byte-identical however the
 documents are grouped (test: tests/integration/test_partitioned_prep.py).
 
 * `encoded_on_threads` (the default, one process): `text_tasks` batches encoded on worker
-  threads, a single-threaded SentencePiece call each (it releases the GIL).
+  threads, one call of the tokenizer's `BatchEncoder` each (a single-threaded
+  SentencePiece call, or `tokenizers`' batch encoding; both release the GIL).
 * `partitioned_encoder`: `plan_documents` cuts a split's Parquet files into row ranges
   (`DocPartition`), a `Mapper` (builtin `map`, or Prefect tasks on a Dask cluster in
   `flows/dask_prep.py`) runs `encode_partition` over them (the worker reads its rows
-  itself and gets the SentencePiece model as bytes), and the streams come back in order.
+  itself and gets the tokenizer's model as bytes, `Tokenizer.encoder_spec`), and the
+  streams come back in order.
+
+Every document is followed by the tokenizer's [SEP] id (`SpecialIds.sep_id`: 3 for our
+SentencePiece tokenizers, 102 for a BERT vocabulary).
   The Parquet files must be readable at the same path by every worker (a shared file
   system, or the local cluster of one machine).
 
@@ -33,10 +38,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import sentencepiece as spm
 
-from mlm_pipeline.config import SEP_ID, ShardConfig
+from mlm_pipeline.config import ShardConfig
 from mlm_pipeline.ingest.documents import byte_slices, open_documents, text_tasks
+from mlm_pipeline.tokenizer import Tokenizer
+from mlm_pipeline.tokenizer.base import BatchEncoder, EncoderSpec, batch_encoder_from_spec
 
 #: `mapper(fn, items)` -> `fn(item)` for every item, in the items' order (builtin `map`).
 Mapper = Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]]
@@ -49,33 +55,34 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def encode_stream(sp: spm.SentencePieceProcessor, columns: list[pa.Array],
-                  dtype: type) -> np.ndarray:
+def encode_stream(encoder: BatchEncoder, columns: list[pa.Array], dtype: type,
+                  sep_id: int) -> np.ndarray:
     """`doc1 [SEP] doc2 [SEP] ...` of one batch of texts, as a flat `dtype` array.
 
-    Texts go to SentencePiece as UTF-8 bytes (Arrow's own buffers, no str decoding; the ids
-    are those of the str) and come back as int32 arrays (`out_type="numpy"`), never as
-    Python int lists.
+    Texts go to the encoder as UTF-8 bytes (Arrow's own buffers) and come back as int32
+    arrays, never as Python int lists.
 
     Args:
-        sp: the SentencePiece processor of the tokenizer.
+        encoder: the tokenizer's `BatchEncoder` (`Tokenizer.batch_encoder`).
         columns: Arrow (large) string arrays of document texts, in order.
         dtype: storage dtype of the ids (`np.uint16` or `np.uint32`).
+        sep_id: the tokenizer's [SEP] id.
 
     Returns:
-        1-D `dtype` array: each document's ids followed by `SEP_ID`.
+        1-D `dtype` array: each document's ids followed by `sep_id`.
     """
     texts = [t for column in columns for t in column.cast(pa.large_binary()).to_pylist()]
     if not texts:
         return np.empty(0, dtype)
-    pieces = sp.encode(texts, out_type="numpy", num_threads=1)
-    sep = np.array([SEP_ID], np.int32)
+    pieces = encoder(texts)
+    sep = np.array([sep_id], np.int32)
     # One pass: [pieces0, SEP, pieces1, SEP, ...] cast to the storage dtype while copying.
     return np.concatenate([a for p in pieces for a in (p, sep)], dtype=dtype, casting="unsafe")
 
 
-def encoded_on_threads(paths: list[Path], sp: spm.SentencePieceProcessor, cfg: ShardConfig,
-                       dtype: type, workers: int) -> Iterator[tuple[int, np.ndarray]]:
+def encoded_on_threads(paths: list[Path], encoder: BatchEncoder, cfg: ShardConfig,
+                       dtype: type, workers: int, sep_id: int
+                       ) -> Iterator[tuple[int, np.ndarray]]:
     """`(documents, their doc[SEP] stream)` of each `text_tasks` batch of `paths`, in
     order, encoded on `workers` threads with `workers + 1` batches in flight (every worker
     busy, one queued); closing the generator cancels the queued ones.
@@ -90,7 +97,8 @@ def encoded_on_threads(paths: list[Path], sp: spm.SentencePieceProcessor, cfg: S
             while True:
                 while len(pending) <= workers and (task := next(batches, None)) is not None:
                     n = sum(len(column) for column in task)
-                    pending.append((n, pool.submit(encode_stream, sp, task, dtype)))
+                    pending.append((n, pool.submit(encode_stream, encoder, task, dtype,
+                                                   sep_id)))
                 if not pending:
                     return
                 n, future = pending.popleft()
@@ -124,19 +132,16 @@ def plan_documents(paths: list[Path], partitions: int) -> list[DocPartition]:
             for p, n in zip(paths, rows) for a in range(0, n, size)]
 
 
-@functools.lru_cache(maxsize=2)
-def _processor(model: bytes) -> spm.SentencePieceProcessor:
-    return spm.SentencePieceProcessor(model_proto=model)
-
-
-def encode_partition(model: bytes, batch_bytes: int, dtype: type,
+def encode_partition(model: EncoderSpec, sep_id: int, batch_bytes: int, dtype: type,
                      part: DocPartition) -> tuple[int, np.ndarray]:
     """The documents of `part` and their `doc[SEP]` stream (`encode_stream`), encoded in
     batches of at most `batch_bytes` UTF-8 bytes (a longer document alone).
 
     Args:
-        model: the SentencePiece model file's bytes (the worker needs no copy of it).
-        batch_bytes: most bytes of text per SentencePiece call.
+        model: the tokenizer's `encoder_spec()` (its model file's bytes: the worker needs
+            no copy of it).
+        sep_id: the tokenizer's [SEP] id.
+        batch_bytes: most bytes of text per encoder call.
         dtype: storage dtype of the ids.
         part: the rows to encode.
 
@@ -160,31 +165,35 @@ def encode_partition(model: bytes, batch_bytes: int, dtype: type,
     if column.null_count:
         row = part.start + int(np.flatnonzero(column.is_null().to_numpy(False))[0])
         raise ValueError(f"{part.path}: row {row}: 'text' is null")
-    sp = _processor(model)
-    streams = [encode_stream(sp, [s], dtype) for s in byte_slices(column, batch_bytes)]
+    encoder = batch_encoder_from_spec(model)
+    streams = [encode_stream(encoder, [s], dtype, sep_id)
+               for s in byte_slices(column, batch_bytes)]
     return len(column), np.concatenate(streams) if streams else np.empty(0, dtype)
 
 
-def partitioned_encoder(model_path: str | os.PathLike[str], cfg: ShardConfig, mapper: Mapper,
-                        partitions: int) -> Callable[[list[Path], type],
-                                                     Iterator[tuple[int, np.ndarray]]]:
+def partitioned_encoder(tokenizer: Tokenizer | str | os.PathLike[str], cfg: ShardConfig,
+                        mapper: Mapper, partitions: int
+                        ) -> Callable[[list[Path], type], Iterator[tuple[int, np.ndarray]]]:
     """The `encode` argument of `write_shards` that encodes each split on about
     `partitions` row ranges through `mapper` (module docstring).
 
     Args:
-        model_path: the tokenizer's SentencePiece model (read once, sent as bytes).
-        cfg: the shard config (`encode_batch_bytes`: bytes per SentencePiece call).
+        tokenizer: the tokenizer, or its model file in its stage directory (what
+            `Tokenizer.load` opens); its model is read once and sent as bytes.
+        cfg: the shard config (`encode_batch_bytes`: bytes per encoder call).
         mapper: runs `encode_partition` over the partitions, results in order.
         partitions: row ranges to aim at per split.
 
     Raises:
         OSError: the model file cannot be read.
+        ValueError: it is not a tokenizer (`Tokenizer.load`).
     """
-    model = Path(model_path).read_bytes()
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    model, sep_id = tok.encoder_spec(), tok.sep_id
 
     def encode(paths: list[Path], dtype: type) -> Iterator[tuple[int, np.ndarray]]:
         plan = plan_documents(paths, partitions)
-        yield from mapper(functools.partial(encode_partition, model, cfg.encode_batch_bytes,
-                                            dtype), plan)
+        yield from mapper(functools.partial(encode_partition, model, sep_id,
+                                            cfg.encode_batch_bytes, dtype), plan)
 
     return encode

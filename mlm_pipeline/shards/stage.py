@@ -67,9 +67,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
-import sentencepiece as spm
 
-from mlm_pipeline.config import MaskingConfig, ShardConfig
+from mlm_pipeline.config import MaskingConfig, ShardConfig, SpecialIds
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
@@ -134,6 +133,22 @@ def shards_digest(
          "masking_algorithm": MASKING_ALGORITHM},
         inputs,
     )
+
+
+def shard_special_ids(shards: ShardManifest, tokenizer: TokenizerManifest) -> SpecialIds:
+    """The special ids the shards were written with, which training and evaluation mask
+    and pack with: `shards.special_ids`, once they equal the tokenizer's.
+
+    Raises:
+        ValueError: the shards were written with other ids than the tokenizer's (both
+            manifests named): a run would mix two vocabularies' ids.
+    """
+    if shards.special_ids != tokenizer.special_ids:
+        raise ValueError(
+            f"shards {shards.path} were written with special ids "
+            f"{shards.special_ids.roles()}, but tokenizer {tokenizer.path} has "
+            f"{tokenizer.special_ids.roles()}: write the shards with this tokenizer")
+    return shards.special_ids
 
 
 @contextmanager
@@ -223,9 +238,9 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
     """Write `out_dir` (the caller holds its `stage_lock`); errors: `write_shards`'s."""
     watch = Stopwatch()
     tok = Tokenizer.load(tokenizer)  # checks the special-token ids and the model's sha256
-    # Tokenizer.encode returns Python int lists; the processor's numpy output avoids an int
-    # object per token. Texts are ingested documents, already normalized.
-    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
+    # Tokenizer.encode returns Python int lists; the batch encoder's numpy output avoids an
+    # int object per token. Texts are ingested documents, already normalized.
+    encoder, special_ids = tok.batch_encoder(), tok.special_ids
     dtype = "uint16" if tokenizer.vocab_size <= UINT16_VOCAB else "uint32"
     out_dir.mkdir(parents=True, exist_ok=True)
     # Temporary files of a killed earlier attempt: never shards, always rewritten.
@@ -236,7 +251,8 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
         with _returning_memory_pool():
             progress.start(f"shards {name}", float(sum(e.rows or 0 for e in files)),
                            "documents", f"seq_len {cfg.seq_len}")
-            split = write_split(name, paths, sp, cfg, dtype, out_dir, progress, encode)
+            split = write_split(name, paths, encoder, cfg, dtype, out_dir, progress, encode,
+                                special_ids)
             progress.finish(f"shards {name}", rows=split.rows)
         if split.rows == 0:
             if name == "train":
@@ -286,6 +302,7 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
         train=splits["train"],
         validation=splits["validation"],
         masking=masking_record,
+        special_ids=special_ids,
     )
     write_manifest(manifest)
     return manifest

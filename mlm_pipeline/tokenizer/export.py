@@ -365,11 +365,14 @@ def export_tokenizer(
     *,
     model_max_length: int | None = None,
 ) -> list[Path]:
-    """Write a `transformers` tokenizer directory for our SentencePiece tokenizer.
+    """Write a `transformers` tokenizer directory for our tokenizer.
 
-    `AutoTokenizer.from_pretrained(out_dir)` then gives a `PreTrainedTokenizerFast`
-    whose pad, unk, cls, sep and mask tokens are `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]` and
-    `[MASK]` (ids 0-4), and whose model inputs are `input_ids` and `attention_mask`.
+    For our SentencePiece tokenizer, `AutoTokenizer.from_pretrained(out_dir)` then gives a
+    `PreTrainedTokenizerFast` whose pad, unk, cls, sep and mask tokens are `[PAD]`,
+    `[UNK]`, `[CLS]`, `[SEP]` and `[MASK]` (ids 0-4), and whose model inputs are
+    `input_ids` and `attention_mask`. An adopted Hugging Face tokenizer is written back as
+    it came (`AutoTokenizer` reads its stage directory and saves it: the same class, the
+    same files and ids), with `model_max_length` set.
 
     Args:
         source: a `Tokenizer`, or what `Tokenizer.load` accepts (a manifest, a stage
@@ -382,11 +385,14 @@ def export_tokenizer(
         the installed `transformers` writes with them).
 
     Raises:
-        RuntimeError: `transformers`, `tokenizers` or protobuf is not installed.
+        RuntimeError: `transformers`, `tokenizers` or protobuf is not installed, or the
+            saved adopted tokenizer's special ids differ from the stage's.
         ValueError: the model uses SentencePiece options the export does not reproduce.
         FileNotFoundError: `source` does not exist.
     """
     tok = source if isinstance(source, Tokenizer) else Tokenizer.load(source)
+    if tok.encoder_spec()[0] == "pretrained":
+        return _export_pretrained(tok, Path(out_dir), model_max_length)
     hf = build_hf_tokenizer(tok)
     transformers = require("transformers")
     names = {f"{role}_token": piece
@@ -402,4 +408,23 @@ def export_tokenizer(
     written = [Path(p) for p in fast.save_pretrained(out)]
     logger.info("tokenizer %s exported to %s (%s normalization)", tok.path, out,
                 tok.normalization or "no")
+    return written
+
+
+def _export_pretrained(tok: Tokenizer, out: Path, model_max_length: int | None) -> list[Path]:
+    """`export_tokenizer` of an adopted tokenizer: `AutoTokenizer` over its stage
+    directory (which holds its `tokenizer.json` and companion files), saved to `out`."""
+    transformers = require("transformers")
+    fast = transformers.AutoTokenizer.from_pretrained(str(tok.path.parent))
+    if model_max_length is not None:
+        fast.model_max_length = model_max_length
+    ids = tok.special_ids
+    got = (fast.pad_token_id, fast.cls_token_id, fast.sep_token_id, fast.mask_token_id)
+    if got != (ids.pad_id, ids.cls_id, ids.sep_id, ids.mask_id):
+        raise RuntimeError(f"{tok.path.parent}: transformers reads the special ids "
+                           f"(pad, cls, sep, mask) {got}, the stage recorded "
+                           f"{(ids.pad_id, ids.cls_id, ids.sep_id, ids.mask_id)}")
+    out.mkdir(parents=True, exist_ok=True)
+    written = [Path(p) for p in fast.save_pretrained(out)]
+    logger.info("adopted tokenizer %s exported to %s", tok.path, out)
     return written

@@ -64,7 +64,8 @@ from mlm_pipeline.manifest import (
     write_manifest,
 )
 from mlm_pipeline.progress import NullProgress, Progress
-from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, Tokenizer, check_special
+from mlm_pipeline.tokenizer.base import Tokenizer
+from mlm_pipeline.tokenizer.tokenizer import MASK_MARKER, check_special
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +93,10 @@ _READ = re.compile(r"Loaded all (\d+) sentences")
 
 def tokenizer_digest(cfg: TokenizerConfig, corpus: CorpusManifest) -> str:
     """Identity of the tokenizer `train_tokenizer(cfg, corpus, ...)` writes: config, corpus
-    and the sampling algorithm of the training text (`from_init` left out: it decides
-    whether this tokenizer is trained, not what it is, so digests made before it existed
-    still hold)."""
-    tokenizer = cfg.model_dump(mode="json", exclude={"from_init"})
+    and the sampling algorithm of the training text (`from_init` and `adopt_from` left
+    out: they decide whether this tokenizer is trained, not what it is, so digests made
+    before they existed still hold)."""
+    tokenizer = cfg.model_dump(mode="json", exclude={"from_init", "adopt_from"})
     return compute_digest(STAGE, {"tokenizer": tokenizer, "sampling": _SAMPLING},
                           {"corpus": corpus.digest})
 
@@ -158,7 +159,8 @@ def adopt_tokenizer(parent: TokenizerManifest, work_dir: str | os.PathLike[str]
     """Reuse a tokenizer trained before (a warm start's parent, `tokenizer.from_init`)
     instead of training one: nothing is trained; the same tokenizer keeps its identity.
 
-    The parent's `spm.model` and `spm.vocab` are checked against its manifest (sha256)
+    The parent's files (`spm.model` and `spm.vocab`, or an adopted tokenizer's
+    `tokenizer.json` and companions) are checked against its manifest (sha256)
     and copied, with the manifest, to `<work_dir>/tokenizer/<parent digest[:16]>` (nothing
     is copied when they are there already), so the shards of a new corpus are encoded with
     the parent's pieces and ids, and the parent's digest feeds the shards digest as a
@@ -181,21 +183,20 @@ def adopt_tokenizer(parent: TokenizerManifest, work_dir: str | os.PathLike[str]
     memo = HashMemo(work_dir).file_sha256
 
     def build() -> TokenizerManifest:
-        for entry in (parent.model, parent.vocab):
+        for entry in parent.tokenizer_files():
             src = parent.file(entry.path)
             if sha256_file(src) != entry.sha256:
                 raise ValueError(f"tokenizer.from_init: {src} differs from the sha256 in "
                                  f"{parent.path}")
-        check_special(spm.SentencePieceProcessor(model_file=str(parent.file(parent.model.path))),
-                      parent.file(parent.model.path), ValueError)
+        Tokenizer.load(parent)  # a SentencePiece model's fixed ids; an adopted one loads
         out_dir.mkdir(parents=True, exist_ok=True)
-        for entry in (parent.model, parent.vocab):
+        for entry in parent.tokenizer_files():
             tmp = out_dir / f".{Path(entry.path).name}.{os.getpid()}.tmp"
             shutil.copyfile(parent.file(entry.path), tmp)
             os.replace(tmp, out_dir / entry.path)
         adopted = parent.model_copy(update={"output_dir": str(out_dir.resolve())})
         write_manifest(adopted)
-        logger.info("tokenizer: reusing %s (digest %s) from %s", MODEL_FILE,
+        logger.info("tokenizer: reusing %s (digest %s) from %s", parent.model.path,
                     parent.digest[:16], parent.output_dir)
         return adopted
 

@@ -1,7 +1,8 @@
 """A trained SentencePiece tokenizer: loading it, checking it, encoding new text.
 
-`Tokenizer` wraps a `.model` file that `mlm_pipeline.tokenizer.stage.train_tokenizer` wrote,
-with the fixed special-token ids of `config.SPECIAL_TOKENS`. Loading through the stage's
+`SentencePieceTokenizer` (a `Tokenizer`, `tokenizer.base`) wraps a `.model` file that
+`mlm_pipeline.tokenizer.stage.train_tokenizer` wrote, with the fixed special-token ids of
+`config.SPECIAL_TOKENS` (`SENTENCEPIECE_SPECIAL_IDS`). Loading through the stage's
 manifest checks that the file is the one the manifest describes (sha256), and gives the
 Unicode normalization form of the corpus, which `encode` applies to new text as ingestion
 did to every training document.
@@ -22,15 +23,17 @@ import numpy as np
 import sentencepiece as spm
 
 from mlm_pipeline.config import (
-    CLS_ID,
     MASK_ID,
     NUM_SPECIAL,
-    PAD_ID,
-    SEP_ID,
+    SENTENCEPIECE_SPECIAL_IDS,
     SPECIAL_TOKENS,
     UNK_ID,
 )
 from mlm_pipeline.manifest import TokenizerManifest, read_manifest
+from mlm_pipeline.tokenizer.base import BatchEncoder, EncoderSpec, Tokenizer
+
+__all__ = ["MASK_MARKER", "SentencePieceTokenizer", "Tokenizer", "check_special",
+           "sentencepiece_batch_encoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Except
         raise error(f"{path}: special tokens differ from {SPECIAL_TOKENS}: {'; '.join(wrong)}")
 
 
-class Tokenizer:
+class SentencePieceTokenizer(Tokenizer):
     """A trained SentencePiece model with the pipeline's fixed special-token ids.
 
     Text given to `encode` and `encode_with_mask` is first brought to the Unicode
@@ -73,10 +76,10 @@ class Tokenizer:
         path: the `.model` file it was loaded from.
         model_sha256: hex sha256 of that file's bytes (equals the manifest's `model.sha256`).
         normalization: `NFC`, `NFKC`, or None (text is encoded as given).
-        pad_id, unk_id, cls_id, sep_id, mask_id: the fixed special ids 0-4.
+        special_ids: the fixed special ids 0-4 (`SENTENCEPIECE_SPECIAL_IDS`).
     """
 
-    pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
+    special_ids = SENTENCEPIECE_SPECIAL_IDS
 
     def __init__(self, path: str | os.PathLike[str], normalization: str | None = None) -> None:
         """Load a `.model` file (prefer `Tokenizer.load`, which finds `normalization`).
@@ -91,6 +94,7 @@ class Tokenizer:
         self.normalization = normalization
         proto = self.path.read_bytes()
         self.model_sha256 = hashlib.sha256(proto).hexdigest()
+        self._proto = proto
         try:
             if not proto:
                 raise RuntimeError("empty file")
@@ -102,32 +106,16 @@ class Tokenizer:
         check_special(self._sp, self.path, ValueError)
 
     @classmethod
-    def load(cls, source: str | os.PathLike[str] | TokenizerManifest) -> Tokenizer:
-        """Load from a `TokenizerManifest`, a stage directory or its `manifest.json`, or a
-        `.model` file.
-
-        With a manifest (given, or read from the directory), the model is the file it
-        lists in that directory (so a copied or moved stage directory loads its own copy),
-        its sha256 must equal the manifest's, and `normalization` is the manifest's. A
-        `.model` file takes the normalization of a tokenizer manifest beside it that
-        describes the same bytes (sha256); without one, text is encoded as given, with a
-        warning.
+    def load_file(cls, p: Path) -> SentencePieceTokenizer:
+        """Load a `.model` file on its own: it takes the normalization of a tokenizer
+        manifest beside it that describes the same bytes (sha256); without one, text is
+        encoded as given, with a warning.
 
         Raises:
-            FileNotFoundError: the path does not exist.
-            ValueError: the manifest is invalid or lists a model path outside its
-                directory (`ManifestPathError`, the manifest named: nothing outside is
-                read), the model file differs from its manifest (sha256), the file is not
-                a SentencePiece model, or it lacks the fixed special ids.
+            FileNotFoundError: the file does not exist.
+            ValueError: the file is not a SentencePiece model, or it lacks the fixed
+                special ids.
         """
-        if isinstance(source, TokenizerManifest):
-            return cls._checked(source)
-        p = Path(source)
-        if p.is_dir() or p.name == "manifest.json":
-            path = p / "manifest.json" if p.is_dir() else p
-            m = read_manifest(path, TokenizerManifest)  # this directory, wherever made
-            m = m.model_copy(update={"output_dir": str(path.parent.resolve())})
-            return cls._checked(m)
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {p}")
         tok = cls(p)
@@ -144,7 +132,9 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def _checked(cls, m: TokenizerManifest) -> Tokenizer:
+    def from_manifest(cls, m: TokenizerManifest) -> SentencePieceTokenizer:
+        """The model `m` lists, in `m`'s directory, checked against its sha256, with the
+        manifest's normalization (`Tokenizer.load`'s errors)."""
         path = m.file(m.model.path)
         tok = cls(path, m.normalization)
         if tok.model_sha256 != m.model.sha256:
@@ -153,6 +143,10 @@ class Tokenizer:
                 f"tokenizer manifest {m.path}: the model file was changed; delete "
                 f"{path.parent} and rerun to train it again")
         return tok
+
+    def encoder_spec(self) -> EncoderSpec:
+        """`("sentencepiece", the .model file's bytes)`."""
+        return "sentencepiece", self._proto
 
     @property
     def vocab_size(self) -> int:
@@ -268,5 +262,24 @@ class Tokenizer:
         return self._sp.piece_to_id(piece)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+        return f"SentencePieceTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def sentencepiece_batch_encoder(model: bytes) -> BatchEncoder:
+    """The `BatchEncoder` of a `.model` file's bytes: texts go to SentencePiece as UTF-8
+    bytes (the ids are those of the str) and come back as int32 arrays
+    (`out_type="numpy"`), one single-threaded call (it releases the GIL).
+
+    Raises:
+        ValueError: the bytes are not a SentencePiece model.
+    """
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=model)
+    except (RuntimeError, IndexError) as exc:
+        raise ValueError(f"not a SentencePiece model ({exc})") from exc
+
+    def encode(texts):
+        return sp.encode(list(texts), out_type="numpy", num_threads=1) if texts else []
+
+    return encode
 

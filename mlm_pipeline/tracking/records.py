@@ -187,8 +187,8 @@ def record_data(
     if corpus.bad_files:
         tracker.log_dict(run_id, [b.model_dump() for b in corpus.bad_files],
                          "data/bad_files.json")
-    tracker.log_artifacts(run_id, tokenizer.file(tokenizer.model.path), "tokenizer")
-    tracker.log_artifacts(run_id, tokenizer.file(tokenizer.vocab.path), "tokenizer")
+    for entry in tokenizer.tokenizer_files():  # spm.model + spm.vocab, or an adopted set
+        tracker.log_artifacts(run_id, tokenizer.file(entry.path), "tokenizer")
     # Beside the model, so `Tokenizer.load` of the downloaded model finds its normalization.
     tracker.log_artifacts(run_id, tokenizer.path, "tokenizer")
     for m in (corpus, tokenizer, shards):

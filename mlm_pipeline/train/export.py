@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline import __version__
-from mlm_pipeline.config import ModelConfig
+from mlm_pipeline.config import ModelConfig, SpecialIds
 from mlm_pipeline.manifest import (
     CorpusManifest,
     EvalManifest,
@@ -79,6 +79,18 @@ def find_stage_manifest(start: Path, stage: str, digest: str, cls):
             if m.digest == digest:
                 return m.model_copy(update={"output_dir": str(path.parent.resolve())})
     return None
+
+
+def set_special_ids(config: Any, special_ids: SpecialIds) -> None:
+    """Write the tokenizer's special ids into an exported model's `transformers` config:
+    `pad_token_id`, and `bos_token_id` / `cls_token_id` ([CLS]) and `eos_token_id` /
+    `sep_token_id` ([SEP]) where the config has them set (`ModernBertConfig`)."""
+    roles = {"pad_token_id": special_ids.pad_id, "bos_token_id": special_ids.cls_id,
+             "cls_token_id": special_ids.cls_id, "eos_token_id": special_ids.sep_id,
+             "sep_token_id": special_ids.sep_id}
+    for name, value in roles.items():
+        if getattr(config, name, None) is not None:
+            setattr(config, name, value)
 
 
 def _train_state(state: dict[str, Any]) -> dict[str, int]:
@@ -184,8 +196,13 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
         lines.append(f"- Documents: {corpus.documents_train:,} train, "
                      f"{corpus.documents_validation:,} validation "
                      f"({corpus.config.get('normalization', 'NFC')} normalized)")
+    kind = (f"SentencePiece {tok_manifest.model_type if tok_manifest else 'model'}"
+            if tok.encoder_spec()[0] == "sentencepiece" else
+            f"adopted Hugging Face {tok_manifest.model_type if tok_manifest else 'tokenizer'}"
+            + (f" (from `{tok_manifest.source}`)" if tok_manifest and tok_manifest.source
+               else ""))
     lines += [
-        (f"- Tokenizer: SentencePiece {tok_manifest.model_type if tok_manifest else 'model'}, "
+        (f"- Tokenizer: {kind}, "
          f"{tok.vocab_size:,} pieces, digest `{state['tokenizer_digest']}`"),
         f"- Shards digest: `{state['shards_digest']}`; sequences of {state['seq_len']} tokens"
         + (f", {shards.train.rows:,} training rows" if shards is not None else ""),
@@ -287,6 +304,7 @@ def export_checkpoint(
     metrics = _eval_metrics(checkpoint)
 
     hf = to_hf(model)
+    set_special_ids(hf.config, tok.special_ids)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

@@ -39,6 +39,7 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.masking.keyed import exact_k
 from mlm_pipeline.masking.maskers import Masker, build_masker
+from mlm_pipeline.shards import shard_special_ids
 from mlm_pipeline.shards.format import verify_shards
 from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
 from mlm_pipeline.tokenizer import Tokenizer
@@ -72,16 +73,24 @@ logger = logging.getLogger(__name__)
 
 def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
                        tokenizer: TokenizerManifest, max_steps: int | None = None) -> Masker:
-    """`build_masker` for this run: the masked copies' reader in precomputed mode, the
-    tokenizer's word starts (bool (V,), True where a piece begins a word) when
-    `masking.whole_word` is set, and `train.max_steps` (`max_steps`, the span of a
-    masking-rate schedule)."""
+    """`build_masker` for this run: the special ids the shards were written with (the
+    tokenizer's, `shards.shard_special_ids`), the masked copies' reader in precomputed
+    mode, the tokenizer's word boundaries (bool (V,) `word_starts`, and `word_ends` for
+    byte-level BPE) when `masking.whole_word` is set, and `train.max_steps` (`max_steps`,
+    the span of a masking-rate schedule).
+
+    Raises:
+        ValueError: the shards' special ids are not the tokenizer's; `build_masker`'s.
+    """
+    special_ids = shard_special_ids(shards, tokenizer)
     copies = PrecomputedShardDataset(shards) if masking.mode == "precomputed" else None
-    word_starts = None
+    word_starts = word_ends = None
     if masking.whole_word and masking.mode == "dynamic":
-        word_starts = torch.from_numpy(Tokenizer.load(tokenizer).word_starts())
+        tok = Tokenizer.load(tokenizer)
+        word_starts, word_ends = tok.word_starts(), tok.word_ends()
     return build_masker(masking, shards.vocab_size, shards, word_starts=word_starts,
-                        copies=copies, max_steps=max_steps)
+                        copies=copies, max_steps=max_steps, special_ids=special_ids,
+                        word_ends=word_ends)
 
 
 def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
@@ -192,9 +201,10 @@ def _all_ranks_peak(peak: float | None, world: World) -> float | None:
 def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                     shards: ShardManifest, tokenizer: TokenizerManifest) -> dict[str, Any]:
     """What makes a checkpoint self-describing: the `model`, `train` and `masking` configs
-    (JSON), `vocab_size`, `seq_len` (tokens), the tokenizer and shard digests, and
-    `hf_class`: the `transformers` class the weights map onto one to one
-    (`hf.hf_class_name`: `BertForMaskedLM`, `ModernBertForMaskedLM`, or None)."""
+    (JSON), `vocab_size`, `seq_len` (tokens), the tokenizer and shard digests, the special
+    ids the rows were written with (`special_ids`, `SpecialIds` as JSON), and `hf_class`:
+    the `transformers` class the weights map onto one to one (`hf.hf_class_name`:
+    `BertForMaskedLM`, `ModernBertForMaskedLM`, or None)."""
     return {
         "config": {"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
                    "masking": masking.model_dump(mode="json")},
@@ -203,6 +213,7 @@ def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig
         "seq_len": shards.seq_len,
         "tokenizer_digest": tokenizer.digest,
         "shards_digest": shards.digest,
+        "special_ids": shards.special_ids.model_dump(mode="json"),
     }
 
 

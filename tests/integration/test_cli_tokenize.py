@@ -98,12 +98,12 @@ def test_tokenize_normalizes_like_ingestion(model_path, tiny_tokenizer_manifest,
 
 
 def test_nfkc_tokenizer_folds_compatibility_characters(model_path):
-    from mlm_pipeline.tokenizer import Tokenizer
+    from mlm_pipeline.tokenizer import SentencePieceTokenizer
 
     ligature = "Le \ufb01let"  # "ﬁ" (U+FB01); NFKC gives "fi"
-    assert Tokenizer(model_path, "NFKC").encode([ligature]) == [
+    assert SentencePieceTokenizer(model_path, "NFKC").encode([ligature]) == [
         _reference(model_path, "Le filet")[1]]
-    assert Tokenizer(model_path).encode([ligature]) == [_reference(model_path, ligature)[1]]
+    assert SentencePieceTokenizer(model_path).encode([ligature]) == [_reference(model_path, ligature)[1]]
 
 
 def test_not_a_model_names_the_file(tmp_path, capsys):

@@ -23,7 +23,7 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
-from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
+from mlm_pipeline.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
 from mlm_pipeline.tokenizer.export import (
     build_hf_tokenizer,
     charsmap_rules,
@@ -256,4 +256,4 @@ def test_unsupported_options_are_refused(tiny_tokenizer_manifest, tmp_path):
     changed = tmp_path / "spm.model"
     changed.write_bytes(proto.SerializeToString())
     with pytest.raises(ValueError, match="treat_whitespace_as_suffix"):
-        build_hf_tokenizer(Tokenizer(changed, "NFC"))
+        build_hf_tokenizer(SentencePieceTokenizer(changed, "NFC"))

@@ -10,7 +10,7 @@ import pytest
 import sentencepiece as spm
 
 from mlm_pipeline.config import MASK_ID, TokenizerConfig
-from mlm_pipeline.tokenizer.stage import Tokenizer, train_tokenizer
+from mlm_pipeline.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
 from mlm_pipeline.tracking.records import outputs_exist
 
 
@@ -77,7 +77,7 @@ def test_empty_file_is_not_a_model(tmp_path):
 
 
 def test_nfkc_never_makes_a_mask_marker(stage):
-    tok = Tokenizer(stage.file(stage.model.path), "NFKC")
+    tok = SentencePieceTokenizer(stage.file(stage.model.path), "NFKC")
     fullwidth = "le \uff3b\uff2d\uff21\uff33\uff2b\uff3d est"  # "［ＭＡＳＫ］"; NFKC: "[MASK]"
     assert MASK_ID not in tok.encode_with_mask(fullwidth)
     assert tok.encode_with_mask("le [MASK] est").count(MASK_ID) == 1

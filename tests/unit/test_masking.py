@@ -41,15 +41,16 @@ def ref_t(q: float) -> int:
     return math.floor(q * 2**32)
 
 
-def ref_words(ids, word_starts):
+def ref_words(ids, word_starts, special=frozenset(range(5)), word_ends=None):
     """Maskable positions grouped into selection units: single tokens when `word_starts` is
-    None, else whole words (a word begins at position 0, after a non-maskable position, or
-    at an id flagged in `word_starts`)."""
+    None, else whole words (a word begins at position 0, after a non-maskable position or
+    an id flagged in `word_ends`, or at an id flagged in `word_starts`)."""
     units = []
     for pos, tok in enumerate(ids):
-        if tok < 5:
+        if tok in special:
             continue
-        if word_starts is None or pos == 0 or ids[pos - 1] < 5 or word_starts[tok]:
+        if (word_starts is None or pos == 0 or ids[pos - 1] in special or word_starts[tok]
+                or (word_ends is not None and word_ends[ids[pos - 1]])):
             units.append([pos])
         else:
             units[-1].append(pos)
@@ -61,17 +62,19 @@ def ref_exact_k(n: int, p: float) -> int:
 
 
 def ref_mask_row(ids, row, *, seed, epoch, vocab_size, p, pm, pr, selection="bernoulli",
-                 word_starts=None):
-    """The documented algorithm for one row, one position at a time, on Python ints."""
+                 word_starts=None, special=frozenset(range(5)), mask_id=MASK,
+                 word_ends=None):
+    """The documented algorithm for one row, one position at a time, on Python ints
+    (`special`: the ids never selected; the random ids are the others, ascending)."""
     key = ref_mix64(ref_mix64(seed) + (epoch + 1) * GOLDEN)
     bits = [ref_mix64(key + ((row << 20) | pos) * GOLDEN) for pos in range(len(ids))]
     high = [as_signed(b) >> 32 for b in bits]  # floor(s(bits) / 2**32): Python >> floors
     low = [b % 2**32 for b in bits]
-    units = ref_words(ids, word_starts)
+    units = ref_words(ids, word_starts, special, word_ends)
     if selection == "bernoulli":
         chosen = [u for u in units if high[u[0]] < -(2**31) + ref_t(p)]
     else:
-        k = ref_exact_k(sum(tok >= 5 for tok in ids), p)
+        k = ref_exact_k(sum(tok not in special for tok in ids), p)
         chosen, total = [], 0
         for unit in sorted(units, key=lambda u: (high[u[0]], u[0])):
             if total + len(unit) > k:
@@ -79,7 +82,8 @@ def ref_mask_row(ids, row, *, seed, epoch, vocab_size, p, pm, pr, selection="ber
             chosen.append(unit)
             total += len(unit)
     selected = {pos for unit in chosen for pos in unit}
-    m, t_random, t_change = vocab_size - 5, ref_t(pr), ref_t(pr + pm)
+    ordinary = [i for i in range(vocab_size) if i not in special]
+    m, t_random, t_change = len(ordinary), ref_t(pr), ref_t(pr + pm)
     shift = 63 - m.bit_length()
     multiplier = (m << shift) // t_random if t_random else 0
     out, labels = [], []
@@ -90,9 +94,9 @@ def ref_mask_row(ids, row, *, seed, epoch, vocab_size, p, pm, pr, selection="ber
             continue
         labels.append(tok)
         if low[pos] < t_random:
-            out.append(5 + (low[pos] * multiplier >> shift))
+            out.append(ordinary[low[pos] * multiplier >> shift])
         elif low[pos] < t_change:
-            out.append(MASK)
+            out.append(mask_id)
         else:
             out.append(tok)
     return out, labels

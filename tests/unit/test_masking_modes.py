@@ -63,17 +63,27 @@ def test_matches_reference(selection, whole_word):
     continuation = int(torch.nonzero(~starts)[0])
     ids[5:7, 0] = continuation  # rows that begin inside a word (no [CLS])
     rows = torch.tensor([0, 1, 17, 2**43 + 5, 123456789, 2**30, 99, 7])
-    # High rates so that every branch (mask / random / keep) occurs in a small batch.
+    assert_matches_reference(ids, rows, vocab_size, selection,
+                             starts if whole_word else None)
+
+
+def assert_matches_reference(ids, rows, vocab_size, selection, word_starts, word_ends=None,
+                             special_ids=None, **ref):
+    """`mask_tokens` of `ids` equals `ref_mask_row` row by row, at rates high enough that
+    every branch (mask / random / keep) occurs in a small batch; `ref` passes the special
+    ids and [MASK] id to the reference."""
     kw = dict(seed=11, epoch=2, p=0.4, pm=0.4, pr=0.35)
     corrupted, labels = mask_tokens(
         ids, vocab_size=vocab_size, row_index=rows, seed=kw["seed"], epoch=kw["epoch"],
         mlm_probability=kw["p"], mask_replace_prob=kw["pm"], random_replace_prob=kw["pr"],
-        selection=selection, word_starts=starts if whole_word else None,
+        selection=selection, word_starts=word_starts, word_ends=word_ends,
+        special_ids=special_ids,
     )
     for b in range(ids.shape[0]):
         ref_out, ref_labels = ref_mask_row(
             ids[b].tolist(), int(rows[b]), vocab_size=vocab_size, selection=selection,
-            word_starts=starts.tolist() if whole_word else None, **kw,
+            word_starts=None if word_starts is None else word_starts.tolist(),
+            word_ends=None if word_ends is None else word_ends.tolist(), **ref, **kw,
         )
         assert labels[b].tolist() == ref_labels, b
         assert corrupted[b].tolist() == ref_out, b
