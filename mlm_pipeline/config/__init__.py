@@ -30,6 +30,8 @@ from mlm_pipeline.config.base import (
 from mlm_pipeline.config.evaluation import (
     DOMAIN_PROBES,
     GUIDE_PROBES,
+    ClassificationTask,
+    EncoderInput,
     EvalConfig,
     FillMaskProbe,
     FinetuneConfig,
@@ -67,7 +69,9 @@ __all__ = [
     "SEP_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",
+    "ClassificationTask",
     "DataPrepConfig",
+    "EncoderInput",
     "DistributedConfig",
     "EvalConfig",
     "FillMaskProbe",
@@ -139,7 +143,7 @@ class PipelineConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     linear_probe: LinearProbeConfig = LinearProbeConfig()
     finetune: FinetuneConfig = FinetuneConfig()
-    """Fine-tuning evaluation on the `linear_probe` section's data and split."""
+    """Fine-tuning evaluation on the `linear_probe` section's tasks and their splits."""
     tracking: TrackingConfig = TrackingConfig()
     data: DataPrepConfig = DataPrepConfig()
     """Where data preparation runs (one process, or a Dask cluster)."""
