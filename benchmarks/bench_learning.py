@@ -1,12 +1,41 @@
-"""Learning per wall-clock second or per step: ours against HF BERT and ModernBERT.
+"""Learning at equal steps and equal wall clock, at one masking rate: ours against HF BERT
+and ModernBERT, then the downstream protocol on each model.
 
-    python benchmarks/bench_learning.py [--budget-s 300 | --steps N] [--threads 2]
-                                        [--config tiny] [--work DIR] [--eval-rows 1000]
-                                        [--models LIST] [--out FILE] [--set KEY=VALUE ...]
+    python benchmarks/bench_learning.py [--steps 1000] [--budget-s 300] [--seeds 0,1]
+                                        [--mlm-probability 0.15] [--downstream full]
+                                        [--threads 2] [--config tiny] [--work DIR]
+                                        [--eval-rows 1000] [--models LIST] [--out FILE]
+                                        [--set KEY=VALUE ...]
 
 Smoke test: `--smoke` (seconds, offline: the test corpus `tests/assets/tiny_fr.txt`,
-vocabulary 128, seq_len 32, a toy shape, a 0.25 s budget, one thread, in a temporary work
-directory unless `--work`). Needs `transformers` (the `bench` extra).
+vocabulary 128, seq_len 32, a toy shape, 3 steps and a 0.25 s budget, one thread, a
+labelled CSV of its sentences for the downstream protocol, in a temporary work directory
+unless `--work`). Needs `transformers` (a base dependency).
+
+What is compared, and what is held equal:
+
+- **The masking rate.** Every model trains at `--mlm-probability` (default 0.15, BERT's and
+  `run_mlm.py`'s): ours through `masking.mlm_probability`, the peers through
+  `DataCollatorForLanguageModeling(mlm_probability=...)`, 80/10/10 and Bernoulli selection
+  on both sides. (Before, ours trained at the `tiny` config's 30 % against the peers' 15 %:
+  that compared recipes, not implementations.) Every model is evaluated at 15 %.
+- **Equal steps** (`--steps N`): every model runs exactly N optimizer steps (warm-up the
+  config's share of N, LR decay spanning N), with `train.max_time_s` as the only time
+  limit: equal compute per architecture, whatever the machine's load.
+- **Equal wall clock** (`--budget-s S`): each model first runs a few calibration steps; its
+  step count is then `budget * measured steps/s`, so every model ends its LR decay when its
+  time is up; `--budget-s` is also a hard stop. The time counts the training loop only.
+  Speeds, hence these figures, need a quiet machine.
+  Both by default (1,000 steps and 300 s); either alone when only it is given.
+- **Seeds** (`--seeds`, default 0,1): `train.seed` and `masking.seed` (initialisation, data
+  order, masks) per model and budget; the tables give mean +- sd over them.
+- **Downstream** (`--downstream full`, the default; `probe`; `none`): on each model of the
+  first seed and the first budget, the same code for ours and the peers
+  (`mlm_pipeline.evaluate`: `ours(...)` / `hugging_face(...)`): the linear probe beside a
+  random-init encoder of the same architecture, TF-IDF (whole text and the same input) and
+  the majority class, and fine-tuning pretrained vs from scratch (learning rate and epoch
+  chosen on dev, 3 seeds, the paired difference with its 95 % interval), on the config's
+  `linear_probe.tasks` (the French review set by default; fetched once, then cached).
 
 Data: the real French corpus of `configs/tiny.yaml`, run through our ingest, tokenizer and
 shard stages (`ingest`, `train_tokenizer`, `write_shards`, cached by digest under the
@@ -15,53 +44,31 @@ tokens and is evaluated on the same validation rows.
 
 Models, one shape (hidden 256, 4 layers, 4 heads, FFN 1024, vocab of the tokenizer,
 seq_len 128), micro-batch, peak lr, warm-up share, decay, grad clip and AdamW settings of
-the config, `--threads` torch threads, each for the same wall-clock budget (or the same
-step count, `--steps`). The config is loaded once per model with `model.preset` set to the
-model's recipe (`bert` for `ours-bert` and `hf-bert`, `modern` for the other two), so
-`--set train.lr=auto` resolves per model (`mlm_pipeline.config.lr_auto`: post-LN 1e-4,
-pre-LN 1e-3); each model's peak lr and warm-up are printed and written to the JSON.
+the config, `--threads` torch threads. The config is loaded once per model with
+`model.preset` set to the model's recipe (`bert` for `ours-bert` and `hf-bert`, `modern`
+for the other two), so `--set train.lr=auto` resolves per model
+(`mlm_pipeline.config.lr_auto`); each model's peak lr and warm-up are printed and written.
 
-- `ours-bert`, `ours-modern`: our `train()` with `model.preset` `bert` / `modern` and the
-  config's masking recipe (tiny: mlm_probability 0.3, Bernoulli, 80/10/10; `--set` changes
-  it, e.g. a masking-rate schedule: `--set 'masking.mlm_probability={schedule: linear,
-  start: 0.3, end: 0.15}'`, which spans each run's own step count).
+- `ours-bert`, `ours-modern`: our `train()` with `model.preset` `bert` / `modern`.
 - `hf-bert`: `BertForMaskedLM` (SDPA, dropout 0.1, like our `bert` preset);
   `hf-modernbert`: `ModernBertForMaskedLM` at our `modern` architecture (global attention
   in every layer, rope theta 10,000, no dropout, `sparse_prediction=True`; the same
-  settings as `bench_train.py`). Both masked by `DataCollatorForLanguageModeling` at
-  mlm_probability 0.15 (the `run_mlm.py` recipe: rows as dicts with a precomputed
-  `special_tokens_mask`), trained by a plain loop: AdamW (no decay on biases and norms),
-  the same `lr_multiplier` schedule, clipping, bf16 autocast when ours uses it.
+  settings as `bench_train.py`), trained by a plain loop: AdamW (no decay on biases and
+  norms), the same `lr_multiplier` schedule, clipping, bf16 autocast when ours uses it.
 
-Equal budget, complete schedules: each model first runs a few calibration steps; its
-step count is then `budget * measured steps/s` (warm-up the config's share of it), so every
-model ends its LR decay when its time is up; `--budget-s` is also a hard stop
-(`train.max_time_s` for ours). The time counts the training loop only (not model
-construction or calibration).
-
-Equal steps (`--steps N`): every model runs exactly N optimizer steps (no calibration;
-warm-up the config's share of N, LR decay and any masking-rate schedule spanning N), with
-the config's `train.max_time_s` as the only time limit. For one architecture, equal steps
-at the same micro-batch and seq_len are equal compute (the same FLOPs per step, except the
-prediction head, which runs at the masked positions only and so costs more per step at a
-higher masking rate). It exists for loaded machines: a wall-clock budget gives a model
-fewer steps when other jobs share the cores, so comparisons of recipes (a masking rate, a
-learning rate) on the same architecture should use `--steps`; the wall-clock budget is for
-comparing architectures or implementations on a quiet machine.
-
-Evaluation: one path for all four, `mlm_pipeline.evaluate.stage.masked_lm_metrics` (fp32), on
-the first `--eval-rows` validation rows masked by `KeyedMasking` (Bernoulli selection) with
-the config's `eval.seed` at mlm_probability 0.15 (80/10/10): the same positions and the same corrupted
-inputs for every model. Hugging Face models are wrapped to return logits at the masked
-positions. Reported per model: masked-token accuracy and loss, perplexity, steps, tokens
-seen, tokens/s, plus the most-frequent-token baseline. Timings are noisy when other jobs
-share the cores; rerun on a quiet machine for figures.
+Evaluation: one path for all four, `mlm_pipeline.evaluate.stage.masked_lm_metrics` (fp32),
+on the first `--eval-rows` validation rows masked by `KeyedMasking` (Bernoulli selection)
+with the config's `eval.seed` at 0.15 (80/10/10): the same positions and the same
+corrupted inputs for every model. Hugging Face models are wrapped to return logits at the
+masked positions. Reported per model and budget: masked-token accuracy and loss (mean +- sd
+over the seeds), steps, tokens seen, tokens/s, plus the most-frequent-token baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import math
 import sys
@@ -83,6 +90,7 @@ from mlm_pipeline.config import (
 )
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.evaluate.stage import masked_lm_metrics, most_frequent_token
+from mlm_pipeline.evaluate.stats import mean_sd
 from mlm_pipeline.ingest.stage import ingest
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
 from mlm_pipeline.masking.maskers import KeyedMasking
@@ -99,7 +107,9 @@ MODELS = ("ours-bert", "ours-modern", "hf-bert", "hf-modernbert")
 #: The `model.preset` whose recipe each model follows (post-LN `bert`, pre-LN `modern`).
 RECIPE = {"ours-bert": "bert", "ours-modern": "modern", "hf-bert": "bert",
           "hf-modernbert": "modern"}
-HF_MLM_PROBABILITY = 0.15
+#: Masking rate of every model's training unless `--mlm-probability` says otherwise (the
+#: `run_mlm.py` and BERT rate), and of the evaluation (always).
+MLM_PROBABILITY = 0.15
 EVAL_MLM_PROBABILITY = 0.15
 CALIBRATION_STEPS = 8  # the first half warms up (allocator, caches); the second is timed
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +128,8 @@ class Result(NamedTuple):
     tokens_seen: int
     train_s: float
     stopped_early: bool
+    final_loss: float
+    """Training loss of the last logged interval (ours) or step (Hugging Face)."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -161,7 +173,7 @@ def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: S
     if steps is not None:
         return _train_ours(ours_config(cfg, preset, steps, cfg.train.max_time_s, threads,
                                        precision), tok, shards, tokens_per_step,
-                           work / f"ours-{preset}-{int(time.time())}")
+                           Path(tempfile.mkdtemp(dir=work, prefix=f"ours-{preset}-")))
     calib = ours_config(cfg, preset, CALIBRATION_STEPS, budget_s, threads, precision)
     calib = calib.model_copy(update={"train": calib.train.model_copy(
         update={"log_every": CALIBRATION_STEPS // 2})})
@@ -173,7 +185,7 @@ def run_ours(cfg: PipelineConfig, preset: str, tok: TokenizerManifest, shards: S
     steps = max(2, int(budget_s * tokens_per_s / tokens_per_step))
     run_cfg = ours_config(cfg, preset, steps, budget_s, threads, precision)
     return _train_ours(run_cfg, tok, shards, tokens_per_step,
-                       work / f"ours-{preset}-{int(time.time())}")
+                       Path(tempfile.mkdtemp(dir=work, prefix=f"ours-{preset}-")))
 
 
 def _train_ours(run_cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
@@ -182,13 +194,13 @@ def _train_ours(run_cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardMa
     m = train(run_cfg.train, run_cfg.model, run_cfg.masking, shards, tok, out)
     # Loop time from the logged intervals (steps * tokens per step / tokens/s), leaving
     # out model construction and the final checkpoint, like the Hugging Face loop's clock.
-    loop_s, last_step = 0.0, 0
+    loop_s, last_step, loss = 0.0, 0, math.nan
     for line in m.file(m.metrics_log).read_text().splitlines():
         record = json.loads(line)
         loop_s += (record["step"] - last_step) * tokens_per_step / record["train/tokens_per_s"]
-        last_step = record["step"]
+        last_step, loss = record["step"], record.get("train/loss", loss)
     return Result(load_model(m.file(m.checkpoint_dir)), m.steps, m.tokens_seen, loop_s,
-                  m.stopped_early)
+                  m.stopped_early, loss)
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -232,11 +244,12 @@ def hf_model(kind: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
 
 
 def hf_train(kind: str, cfg: PipelineConfig, dataset: ShardDataset, collator, steps: int,
-             max_time_s: float, precision: str) -> tuple[torch.nn.Module, int, float, list[float]]:
+             max_time_s: float, precision: str
+             ) -> tuple[torch.nn.Module, int, float, list[float], float]:
     """A plain loop: collator masking, AdamW, our LR schedule, clipping.
 
     Returns:
-        (model, steps done, training seconds, per-step seconds).
+        (model, steps done, training seconds, per-step seconds, last step's loss).
     """
     tc = cfg.train
     torch.manual_seed(tc.seed)
@@ -255,7 +268,7 @@ def hf_train(kind: str, cfg: PipelineConfig, dataset: ShardDataset, collator, st
     clip = tc.grad_clip if tc.grad_clip is not None else float("inf")
     step_times: list[float] = []
     start = time.perf_counter()
-    step = 0
+    step, last = 0, math.nan
     while step < steps and time.perf_counter() - start < max_time_s:
         t0 = time.perf_counter()
         rows, _ = cursor.next_batch()
@@ -274,9 +287,10 @@ def hf_train(kind: str, cfg: PipelineConfig, dataset: ShardDataset, collator, st
         opt.zero_grad(set_to_none=True)
         step += 1
         step_times.append(time.perf_counter() - t0)
-        if not math.isfinite(loss.item()):
-            raise RuntimeError(f"{kind}: loss became {loss.item()} at step {step}")
-    return model, step, time.perf_counter() - start, step_times
+        last = loss.item()
+        if not math.isfinite(last):
+            raise RuntimeError(f"{kind}: loss became {last} at step {step}")
+    return model, step, time.perf_counter() - start, step_times, last
 
 
 def run_hf(kind: str, cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
@@ -286,18 +300,20 @@ def run_hf(kind: str, cfg: PipelineConfig, tok: TokenizerManifest, shards: Shard
     from transformers import DataCollatorForLanguageModeling
 
     collator = DataCollatorForLanguageModeling(
-        tokenizer=hf_tokenizer(tok), mlm_probability=HF_MLM_PROBABILITY, seed=cfg.train.seed)
+        tokenizer=hf_tokenizer(tok), mlm_probability=cfg.masking.eval_probability,
+        seed=cfg.train.seed)
     dataset = ShardDataset(shards, "train")
     if steps is None:
-        _, _, _, times = hf_train(kind, cfg, dataset, collator, CALIBRATION_STEPS, budget_s,
-                                  precision)
+        _, _, _, times, _ = hf_train(kind, cfg, dataset, collator, CALIBRATION_STEPS, budget_s,
+                                     precision)
         step_s = float(np.mean(times[CALIBRATION_STEPS // 2:]))
         steps = max(2, int(budget_s / step_s))
     else:
         budget_s = cfg.train.max_time_s
-    model, done, seconds, _ = hf_train(kind, cfg, dataset, collator, steps, budget_s, precision)
+    model, done, seconds, _, loss = hf_train(kind, cfg, dataset, collator, steps, budget_s,
+                                             precision)
     tokens = done * cfg.train.micro_batch_size * shards.seq_len
-    return Result(HFLogitsAtLabels(model), done, tokens, seconds, done < steps)
+    return Result(HFLogitsAtLabels(model), done, tokens, seconds, done < steps, loss)
 
 
 class HFLogitsAtLabels(torch.nn.Module):
@@ -329,13 +345,23 @@ class _Logits(NamedTuple):
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison; prints a table and writes JSON."""
+    """Run the comparison; prints tables and writes JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="equal wall clock: seconds of training per model (default 300 "
+                             "when --steps is not given either)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="exactly N optimizer steps per model instead of --budget-s "
-                             "(equal compute per architecture; for loaded machines)")
+                        help="equal steps: exactly N optimizer steps per model (default 1000 "
+                             "when --budget-s is not given either)")
+    parser.add_argument("--seeds", default="0,1",
+                        help="training seeds (init, data order, masks) per model and budget")
+    parser.add_argument("--mlm-probability", type=float, default=MLM_PROBABILITY,
+                        help="training masking rate of every model, ours and the peers")
+    parser.add_argument("--downstream", default="full", choices=["none", "probe", "full"],
+                        help="after training, the downstream protocol on each model (first "
+                             "seed, equal steps): the linear probe and its controls, and "
+                             "with `full` fine-tuning pretrained vs scratch")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--work", default=None, help="work_dir (default: the config's)")
@@ -346,19 +372,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override (repeatable), as `mlm-pipeline run --set`")
     parser.add_argument("--smoke", action="store_true",
-                        help="seconds, offline: test corpus, toy shape, 0.25 s budget (see above)")
+                        help="seconds, offline: test corpus, toy shape (see above)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps must be at least 2, got {args.steps}")
+    if args.steps is None and args.budget_s is None:
+        args.steps, args.budget_s = 1000, 300.0
     if not args.smoke:
         return run(args, parser)
     SHAPE.update(SMOKE_SHAPE)
-    args.budget_s, args.threads, args.eval_rows = 0.25, 1, 32  # --steps, if given, is kept
-    if args.work:
-        return run(args, parser, SMOKE_OVERRIDES)
+    args.threads, args.eval_rows = 1, 32
+    if args.budget_s is not None:
+        args.budget_s = 0.25
+    if args.steps is not None:
+        args.steps = min(args.steps, 3)
     with tempfile.TemporaryDirectory(prefix="bench-learning-smoke-") as tmp:
-        args.work = tmp
-        return run(args, parser, SMOKE_OVERRIDES)
+        args.work = args.work or tmp
+        task = smoke_task(Path(tmp))
+        return run(args, parser, SMOKE_OVERRIDES + SMOKE_DOWNSTREAM + [
+            f"linear_probe.data_path={task}"])
+
+
+#: `--smoke`'s downstream protocol: one rate, two seeds, one epoch, one random init.
+SMOKE_DOWNSTREAM = ["finetune.lr=[1e-3]", "finetune.seeds=2", "finetune.epochs=1",
+                    "linear_probe.random_init_seeds=1", "finetune.seq_len=32"]
+
+
+def smoke_task(tmp: Path) -> Path:
+    """A labelled CSV in the review set's format, of the test corpus's sentences (40 rows):
+    `--smoke` runs offline."""
+    text = (ROOT / "tests" / "assets" / "tiny_fr.txt").read_text(encoding="utf-8")
+    sentences = [s.strip() for s in text.replace("\n", " ").split(".") if len(s.strip()) > 10]
+    path = tmp / "smoke-reviews.csv"
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, quoting=csv.QUOTE_ALL)
+        for i in range(40):
+            good = i % 2 == 0
+            writer.writerow([f"{sentences[i % len(sentences)]}. "
+                             f"{'Magnifique' if good else 'Décevant'} ({i})", "1" if good else "-1"])
+    return path
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -366,18 +418,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
     """The comparison of `main` with its parsed `args` (and config overrides)."""
     torch.set_num_threads(args.threads)
     overrides = (([f"work_dir={args.work}"] if args.work else []) + (extra_overrides or [])
-                 + args.set)
+                 + [f"masking.mlm_probability={args.mlm_probability}"] + args.set)
     cfg = load_config(args.config, overrides)
     work = Path(cfg.work_dir).expanduser().resolve() / "bench_learning"
     work.mkdir(parents=True, exist_ok=True)
     precision = resolve_precision(args.precision, torch.device("cpu"))
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    models = args.models.split(",")
+    for name in models:
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     t0 = time.perf_counter()
     tok, shards = prepare_data(cfg)
+    modes = [m for m, on in (("steps", args.steps is not None),
+                             ("time", args.budget_s is not None)) if on]
     print(f"data: {shards.train.rows:,} train rows, {shards.validation.rows:,} validation "
           f"rows of {shards.seq_len} tokens, vocab {shards.vocab_size:,} "
-          f"({time.perf_counter() - t0:.0f} s); precision {precision}, {args.threads} threads, "
-          + (f"{args.steps} steps per model" if args.steps is not None
-             else f"budget {args.budget_s:g} s per model"), flush=True)
+          f"({time.perf_counter() - t0:.0f} s); precision {precision}, {args.threads} threads; "
+          f"every model trained at {args.mlm_probability:g} masking, evaluated at "
+          f"{EVAL_MLM_PROBABILITY:g}; seeds {seeds}; "
+          + "; ".join(f"{args.steps} steps per model" if m == "steps"
+                      else f"budget {args.budget_s:g} s per model" for m in modes), flush=True)
 
     validation = ShardDataset(shards, "validation")
     eval_masking = KeyedMasking(
@@ -386,53 +447,133 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
         shards.vocab_size, seed=cfg.eval.seed)
     eval_kw = dict(masking=eval_masking, batch_size=cfg.eval.batch_size,
                    max_rows=args.eval_rows, baseline_token=most_frequent_token(shards))
-    results: dict[str, dict[str, float]] = {}
-    for name in args.models.split(","):
-        if name not in MODELS:
-            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-        # The model's recipe decides `train.lr: auto` (config validation resolves it).
-        model_cfg = load_config(args.config, overrides + [f"model.preset={RECIPE[name]}"])
-        tc = model_cfg.train
-        print(f"{name}: peak lr {tc.lr:g}, warm-up the config's share of the steps "
-              f"({tc.warmup} of its max_steps {tc.max_steps})", flush=True)
-        if name.startswith("ours-"):
-            r = run_ours(model_cfg, RECIPE[name], tok, shards, args.budget_s,
-                         args.threads, precision, work, args.steps)
-        else:
-            r = run_hf(name, model_cfg, tok, shards, args.budget_s, precision, args.steps)
-        metrics = masked_lm_metrics(r.model, validation, **eval_kw)
-        results[name] = {
-            "eval/mlm_accuracy": metrics["eval/mlm_accuracy"],
-            "eval/loss": metrics["eval/loss"],
-            "eval/perplexity": metrics["eval/perplexity"],
+    report: dict[str, Any] = {"mlm_probability": args.mlm_probability,
+                              "eval_mlm_probability": EVAL_MLM_PROBABILITY, "seeds": seeds,
+                              "threads": args.threads, "overrides": args.set,
+                              "precision": precision, "steps": args.steps,
+                              "budget_s": args.budget_s, "modes": {}, "downstream": {}}
+    for mode in modes:
+        results: dict[str, dict[str, Any]] = {}
+        for name in models:
+            per_seed = []
+            for seed in seeds:
+                # The model's recipe decides `train.lr: auto` (config validation resolves it).
+                model_cfg = load_config(args.config, overrides + [
+                    f"model.preset={RECIPE[name]}", f"train.seed={seed}", f"masking.seed={seed}"])
+                r = train_one(name, model_cfg, tok, shards, args, precision, work, mode)
+                metrics = masked_lm_metrics(r.model, validation, **eval_kw)
+                per_seed.append(result_row(r, metrics, model_cfg, seed))
+                print(f"{mode} {name} seed {seed}: accuracy {metrics['eval/mlm_accuracy']:.4f}, "
+                      f"loss {metrics['eval/loss']:.4f}, {r.steps} steps (peak lr "
+                      f"{model_cfg.train.lr:g}, warm-up {per_seed[-1]['warmup_steps']}), "
+                      f"{r.tokens_seen:,} tokens in {r.train_s:.0f} s", flush=True)
+                if (args.downstream != "none" and mode == modes[0] and seed == seeds[0]):
+                    report["downstream"][name] = downstream(name, r, model_cfg, tok,
+                                                            args.downstream)
+                del r
+            results[name] = {"seeds": per_seed, **summarize(per_seed)}
+        report["modes"][mode] = results
+        print_mode(mode, results, args)
+    if report["downstream"]:
+        print_downstream(report["downstream"])
+    out = Path(args.out) if args.out else work / "bench_learning.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+def train_one(name: str, cfg: PipelineConfig, tok: TokenizerManifest, shards: ShardManifest,
+              args: argparse.Namespace, precision: str, work: Path, mode: str) -> Result:
+    """One model trained for the mode's budget: `--steps` steps or `--budget-s` seconds."""
+    steps = args.steps if mode == "steps" else None
+    budget = args.budget_s if mode == "time" else cfg.train.max_time_s
+    if name.startswith("ours-"):
+        return run_ours(cfg, RECIPE[name], tok, shards, budget, args.threads, precision,
+                        work, steps)
+    return run_hf(name, cfg, tok, shards, budget, precision, steps)
+
+
+def result_row(r: Result, metrics: dict[str, float], cfg: PipelineConfig, seed: int
+               ) -> dict[str, Any]:
+    """What the JSON keeps of one trained model."""
+    return {"seed": seed, "eval/mlm_accuracy": metrics["eval/mlm_accuracy"],
+            "eval/loss": metrics["eval/loss"], "eval/perplexity": metrics["eval/perplexity"],
             "eval/baseline_accuracy": metrics["eval/baseline_accuracy"],
-            "eval/masked_tokens": metrics["eval/masked_tokens"],
+            "eval/masked_tokens": metrics["eval/masked_tokens"], "train/loss": r.final_loss,
             "steps": r.steps, "tokens_seen": r.tokens_seen, "train_s": r.train_s,
             "tokens_per_s": r.tokens_seen / max(r.train_s, 1e-9),
             "stopped_early": r.stopped_early,
             "parameters": sum(p.numel() for p in r.model.parameters()),
-            "lr": tc.lr, "warmup_steps": schedule(model_cfg, r.steps)["warmup_steps"],
-        }
-        print(f"{name}: accuracy {metrics['eval/mlm_accuracy']:.4f}, loss "
-              f"{metrics['eval/loss']:.4f}, {r.steps} steps (warm-up "
-              f"{results[name]['warmup_steps']}), {r.tokens_seen:,} tokens in "
-              f"{r.train_s:.0f} s", flush=True)
-        del r
+            "lr": cfg.train.lr, "warmup_steps": schedule(cfg, r.steps)["warmup_steps"]}
 
-    print("\n| model | mlm accuracy | loss | steps | tokens seen | tokens/s | params |")
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean and sd over the seeds of accuracy and loss, mean steps and tokens/s."""
+    out: dict[str, float] = {}
+    for key in ("eval/mlm_accuracy", "eval/loss"):
+        out[f"{key}_mean"], out[f"{key}_sd"] = mean_sd([r[key] for r in rows])
+    for key in ("steps", "tokens_per_s"):
+        out[f"{key}_mean"] = float(np.mean([r[key] for r in rows]))
+    return out
+
+
+def print_mode(mode: str, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    what = (f"equal steps ({args.steps})" if mode == "steps"
+            else f"equal wall clock ({args.budget_s:g} s)")
+    print(f"\n{what}, trained at {args.mlm_probability:g} masking, evaluated at "
+          f"{EVAL_MLM_PROBABILITY:g} (mean +- sd over seeds {args.seeds}):")
+    print("| model | mlm accuracy | loss | steps | tokens seen | tokens/s | params |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, m in results.items():
-        print(f"| {name} | {m['eval/mlm_accuracy']:.4f} | {m['eval/loss']:.4f} | {m['steps']} "
-              f"| {m['tokens_seen']:,} | {m['tokens_per_s']:,.0f} | {m['parameters']:,} |")
-    first = next(iter(results.values()))
+        first = m["seeds"][0]
+        print(f"| {name} | {m['eval/mlm_accuracy_mean']:.4f} +- {m['eval/mlm_accuracy_sd']:.4f} "
+              f"| {m['eval/loss_mean']:.4f} +- {m['eval/loss_sd']:.4f} | "
+              f"{m['steps_mean']:,.0f} | {first['tokens_seen']:,} | {m['tokens_per_s_mean']:,.0f} "
+              f"| {first['parameters']:,} |")
+    first = next(iter(results.values()))["seeds"][0]
     print(f"most-frequent-token baseline accuracy {first['eval/baseline_accuracy']:.4f} on "
           f"{int(first['eval/masked_tokens']):,} masked tokens")
-    out = Path(args.out) if args.out else work / "bench_learning.json"
-    out.write_text(json.dumps({"budget_s": args.budget_s, "steps": args.steps,
-                               "threads": args.threads, "overrides": args.set,
-                               "precision": precision, "results": results}, indent=2) + "\n")
-    print(f"results: {out}")
-    return 0
+
+
+def downstream(name: str, r: Result, cfg: PipelineConfig, tok: TokenizerManifest,
+               what: str) -> dict[str, float]:
+    """The downstream protocol (`mlm_pipeline.evaluate`) on one trained model: the linear
+    probe beside its controls, and with `full` fine-tuning pretrained vs from scratch, on
+    the config's tasks (`linear_probe`, `finetune`); the same code for ours and the peers."""
+    from mlm_pipeline.evaluate import hugging_face, ours, run_finetune, run_probe
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(tok)
+    encoder = (ours(r.model, tokenizer) if name.startswith("ours-")
+               else hugging_face(r.model.model, tokenizer))
+    result = run_probe(cfg.linear_probe, encoder)
+    if what == "full":
+        result.update(run_finetune(cfg.finetune, cfg.linear_probe, encoder))
+    for tag, reason in result.tags.items():
+        if tag.startswith("unavailable."):
+            print(f"{name}: {tag}: {reason}", flush=True)
+    return result.metrics
+
+
+def print_downstream(results: dict[str, dict[str, float]]) -> None:
+    print("\ndownstream (first task; first seed, equal steps): test accuracy")
+    print("| model | probe | probe, random init | fine-tuned | from scratch | "
+          "pretrained - scratch [95 %] | TF-IDF whole / same input | majority |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def f(m: dict[str, float], key: str, sd: bool = False) -> str:
+        if key not in m:
+            return "-"
+        return f"{m[key]:.4f}" + (f" +- {m[key + '_sd']:.4f}" if sd and key + "_sd" in m else "")
+
+    for name, m in results.items():
+        interval = (f" [{m['finetune/diff_ci95_low']:+.4f}, {m['finetune/diff_ci95_high']:+.4f}]"
+                    if "finetune/diff_ci95_low" in m else "")
+        diff = f"{m['finetune/diff']:+.4f}{interval}" if "finetune/diff" in m else "-"
+        print(f"| {name} | {f(m, 'probe/accuracy')} | {f(m, 'probe/accuracy_random_init', True)} "
+              f"| {f(m, 'finetune/accuracy', True)} | {f(m, 'finetune/scratch_accuracy', True)} "
+              f"| {diff} | {f(m, 'probe/tfidf_accuracy')} / "
+              f"{f(m, 'probe/tfidf_accuracy_same_input')} | {f(m, 'probe/majority_accuracy')} |")
 
 
 if __name__ == "__main__":

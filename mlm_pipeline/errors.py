@@ -36,6 +36,12 @@ class MissingDependencyError(RuntimeError):
     names it and says how to repair the install."""
 
 
+class DataUnavailable(Exception):
+    """A downstream task's labelled data cannot be obtained (no network, a missing local
+    file, a pinned checksum that does not match, a missing optional package); the
+    evaluation skips the task's figures and records the message as their reason."""
+
+
 class CompileError(RuntimeError):
     """`torch.compile` could not build the model (`train.compile`)."""
 

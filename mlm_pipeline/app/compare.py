@@ -3,10 +3,13 @@
 
 One row per run: name and short id, status, the lineage (parent, steps added, registry
 decision), the params that differ between the listed
-runs (only those), tokens seen, wall time, mean training speed, the final `eval/loss`,
-`eval/mlm_accuracy`, `probe/accuracy`, `finetune/accuracy` and
-`finetune/scratch_accuracy`, the data digest (tag `digest.shards`) and the
-model-registry aliases (`champion`, `challenger`) held by a version the run registered.
+runs (only those), tokens seen, wall time, mean training speed, the final held-out
+figures at their masking rate (`eval/mlm_probability`, `eval/loss`, `eval/mlm_accuracy`),
+the downstream figures beside their controls (`FINAL_METRICS`: the probe on the trained
+and on random-init encoders, TF-IDF on the same input, the majority class; fine-tuning
+pretrained and from scratch with the paired difference and its interval), the figures a
+run could not compute (tags `unavailable.*`), the data digest (tag `digest.shards`) and
+the model-registry aliases (`champion`, `challenger`) held by a version the run registered.
 
 Everything is read from the tracking store with the tracker's `MlflowClient` (mlflow is
 imported lazily); nothing is written to it.
@@ -39,11 +42,18 @@ __all__ = ["SPEED", "RunTable", "check_store", "compare_runs", "find_runs",
 
 #: Header of the speed column, saying what it is.
 SPEED = "tokens/s (seen / loop time)"
-#: Final metrics shown, in this order (blank when a run did not log one).
-#: `finetune/*`: fine-tuned from the trained weights, then from random weights (the
-#: baseline of the same architecture and recipe; `evaluate.finetune`).
-FINAL_METRICS = ("eval/loss", "eval/mlm_accuracy", "probe/accuracy", "finetune/accuracy",
-                 "finetune/scratch_accuracy")
+#: Final metrics shown, in this order (blank when a run did not log one): each downstream
+#: figure beside its controls. `eval/*` at `eval/mlm_probability` (15 % by default);
+#: `probe/accuracy` of the trained encoder, then of random-init encoders of the same
+#: architecture, TF-IDF on the same input, the majority class (`evaluate.downstream`);
+#: `finetune/*`: mean over seeds fine-tuned from the trained weights, then from random
+#: weights (same protocol), and their paired difference (`evaluate.finetune`).
+FINAL_METRICS = ("eval/mlm_probability", "eval/loss", "eval/mlm_accuracy", "probe/accuracy",
+                 "probe/accuracy_random_init", "probe/tfidf_accuracy_same_input",
+                 "probe/majority_accuracy", "finetune/accuracy", "finetune/scratch_accuracy",
+                 "finetune/diff", "finetune/diff_ci95_low", "finetune/diff_ci95_high")
+#: Column of the figures a run could not compute (its `unavailable.*` tags).
+UNAVAILABLE = "not computed"
 #: Run ids are shown by their first characters in the table.
 SHORT = 8
 
@@ -310,13 +320,14 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
     `registry.decision`), the differing params (sorted by key), `tokens seen`
     (last `train/tokens_seen`), `wall time` (s: run end, or now while running, minus its
     start), `SPEED` (`loop_tokens_per_s`), `FINAL_METRICS` (the value at the highest
-    step), `data (digest.shards)` and `registry alias`.
+    step), `UNAVAILABLE` (the figures named by the run's `unavailable.*` tags),
+    `data (digest.shards)` and `registry alias`.
     """
     client = tracker.client
     differing = _differing([dict(r.data.params) for r in runs])
     columns = ["run", "id", "status", "parent", "steps added", "decision", *differing,
-               "tokens seen", "wall time", SPEED, *FINAL_METRICS, "data (digest.shards)",
-               "registry alias"]
+               "tokens seen", "wall time", SPEED, *FINAL_METRICS, UNAVAILABLE,
+               "data (digest.shards)", "registry alias"]
     rows = []
     models: dict[str, dict[str, int]] = {}
     now_ms = time.time() * 1000
@@ -337,6 +348,9 @@ def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
             "wall time": (end - info.start_time) / 1000 if info.start_time else None,
             SPEED: loop_tokens_per_s(seen, speed),
             **{k: v if v is None or math.isfinite(v) else None for k, v in final.items()},
+            UNAVAILABLE: ", ".join(sorted(k.removeprefix("unavailable.")
+                                          for k in data.tags if k.startswith("unavailable.")))
+            or None,
             "data (digest.shards)": data.tags.get("digest.shards"),
             "registry alias": _aliases(client, info.run_id, models),
         })

@@ -9,6 +9,7 @@ An application verb over the stages' manifests and the MLflow run: the flow's
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def summary(
         `precision` trained with, `mfu_peak_tflops` and `mfu_peak_source`, checkpoint,
         manifests, per-stage wall times (s), `reused_stages`, `versions`
         (`package_versions`), `files_rejected` (path and reason of every input file
-        ingestion rejected as bad) and `registry` (model name, version, decision and
-        reason, both losses, eval data digest; None when not registered).
+        ingestion rejected as bad), `registry` (model name, version, decision and
+        reason, both losses, eval data digest; None when not registered), `unavailable`
+        (downstream figures not computed, with the reason: `probe`, `finetune`, ...) and
+        `validation_overlap` (`overlap_summary`).
     """
     stages = (corpus, tokenizer, shards, trained, evaluated)
     reused = [m.stage for m in stages if started_at is not None and m.created_at < started_at]
@@ -95,7 +98,19 @@ def summary(
         "files_rejected": [{"path": b.path, "reason": b.reason}
                            for b in getattr(corpus, "bad_files", [])],
         "registry": registry_summary(registry),
+        "unavailable": {k.removeprefix("unavailable."): v for k, v in evaluated.tags.items()
+                        if k.startswith("unavailable.")},
+        "validation_overlap": overlap_summary(corpus),
     }
+
+
+def overlap_summary(corpus: CorpusManifest) -> dict[str, Any] | None:
+    """The corpus's validation<->training n-gram overlap (`ingest.overlap`) with its share,
+    JSON-able; None when not measured."""
+    overlap = getattr(corpus, "validation_overlap", None)
+    if overlap is None:
+        return None
+    return {**overlap.model_dump(), "share": overlap.share}
 
 
 def registry_summary(registry: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -152,8 +167,8 @@ STOP_REASONS = {"max_steps": "all train.max_steps trained",
 def training_lines(summary_dict: dict[str, Any]) -> list[str]:
     """How training went, as lines of plain text (CLI and Markdown): steps, tokens, training
     time and the mean and last-interval tokens/s, the stop reason, device and precision, the
-    MFU peak and its source, the package versions, and the fine-tuning evaluation
-    (`finetune_line`). Keys missing from an older summary are left out."""
+    MFU peak and its source, the package versions, then what the evaluation shows beside
+    its controls (`evaluation_lines`). Keys missing from an older summary are left out."""
     d = summary_dict
     lines = [f"Training: {d['steps']:,} steps, {d['tokens_seen']:,} tokens"
              + (f" in {d['train_time_s']:,.1f} s of training loop" if "train_time_s" in d else "")
@@ -171,25 +186,82 @@ def training_lines(summary_dict: dict[str, Any]) -> list[str]:
                         f"({d['mfu_peak_source']})" if d.get("mfu_peak_tflops") else ""))
     if versions := d.get("versions"):
         lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
-    if (line := finetune_line(d.get("metrics", {}))) is not None:
-        lines.append(line)
+    return lines + evaluation_lines(d)
+
+
+def evaluation_lines(summary_dict: dict[str, Any]) -> list[str]:
+    """What the evaluation shows, each figure beside its controls: held-out masked
+    accuracy at its masking rate (and at the training rate), the validation<->training
+    overlap, the linear probe (`probe_line`), fine-tuning (`finetune_line`) and the figures
+    not computed, with the reason."""
+    m = summary_dict.get("metrics", {})
+    lines = []
+    if "eval/mlm_accuracy" in m:
+        rate = m.get("eval/mlm_probability")
+        lines.append(
+            "Held-out masked LM" + (f" at {100 * rate:.0f} % masking" if rate else "")
+            + f": accuracy {m['eval/mlm_accuracy']:.4f}, loss {m.get('eval/loss', math.nan):.4f}"
+            + (f" (most-frequent-token baseline {m['eval/baseline_accuracy']:.4f})"
+               if "eval/baseline_accuracy" in m else "")
+            + (f"; at the training rate: accuracy {m['eval/mlm_accuracy_at_train_rate']:.4f}, "
+               f"loss {m.get('eval/loss_at_train_rate', math.nan):.4f}"
+               if "eval/mlm_accuracy_at_train_rate" in m else ""))
+    if overlap := summary_dict.get("validation_overlap"):
+        lines.append(f"Validation text also in training: {100 * overlap['share']:.1f} % of "
+                     f"its {overlap['validation_windows']:,} word {overlap['ngram']}-gram "
+                     f"windows ({overlap['lines_removed']:,} training lines removed from it)")
+    for line in (probe_line(m), finetune_line(m)):
+        if line is not None:
+            lines.append(line)
+    for figure, reason in sorted(summary_dict.get("unavailable", {}).items()):
+        lines.append(f"Not computed: {figure}: {reason}")
     return lines
 
 
+def _f(m: dict[str, float], key: str) -> str:
+    return f"{m[key]:.4f}" if key in m else "-"
+
+
+def _sd(m: dict[str, float], key: str) -> str:
+    return f"{m[key]:.4f} +- {m[key + '_sd']:.4f}" if key + "_sd" in m else _f(m, key)
+
+
+def probe_line(metrics: dict[str, float]) -> str | None:
+    """The linear probe of the first task beside its controls, in one line; None when
+    `metrics` has no `probe/accuracy`."""
+    if "probe/accuracy" not in metrics:
+        return None
+    m = {k.removeprefix("probe/"): v for k, v in metrics.items() if k.startswith("probe/")}
+    return (f"Linear probe ({m.get('test_rows', 0):,.0f} test rows): trained "
+            f"{m['accuracy']:.4f} | random init {_sd(m, 'accuracy_random_init')} | TF-IDF "
+            f"{_f(m, 'tfidf_accuracy')} whole text, {_f(m, 'tfidf_accuracy_same_input')} "
+            f"same input | majority {_f(m, 'majority_accuracy')}")
+
+
 def finetune_line(metrics: dict[str, float]) -> str | None:
-    """The fine-tuning evaluation (`evaluate.finetune`) in one line: test accuracy
-    pretrained, from random weights, TF-IDF and majority class, rows, epochs, seconds;
-    None when `metrics` has no `finetune/accuracy`."""
+    """The fine-tuning evaluation (`evaluate.finetune`) of the first task in one line:
+    test accuracy mean +- sd over the seeds pretrained and from random weights, the paired
+    difference with its 95 % interval, TF-IDF and majority class; None when `metrics` has
+    no `finetune/accuracy`."""
     if "finetune/accuracy" not in metrics:
         return None
     m = {k.removeprefix("finetune/"): v for k, v in metrics.items()
          if k.startswith("finetune/")}
-    return (f"Fine-tuning ({m.get('epochs', 0):.0f} epochs on {m.get('train_rows', 0):,.0f} "
-            f"rows, tested on {m.get('test_rows', 0):,.0f}): accuracy {m['accuracy']:.4f} "
-            f"pretrained, {m.get('scratch_accuracy', float('nan')):.4f} from random weights, "
-            f"TF-IDF {m.get('tfidf_accuracy', float('nan')):.4f}, majority "
-            f"{m.get('majority_accuracy', float('nan')):.4f}"
-            + (f"; {m['wall_time_s']:,.1f} s" if "wall_time_s" in m else ""))
+    interval = (f" [{m['diff_ci95_low']:+.4f}, {m['diff_ci95_high']:+.4f}] (95 %, paired t "
+                "over seeds)" if "diff_ci95_low" in m else "")
+    return (f"Fine-tuning ({m.get('seeds', 1):.0f} seeds, up to {m.get('epochs', 0):.0f} "
+            f"epochs on {m.get('train_rows', 0):,.0f} rows, lr and epoch chosen on "
+            f"{m.get('dev_rows', 0):,.0f} dev rows, tested on {m.get('test_rows', 0):,.0f}): "
+            f"pretrained {_sd(m, 'accuracy')}"
+            + (f" (lr {m['lr']:g}, epoch {m['epoch']:.0f})" if "lr" in m else "")
+            + f" | from random weights {_sd(m, 'scratch_accuracy')}"
+            + (f" (lr {m['scratch_lr']:g}, epoch {m['scratch_epoch']:.0f})"
+               if "scratch_lr" in m else "")
+            + (f" | pretrained - scratch {m['diff']:+.4f}{interval}" if "diff" in m else "")
+            + f" | TF-IDF {_f(m, 'tfidf_accuracy')} whole text, "
+            f"{_f(m, 'tfidf_accuracy_same_input')} same input | majority "
+            f"{_f(m, 'majority_accuracy')}"
+            + (f"; {m['wall_time_s']:,.0f} s" if "wall_time_s" in m else ""))
 
 
 def summary_markdown(summary_dict: dict[str, Any]) -> str:

@@ -37,6 +37,8 @@ from mlm_pipeline.config.base import (
 from mlm_pipeline.config.evaluation import (
     DOMAIN_PROBES,
     GUIDE_PROBES,
+    ClassificationTask,
+    EncoderInput,
     EvalConfig,
     FillMaskProbe,
     FinetuneConfig,
@@ -75,7 +77,9 @@ __all__ = [
     "SEP_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",
+    "ClassificationTask",
     "DataPrepConfig",
+    "EncoderInput",
     "DistributedConfig",
     "EvalConfig",
     "FillMaskProbe",
@@ -148,7 +152,7 @@ class PipelineConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     linear_probe: LinearProbeConfig = LinearProbeConfig()
     finetune: FinetuneConfig = FinetuneConfig()
-    """Fine-tuning evaluation on the `linear_probe` section's data and split."""
+    """Fine-tuning evaluation on the `linear_probe` section's tasks and their splits."""
     tracking: TrackingConfig = TrackingConfig()
     data: DataPrepConfig = DataPrepConfig()
     """Where data preparation runs (one process, or a Dask cluster)."""

@@ -51,6 +51,18 @@ class IngestConfig(StrictModel):
     a kept document is at least this (MinHash LSH, Broder 1997); None disables it."""
     validation_fraction: float = Field(default=0.02, ge=0.0, lt=1.0)
     """Share of documents (by hash of the normalized text) held out for evaluation."""
+    validation_dedup: Literal["none", "lines"] = "none"
+    """`lines`: remove from each validation document every line that occurs, case-folded
+    and with its whitespace collapsed, in a training document (CCNet's line-level
+    deduplication, Wenzek et al. 2020, across the split: shared boilerplate stays on the
+    training side); a validation document left shorter than `min_chars` is dropped
+    (`validation_overlap`). `none`: the split by hash alone. The shipped configs use
+    `lines` (`mlm_pipeline.ingest.overlap`)."""
+    overlap_ngram: int | None = Field(default=13, ge=1)
+    """Measure the validation<->training overlap after deduplication: the share of the
+    validation split's word n-gram windows of this length that occur in training (GPT-3's
+    13-grams, Brown et al. 2020, appendix C), in the manifest's `validation_overlap`;
+    None: not measured."""
     cache_dir: str | None = None
     """Where fetched Debian packages and extracted corpora are cached; None uses
     the project's cache (`$MLM_PIPELINE_CACHE`, else `~/.cache/mlm-pipeline`)."""

@@ -1,24 +1,42 @@
-"""Downstream linear probe: is the encoder useful for classification?
+"""Downstream linear probe, beside its controls: is the encoder useful for classification?
 
 Logistic regression on the frozen encoder's mean-pooled final hidden states (a linear
 probe: Alain & Bengio 2016, "Understanding intermediate layers using linear classifier
-probes"; mean pooling as in Sentence-BERT, Reimers & Gurevych 2019), on French book-review
-polarity (`probe_data`), against a TF-IDF word 1-2-gram logistic regression and the
-majority class on the same fixed split, computed in the same run. The data, its split and
-the TF-IDF figure do not depend on the model and are computed once per process
-(`functools.lru_cache`), so the probe is cheap to repeat at each periodic evaluation.
+probes"; mean pooling as in Sentence-BERT, Reimers & Gurevych 2019), on each downstream
+task's fixed split (`tasks`): fit on the train rows, scored on the test rows (the dev rows
+are fine-tuning's). A probe figure means little alone: randomly initialised encoders of
+our `tiny` shape score 0.59-0.66 on the review set, inside the range of trained ones. So
+the same code runs, in the same call, on:
 
-Metrics (`linear_probe`): `probe/accuracy`, `probe/tfidf_accuracy`,
-`probe/majority_accuracy`, `probe/train_rows`, `probe/test_rows`,
-`probe/duplicates_dropped`.
+- the trained encoder: `probe/accuracy`;
+- `linear_probe.random_init_seeds` randomly initialised encoders of the same architecture
+  (`TextEncoder.random_init`, seeds 0, 1, ...; never the trained weights):
+  `probe/accuracy_random_init` (their mean) and `probe/accuracy_random_init_sd`;
+- the majority class of train: `probe/majority_accuracy`;
+- TF-IDF word 1-2-grams + logistic regression on the whole text, `probe/tfidf_accuracy`,
+  and on exactly the pieces the encoder sees, decoded (`encoders.seen_texts`),
+  `probe/tfidf_accuracy_same_input`.
+
+With `linear_probe.input: windows` (the default) the encoder sees the whole text, so the two
+TF-IDF figures differ only by what decoding normalizes; with `head` they differ by the
+truncation (on the review set at 128 tokens, 60 % of reviews are longer).
+
+Keys: the first task's are `probe/<figure>`, another task's `probe/<task name>/<figure>`;
+also `.../train_rows`, `dev_rows`, `test_rows`, `classes`, `duplicates_dropped` and
+`pieces_seen_share`. A task that cannot be run leaves its figures out and says why in the
+tag `unavailable.probe` (`unavailable.probe/<task name>`). The data, split and TF-IDF
+figures do not depend on the model and are cached per process, so the probe is cheap to
+repeat at each periodic evaluation (`controls=False` runs the trained encoder alone).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,15 +45,20 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from mlm_pipeline.config import LinearProbeConfig
-from mlm_pipeline.evaluate.probe_data import (
-    ProbeSplit,
-    deduplicate,
-    majority_rate,
-    probe_csv,
-    read_polarity_csv,
-    split_rows,
+from mlm_pipeline.config import ClassificationTask, LinearProbeConfig
+from mlm_pipeline.errors import DataUnavailable
+from mlm_pipeline.evaluate.encoders import (
+    EncodedTexts,
+    TextEncoder,
+    encoder_rows,
+    full_texts,
+    ours,
+    pooled_states,
+    seen_texts,
+    text_batches,
 )
+from mlm_pipeline.evaluate.stats import mean_sd
+from mlm_pipeline.evaluate.tasks import Rows, TaskSplit, load_task, majority_rate
 from mlm_pipeline.manifest import TokenizerManifest, TrainManifest
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
@@ -45,181 +68,240 @@ logger = logging.getLogger(__name__)
 #: Iteration cap of scikit-learn's lbfgs solver (its default of 100 stops short of
 #: convergence on 1-2-gram TF-IDF features).
 MAX_ITER = 2000
+#: Longest reason kept in an `unavailable.*` tag (MLflow caps tag values at 8,000).
+MAX_TAG_CHARS = 1000
 
 
-@functools.lru_cache(maxsize=4)
-def _split(path: str, sha256: str, test_fraction: float, max_rows: int | None) -> ProbeSplit:
-    """Read, deduplicate and split a CSV (cached by its path and content hash)."""
-    del sha256  # part of the cache key only: a changed file is read again
-    rows, dropped = deduplicate(read_polarity_csv(path), path)
-    return split_rows(rows, test_fraction, max_rows, dropped)
+@dataclass
+class DownstreamResult:
+    """What a downstream evaluation adds to the evaluation manifest: metrics, run tags
+    (`unavailable.*` reasons, `digest.task.*`) and a record per task run."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+
+    def update(self, other: DownstreamResult) -> None:
+        """Add `other`'s metrics, tags and task records (a task recorded once)."""
+        self.metrics.update(other.metrics)
+        self.tags.update(other.tags)
+        names = {t["name"] for t in self.tasks}
+        self.tasks += [t for t in other.tasks if t["name"] not in names]
 
 
-def load_split(cfg: LinearProbeConfig) -> ProbeSplit | None:
-    """The probe's data split under `cfg` (read once per file content and settings).
+def prefix(kind: str, index: int, task: ClassificationTask) -> str:
+    """Metric-key prefix of a task: `kind/` for the first, `kind/<name>/` for the others."""
+    return f"{kind}/" if index == 0 else f"{kind}/{task.name}/"
 
-    Returns:
-        The split, or None after a warning when the data cannot be obtained
-        (`probe_data.probe_csv`).
+
+def unavailable_tag(key_prefix: str) -> str:
+    """The tag naming why a figure (or a task's figures, `probe/`) was not computed."""
+    return "unavailable." + key_prefix.rstrip("/")
+
+
+def load_tasks(cfg: LinearProbeConfig, kind: str, result: DownstreamResult
+               ) -> list[tuple[str, TaskSplit]]:
+    """`(key prefix, split)` of every task of `cfg` that can be loaded; for one that
+    cannot, a warning and the tag `unavailable.<kind>[/<name>]` with the reason in `result`;
+    every loaded task's split digest as tag `digest.task.<name>` and record.
 
     Raises:
-        ValueError: the CSV is malformed (file and line named), or the split leaves a
-            class without train or test rows.
+        ValueError: as `tasks.load_task` (malformed data).
     """
-    path = probe_csv(cfg)
-    if path is None:
-        return None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return _split(str(path.resolve()), digest, cfg.test_fraction, cfg.max_rows)
-
-
-@functools.lru_cache(maxsize=4)
-def tfidf_accuracy(split: ProbeSplit, C: float) -> float:
-    """Test accuracy of TF-IDF word 1-2-grams + `LogisticRegression(C=C)` trained on
-    `split`'s train rows (cached per split). The vectorizer keeps scikit-learn's defaults
-    otherwise: lowercased words of 2+ word characters, raw tf times smoothed idf, rows
-    l2-normalized."""
-    clf = make_pipeline(TfidfVectorizer(ngram_range=(1, 2)),
-                        LogisticRegression(C=C, max_iter=MAX_ITER))
-    clf.fit(list(split.train_texts), list(split.train_labels))
-    return float(clf.score(list(split.test_texts), list(split.test_labels)))
+    loaded = []
+    for i, task in enumerate(cfg.tasks):
+        key = prefix(kind, i, task)
+        try:
+            split = load_task(task, cfg)
+        except DataUnavailable as exc:
+            logger.warning("%s: task %s skipped: %s", kind, task.name, exc)
+            result.tags[unavailable_tag(key)] = f"no data: {exc}"[:MAX_TAG_CHARS]
+            continue
+        result.tags[f"digest.task.{task.name}"] = split.digest
+        result.tasks.append(split.record())
+        loaded.append((key, split))
+    return loaded
 
 
 @torch.no_grad()
-def embed_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: list[str] | tuple[str, ...],
-                *, seq_len: int, batch_size: int = 32,
-                device: torch.device | str = "cpu") -> np.ndarray:
-    """Mean-pooled final hidden states of `texts`, the model frozen.
+def embed(encoder: TextEncoder, module: torch.nn.Module, encoded: EncodedTexts, *,
+          batch_size: int = 32, device: torch.device | str = "cpu") -> np.ndarray:
+    """Mean-pooled final hidden states of the encoded texts (`encoders.pooled_states`),
+    `module` frozen: float32 (texts, H).
 
-    Each text becomes `[CLS] pieces [SEP]`, its pieces truncated so the row holds at most
-    `seq_len` tokens; a batch is padded with `[PAD]` to its longest row and run with an
-    attention mask; the states (B, L, H) are averaged over the non-pad positions ([CLS]
-    and [SEP] included). The model runs in eval mode under `no_grad`; its train/eval mode
-    is restored afterwards, so the probe can run in the middle of training.
-
-    Args:
-        model: a `BertMLM` (its `encode(input_ids, attention_mask)` -> (B, L, H)), or a
-            wrapper of one (`torch.compile`'s `_orig_mod`, DDP's `module`).
-        tokenizer: the tokenizer the model was trained with.
-        texts: the documents.
-        seq_len: longest row, tokens (>= 3; the model's `seq_len`).
-        batch_size: rows per forward pass.
-        device: where the model is.
-
-    Returns:
-        float32 array (len(texts), H).
-
-    Raises:
-        ValueError: `seq_len` < 3.
+    The module runs in eval mode under `no_grad`; its train/eval mode is restored
+    afterwards, so the probe can run in the middle of training.
     """
-    if seq_len < 3:
-        raise ValueError(f"linear probe: seq_len {seq_len} leaves no room for a piece")
-    encoder = getattr(model, "module", model)
-    encoder = getattr(encoder, "_orig_mod", encoder)
-    was_training = encoder.training
-    encoder.eval()
-    rows = token_rows(tokenizer, texts, seq_len)
+    was_training = module.training
+    module.eval()
     out = []
     try:
-        for start in range(0, len(rows), batch_size):
-            input_ids, mask = pad_rows(rows[start:start + batch_size], tokenizer.pad_id)
-            out.append(mean_pool(encoder.encode(input_ids.to(device), mask.to(device)).float(),
-                                 mask.to(device)))                           # (B, H)
+        for _, rows, owner in text_batches(encoded, batch_size):
+            out.append(pooled_states(encoder, module, rows, owner, max(owner) + 1, device))
     finally:
-        encoder.train(was_training)
+        module.train(was_training)
     return torch.cat(out).cpu().numpy()
 
 
-def token_rows(tokenizer: Tokenizer, texts: list[str] | tuple[str, ...],
-               seq_len: int) -> list[list[int]]:
-    """`[CLS] pieces [SEP]` per text, its pieces truncated so a row holds at most `seq_len`
-    (>= 3) tokens."""
-    return [[tokenizer.cls_id, *ids[: seq_len - 2], tokenizer.sep_id]
-            for ids in tokenizer.encode(list(texts))]
+def encode_split(encoder: TextEncoder, rows: Rows, cfg: LinearProbeConfig,
+                 input: str | None = None, seq_len: int | None = None) -> EncodedTexts:
+    """What `encoder` sees of a split's rows under `cfg` (`input`, `max_windows`;
+    `input` and `seq_len` override)."""
+    return encoder_rows(encoder, rows.texts, rows.pairs, input=input or cfg.input,
+                        seq_len=seq_len, max_windows=cfg.max_windows)
 
 
-def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows padded with `pad_id` to the longest: int64 `input_ids` (B, L) and bool
-    `attention_mask` (B, L), True at real tokens."""
-    input_ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-    mask = torch.zeros(input_ids.shape, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = True
-    return input_ids, mask
+def probe_accuracy(features: dict[str, np.ndarray], split: TaskSplit, C: float) -> float:
+    """Test accuracy of `StandardScaler` + `LogisticRegression(C=C)` fit on the train
+    features (`features["train"]`, `features["test"]`: (rows, H))."""
+    clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=MAX_ITER))
+    clf.fit(features["train"], np.asarray(split.train.labels))
+    return float(clf.score(features["test"], np.asarray(split.test.labels)))
 
 
-def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `hidden` (B, L, H) over the positions where `attention_mask` (B, L) is
-    true; (B, H) in `hidden`'s dtype."""
-    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * weights).sum(1) / weights.sum(1)
+@functools.lru_cache(maxsize=16)
+def tfidf_accuracy(train: tuple[str, ...], train_labels: tuple[int, ...],
+                   test: tuple[str, ...], test_labels: tuple[int, ...], C: float) -> float:
+    """Test accuracy of TF-IDF word 1-2-grams + `LogisticRegression(C=C)` fit on `train`
+    (cached per texts). The vectorizer keeps scikit-learn's defaults otherwise: lowercased
+    words of 2+ word characters, raw tf times smoothed idf, rows l2-normalized."""
+    clf = make_pipeline(TfidfVectorizer(ngram_range=(1, 2)),
+                        LogisticRegression(C=C, max_iter=MAX_ITER))
+    clf.fit(list(train), list(train_labels))
+    return float(clf.score(list(test), list(test_labels)))
 
 
-def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Tokenizer, *,
-                 seq_len: int, device: torch.device | str = "cpu") -> dict[str, float] | None:
-    """Run the linear probe on an in-memory model.
+def baselines(encoder: TextEncoder, split: TaskSplit, encoded: dict[str, EncodedTexts],
+              C: float) -> dict[str, float]:
+    """The model-free controls on `split`: `majority_accuracy`, `tfidf_accuracy` (whole
+    text) and `tfidf_accuracy_same_input` (the decoded pieces of `encoded["train"]` and
+    `encoded["test"]`, what the encoder sees)."""
+    same = {name: tuple(seen_texts(encoder, e)) for name, e in encoded.items()}
+    return {
+        "majority_accuracy": majority_rate(split),
+        "tfidf_accuracy": tfidf_accuracy(
+            tuple(full_texts(split.train.texts, split.train.pairs)), split.train.labels,
+            tuple(full_texts(split.test.texts, split.test.pairs)), split.test.labels, C),
+        "tfidf_accuracy_same_input": tfidf_accuracy(
+            same["train"], split.train.labels, same["test"], split.test.labels, C),
+    }
 
-    A `StandardScaler` + `LogisticRegression(C=cfg.C)` pipeline is fit on the train rows'
-    `embed_texts` features and scored on the test rows; the baseline is `tfidf_accuracy`
-    with `cfg.tfidf_C`.
+
+def split_counts(split: TaskSplit, encoded: Sequence[EncodedTexts]) -> dict[str, float]:
+    """Row counts of `split`, its classes, its duplicates and the share of pieces seen."""
+    pieces = sum(e.pieces for e in encoded)
+    seen = sum(e.pieces_seen_share * e.pieces for e in encoded)
+    return {"train_rows": float(len(split.train)), "dev_rows": float(len(split.dev)),
+            "test_rows": float(len(split.test)), "classes": float(split.num_classes),
+            "duplicates_dropped": float(split.duplicates_dropped),
+            "pieces_seen_share": seen / max(1, pieces)}
+
+
+def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *,
+               device: torch.device | str = "cpu", controls: bool = True) -> dict[str, float]:
+    """The probe on one task (module docstring), keys without their prefix.
 
     Args:
-        cfg: the `linear_probe` config section (`enabled` is not consulted here).
-        model, tokenizer, seq_len, device: see `embed_texts`.
-
-    Returns:
-        `probe/accuracy`, `probe/tfidf_accuracy`, `probe/majority_accuracy` (fractions of
-        the test rows), `probe/train_rows`, `probe/test_rows`, `probe/duplicates_dropped`;
-        or None after a warning when the data cannot be obtained.
-
-    Raises:
-        ValueError: as `load_split` (a malformed CSV, with its file and line).
+        cfg: the `linear_probe` section (`input`, `max_windows`, `C`, `tfidf_C`,
+            `random_init_seeds`, `batch_size`).
+        encoder: the trained encoder (its module is not changed).
+        split: the task's split.
+        device: where the encoder runs (the random-init ones too).
+        controls: False: the trained encoder's `accuracy` alone.
     """
-    split = load_split(cfg)
-    if split is None:
-        return None
-    features = {name: embed_texts(model, tokenizer, texts, seq_len=seq_len,
-                                  batch_size=cfg.batch_size, device=device)
-                for name, texts in (("train", split.train_texts), ("test", split.test_texts))}
-    clf = make_pipeline(StandardScaler(), LogisticRegression(C=cfg.C, max_iter=MAX_ITER))
-    clf.fit(features["train"], np.asarray(split.train_labels))
-    metrics = {
-        "probe/accuracy": float(clf.score(features["test"], np.asarray(split.test_labels))),
-        "probe/tfidf_accuracy": tfidf_accuracy(split, cfg.tfidf_C),
-        "probe/majority_accuracy": majority_rate(split),
-        "probe/train_rows": float(len(split.train_texts)),
-        "probe/test_rows": float(len(split.test_texts)),
-        "probe/duplicates_dropped": float(split.duplicates_dropped),
-    }
-    logger.info("linear probe: accuracy %.4f (TF-IDF 1-2-grams %.4f, majority %.4f) on %d "
-                "test rows, %d train rows, %d duplicates dropped", metrics["probe/accuracy"],
-                metrics["probe/tfidf_accuracy"], metrics["probe/majority_accuracy"],
-                len(split.test_texts), len(split.train_texts), split.duplicates_dropped)
+    encoded = {"train": encode_split(encoder, split.train, cfg),
+               "test": encode_split(encoder, split.test, cfg)}
+
+    def accuracy(module: torch.nn.Module) -> float:
+        features = {name: embed(encoder, module, e, batch_size=cfg.batch_size, device=device)
+                    for name, e in encoded.items()}
+        return probe_accuracy(features, split, cfg.C)
+
+    metrics = {"accuracy": accuracy(encoder.module)}
+    if not controls:
+        return metrics
+    random = [accuracy(encoder.random_init(seed).module.to(device))
+              for seed in range(cfg.random_init_seeds)]
+    metrics["accuracy_random_init"], metrics["accuracy_random_init_sd"] = mean_sd(random)
+    metrics.update(baselines(encoder, split, encoded, cfg.tfidf_C))
+    metrics.update(split_counts(split, list(encoded.values())))
     return metrics
 
 
-def run_linear_probe(cfg: LinearProbeConfig, trained: TrainManifest,
-                     tokenizer: TokenizerManifest) -> dict[str, float] | None:
-    """Run the linear probe on a training run's final checkpoint.
+def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
+              device: torch.device | str = "cpu", controls: bool = True) -> DownstreamResult:
+    """The linear probe on every task of `cfg` (`enabled` is not consulted here).
 
-    The model is rebuilt from the checkpoint (`train.checkpoint.load_model`) on the run's
-    device (`trained.device`), with the checkpoint's own `seq_len`.
+    Args:
+        cfg: the `linear_probe` section.
+        encoder: the trained encoder, ours or a Hugging Face one (`encoders`).
+        device: where it runs.
+        controls: False: `probe/accuracy` of the trained encoder alone (periodic
+            evaluations); no tags then.
 
     Returns:
-        `linear_probe`'s metrics; None when `cfg.enabled` is False or the data cannot be
-        obtained (a warning says why).
+        Metrics (module docstring), tags and task records; a task whose data cannot be
+        obtained has a tag instead of metrics.
 
     Raises:
-        ValueError: as `linear_probe`.
+        ValueError: malformed task data (file and line named).
+    """
+    result = DownstreamResult()
+    for key, split in load_tasks(cfg, "probe", result):
+        got = probe_task(cfg, encoder, split, device=device, controls=controls)
+        result.metrics.update({key + k: v for k, v in got.items()})
+        if controls:
+            logger.info(
+                "linear probe %s: accuracy %.4f (random init %.4f +- %.4f over %d seeds; "
+                "TF-IDF %.4f whole text, %.4f same input; majority %.4f) on %d test rows, "
+                "%d train rows", split.name, got["accuracy"], got["accuracy_random_init"],
+                got["accuracy_random_init_sd"], cfg.random_init_seeds, got["tfidf_accuracy"],
+                got["tfidf_accuracy_same_input"], got["majority_accuracy"], len(split.test),
+                len(split.train))
+            if cfg.random_init_seeds < 2:
+                result.tags[unavailable_tag(key + "accuracy_random_init_sd")] = (
+                    "one random-init seed (linear_probe.random_init_seeds: 1)")
+    if not controls:
+        result.tags.clear()
+        result.tasks.clear()
+    return result
+
+
+def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Tokenizer, *,
+                 seq_len: int | None = None, device: torch.device | str = "cpu",
+                 controls: bool = False) -> dict[str, float] | None:
+    """The probe's metrics for our model: by default `probe/accuracy` of the trained encoder
+    alone, per task (what the periodic evaluation logs as a curve); `controls` adds the
+    controls (`run_probe`).
+
+    Args:
+        cfg, device, controls: as `run_probe`.
+        model: a `BertMLM` (or a wrapper of one); not changed.
+        tokenizer: its tokenizer.
+        seq_len: tokens per row; None: the model's.
+
+    Returns:
+        The metrics, or None when no task could be run.
+    """
+    encoder = ours(model, tokenizer)
+    if seq_len is not None:
+        encoder = replace(encoder, seq_len=min(seq_len, encoder.seq_len))
+    metrics = run_probe(cfg, encoder, device=device, controls=controls).metrics
+    return metrics or None
+
+
+def run_linear_probe(cfg: LinearProbeConfig, trained: TrainManifest,
+                     tokenizer: TokenizerManifest) -> DownstreamResult | None:
+    """Run the probe on a training run's final checkpoint, rebuilt on the run's device
+    (`trained.device`); None when `cfg.enabled` is False.
+
+    Raises:
+        ValueError: as `run_probe`.
         FileNotFoundError: the checkpoint is incomplete.
     """
     if not cfg.enabled:
         logger.info("linear probe disabled (linear_probe.enabled: false)")
         return None
-    if load_split(cfg) is None:  # no data: do not load the model for nothing
-        return None
     device = torch.device(trained.device)
     model = load_model(Path(trained.file(trained.checkpoint_dir)), device)
-    return linear_probe(cfg, model, Tokenizer.load(tokenizer), seq_len=model.seq_len,
-                        device=device)
+    return run_probe(cfg, ours(model, Tokenizer.load(tokenizer)), device=device)

@@ -1,252 +1,374 @@
-"""Fine-tuning evaluation: does pretraining help a classifier trained end to end?
+"""Fine-tuning evaluation: does pretraining help a classifier trained end to end, and how
+sure is the answer?
 
-The linear probe (`downstream`) freezes the encoder; users of an MLM fine-tune it. Here
-the trained encoder plus a classification head is fine-tuned on the probe's French
-book-review polarity, on the probe's fixed split (`downstream.load_split`), and scored on
-its test rows; the honest baseline is the **same architecture from random weights**,
-fine-tuned with the same recipe from the same head initialisation. TF-IDF word 1-2-grams
-and the majority class on the same split complete the table.
+The linear probe (`downstream`) freezes the encoder; users of an MLM fine-tune it. Here the
+encoder plus a classification head is fine-tuned on each downstream task (`tasks`: its
+fixed train / dev / test split) in two arms that differ only in the encoder's starting
+weights: the trained encoder (`pretrained`), and the same architecture from random
+weights (`scratch`, `TextEncoder.random_init`: never the trained weights). The protocol,
+identical for both arms and for any encoder, ours or a Hugging Face one (`encoders`):
 
-The head is BERT's sequence classifier on a mean-pooled state instead of the `[CLS]`
-state: the mean of the final hidden states over the real tokens -> dropout -> linear
-(H -> 2), the pooling of the linear probe (Reimers & Gurevych 2019), because our
-pretraining has no next-sentence task that would train `[CLS]` to summarize a row. The
-recipe is BERT's GLUE fine-tuning (Devlin et al. 2019, appendix A.3): AdamW, linear
-warm-up then linear decay to 0, gradient norm clipped at 1, cross-entropy; its numbers are
-the `finetune` config section. Everything runs in fp32; on CPU a seed gives the same
-weights and figures.
+1. For every learning rate of the grid (`FinetuneConfig.lr_grid`: {1e-4, 3e-4, 1e-3} below
+   hidden size 768, after Turc et al. 2019's grid for small BERTs; BERT's {2e-5, 3e-5,
+   5e-5} for the base shapes, Devlin et al. 2019, appendix A.3) and every seed s (`seeds`
+   of them from `seed`), fine-tune for `epochs` epochs on the train rows and score the dev
+   rows after each epoch. Seed s draws the head, the row order and dropout (and the
+   scratch arm's encoder), the same for both arms.
+2. Per arm, choose the learning rate and epoch with the highest mean dev accuracy over the
+   seeds (ties: lower mean dev loss, then the smaller learning rate, then the earlier
+   epoch). Only dev rows enter the choice: test predictions are kept aside per epoch and
+   read once the choice is made, for the chosen learning rate and epoch alone.
+3. Report per arm the mean and sample sd over the seeds of the test accuracy, and the
+   paired difference pretrained - scratch (seed by seed) with its 95 % paired t interval
+   (`stats.paired_difference`), beside the majority class and TF-IDF on the whole text
+   and on the pieces the encoder sees (`downstream.baselines`, the probe's).
 
-Metrics (`finetune_metrics`): `finetune/accuracy`, `finetune/scratch_accuracy`,
-`finetune/tfidf_accuracy`, `finetune/majority_accuracy`, `finetune/train_rows`,
-`finetune/test_rows`, `finetune/epochs`, `finetune/wall_time_s`.
+The encoder sees the whole text by default (`input: windows`, states mean-pooled over
+windows of `seq_len`; `encoders`). The head is BERT's sequence classifier on the mean-pooled
+state instead of `[CLS]` (our pretraining has no next-sentence task that would train
+`[CLS]` to summarize a row; Reimers & Gurevych 2019): mean -> dropout -> linear (H -> C),
+its weight drawn from a truncated normal of std 0.02 (BERT's initializer range), zero bias.
+The optimizer is BERT's fine-tuning one (Devlin et al. 2019, appendix A.3;
+google-research/bert optimization.py): AdamW, eps 1e-6, decay on matrices only, linear
+warm-up then linear decay to 0 over all the epochs, gradient norm clipped at 1,
+cross-entropy. Everything runs in fp32; on CPU a seed gives the same weights and figures.
+
+Keys (`finetune/` for the first task, `finetune/<name>/` for others): `accuracy`,
+`accuracy_sd` (pretrained), `scratch_accuracy`, `scratch_accuracy_sd`, `diff`, `diff_sd`,
+`diff_ci95_low`, `diff_ci95_high`, the chosen `lr`, `epoch` and `dev_accuracy` (and
+`scratch_lr`, `scratch_epoch`, `scratch_dev_accuracy`), `seeds`, `epochs`,
+`tfidf_accuracy`, `tfidf_accuracy_same_input`, `majority_accuracy`, the split's counts and
+`pieces_seen_share`, `wall_time_s`. With one seed the interval is not computed (tag
+`unavailable.finetune/diff_ci95`).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from mlm_pipeline.config import FinetuneConfig, LinearProbeConfig
 from mlm_pipeline.evaluate.downstream import (
-    load_split,
-    mean_pool,
-    pad_rows,
-    tfidf_accuracy,
-    token_rows,
+    DownstreamResult,
+    baselines,
+    load_tasks,
+    split_counts,
+    unavailable_tag,
 )
-from mlm_pipeline.evaluate.probe_data import ProbeSplit, majority_rate
+from mlm_pipeline.evaluate.encoders import (
+    EncodedTexts,
+    TextEncoder,
+    encoder_rows,
+    ours,
+    pooled_states,
+    text_batches,
+)
+from mlm_pipeline.evaluate.stats import mean_sd, paired_difference
+from mlm_pipeline.evaluate.tasks import Rows, TaskSplit
 from mlm_pipeline.tokenizer import Tokenizer
-from mlm_pipeline.train.model import BertMLM
 
 logger = logging.getLogger(__name__)
 
-#: Classes of the polarity set (0 negative, 1 positive).
-NUM_CLASSES = 2
 #: Gradient-norm clip of BERT's fine-tuning (google-research/bert optimization.py).
 MAX_GRAD_NORM = 1.0
 #: AdamW epsilon of BERT's optimizer (google-research/bert optimization.py).
 ADAM_EPS = 1e-6
+#: Std of the head's truncated-normal initialisation (BERT's `initializer_range`).
+HEAD_STD = 0.02
+#: The two arms, in the order they run.
+ARMS = ("pretrained", "scratch")
 
 
 class SequenceClassifier(nn.Module):
-    """A `BertMLM` encoder, mean pooling, dropout and a linear layer to class logits.
+    """An encoder's module, mean pooling over a text's rows, dropout and a linear layer to
+    class logits.
 
     Args:
-        encoder: the encoder (its MLM head is kept but unused: it gets no gradient).
+        encoder: how to run `module` (`TextEncoder.forward`, `pad_id`).
+        module: the encoder's parameters (a copy, or a random init); trained in place.
         dropout: dropout probability before the linear layer.
-        num_classes: C, output logits per row.
+        num_classes: C, output logits per text.
     """
 
-    def __init__(self, encoder: BertMLM, dropout: float, num_classes: int = NUM_CLASSES
-                 ) -> None:
+    def __init__(self, encoder: TextEncoder, module: nn.Module, dropout: float,
+                 num_classes: int) -> None:
         super().__init__()
-        self.encoder = encoder
+        self.spec = encoder
+        self.encoder = module
         self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(encoder.cfg.hidden_size, num_classes)
+        self.classifier = nn.Linear(encoder.hidden_size, num_classes)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Class logits.
-
-        Args:
-            input_ids: int64 (B, L), L <= the encoder's `seq_len`.
-            attention_mask: bool (B, L), True at real tokens.
-
-        Returns:
-            float32 logits (B, C).
-        """
-        hidden = self.encoder.encode(input_ids, attention_mask)         # (B, L, H)
-        return self.classifier(self.dropout(mean_pool(hidden, attention_mask)))
+    def forward(self, rows: list[list[int]], owner: list[int], n_texts: int) -> torch.Tensor:
+        """Class logits, float32 (n_texts, C), of the texts whose rows are `rows`
+        (`owner[r]`: row r's text in [0, n_texts))."""
+        device = self.classifier.weight.device
+        pooled = pooled_states(self.spec, self.encoder, rows, owner, n_texts, device)
+        return self.classifier(self.dropout(pooled))
 
 
-def build_classifiers(model: nn.Module, cfg: FinetuneConfig
+def build_classifiers(encoder: TextEncoder, cfg: FinetuneConfig, seed: int, num_classes: int
                       ) -> tuple[SequenceClassifier, SequenceClassifier]:
-    """The pretrained and the from-scratch classifier, with equal heads.
+    """The pretrained and the from-scratch classifier of one seed, with equal heads.
 
-    The pretrained one holds a copy of `model` (which is left untouched); the scratch one a
-    `BertMLM` of the same shape (`cfg`, `vocab_size`, `seq_len`) drawn with BERT's
-    initialisation. Both heads are the same draw (truncated normal of the model's
-    `initializer_range`, zero bias), seeded by `cfg.seed`. The global RNG state is restored.
-
-    Args:
-        model: a trained `BertMLM`, or a wrapper of one (`module`, `_orig_mod`).
-        cfg: the `finetune` section (`dropout`, `seed`).
+    The pretrained one holds a deep copy of `encoder.module` (which is left untouched); the
+    scratch one `encoder.fresh(seed)`, a randomly initialised module of the same
+    architecture. Both heads are the same draw (truncated normal of std `HEAD_STD`, cut at
+    2 std, zero bias), seeded by `seed`; the global RNG state is restored.
 
     Returns:
         (pretrained, scratch), both in train mode on the CPU.
     """
-    encoder = getattr(model, "module", model)
-    encoder = getattr(encoder, "_orig_mod", encoder)
-    pretrained = copy.deepcopy(encoder).cpu().float()
+    pretrained = encoder.copy().module.cpu().float()
+    scratch = encoder.random_init(seed).module.cpu().float()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        scratch = BertMLM(encoder.cfg, encoder.vocab_size, encoder.seq_len)
-        head = nn.Linear(encoder.cfg.hidden_size, NUM_CLASSES)
-        std = encoder.cfg.initializer_range
-        nn.init.trunc_normal_(head.weight, std=std, a=-2 * std, b=2 * std)
+        torch.manual_seed(seed)
+        head = nn.Linear(encoder.hidden_size, num_classes)
+        nn.init.trunc_normal_(head.weight, std=HEAD_STD, a=-2 * HEAD_STD, b=2 * HEAD_STD)
         nn.init.zeros_(head.bias)
     out = []
-    for enc in (pretrained, scratch):
-        clf = SequenceClassifier(enc, cfg.dropout)
+    for module in (pretrained, scratch):
+        clf = SequenceClassifier(encoder, module, cfg.dropout, num_classes)
         clf.classifier.load_state_dict(head.state_dict())
         out.append(clf.train())
     return out[0], out[1]
 
 
-def _batches(rows: list[list[int]], labels: tuple[int, ...], batch_size: int,
-             pad_id: int, generator: torch.Generator | None
-             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids, attention_mask, labels) batches, shuffled by `generator` when given."""
-    order = (torch.randperm(len(rows), generator=generator).tolist() if generator is not None
-             else list(range(len(rows))))
-    for start in range(0, len(order), batch_size):
-        picked = order[start:start + batch_size]
-        input_ids, mask = pad_rows([rows[i] for i in picked], pad_id)
-        yield input_ids, mask, torch.tensor([labels[i] for i in picked])
+def _param_groups(clf: SequenceClassifier, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices (dim >= 2), not biases or norms (BERT's
+    `exclude_from_weight_decay`); each parameter once (tied weights deduplicated)."""
+    decay, no_decay = [], []
+    for param in clf.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _row_len(cfg: FinetuneConfig, clf: SequenceClassifier) -> int:
-    return min(cfg.seq_len or clf.encoder.seq_len, clf.encoder.seq_len)
+@dataclass
+class EpochScores:
+    """One fine-tuning run's scores after each epoch: dev accuracy and loss, and the test
+    predictions (kept aside: read only for the chosen learning rate and epoch)."""
+
+    dev_accuracy: list[float] = field(default_factory=list)
+    dev_loss: list[float] = field(default_factory=list)
+    test_predictions: list[list[int]] = field(default_factory=list)
 
 
-def train_classifier(clf: SequenceClassifier, tokenizer: Tokenizer, texts: tuple[str, ...],
-                     labels: tuple[int, ...], cfg: FinetuneConfig,
-                     device: torch.device | str = "cpu") -> None:
-    """Fine-tune `clf` in place on `texts`: `cfg.epochs` passes in a seeded shuffled order,
-    AdamW (`cfg.lr`, `cfg.weight_decay` on matrices only, eps 1e-6), linear warm-up over
-    `cfg.warmup_ratio` of the steps then linear decay to 0, gradients clipped to norm 1.
+def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
+                 labels: dict[str, tuple[int, ...]], cfg: FinetuneConfig, lr: float,
+                 seed: int, device: torch.device | str = "cpu") -> EpochScores:
+    """Fine-tune `clf` in place for `cfg.epochs` epochs at peak `lr`, scoring dev (and
+    predicting test) after each epoch.
 
-    The row order and dropout are seeded by `cfg.seed` (the global RNG is restored after).
-    `clf` is left on `device`, in eval mode.
+    Each epoch visits the train texts in an order drawn by `seed` (a new permutation per
+    epoch from one generator); dropout is seeded by `seed` (the global RNG is restored
+    after). `clf` is left on `device`, in eval mode.
 
     Args:
         clf: a classifier of `build_classifiers`.
-        tokenizer: the encoder's tokenizer.
-        texts, labels: the train rows and their classes (0 or 1).
-        cfg: the `finetune` section.
+        encoded: `train`, `dev` and `test` as the encoder sees them (`encoder_rows`).
+        labels: the class ids of each split.
+        cfg: `epochs`, `batch_size`, `warmup_ratio`, `weight_decay`.
+        lr: the peak learning rate.
+        seed: the run's seed.
         device: where to train.
     """
     clf.to(device).train()
-    rows = token_rows(tokenizer, texts, _row_len(cfg, clf))
-    groups = clf.encoder.param_groups(cfg.weight_decay)
-    groups[0]["params"].append(clf.classifier.weight)
-    groups[1]["params"].append(clf.classifier.bias)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, eps=ADAM_EPS)
-    total = cfg.epochs * math.ceil(len(rows) / cfg.batch_size)
+    optimizer = torch.optim.AdamW(_param_groups(clf, cfg.weight_decay), lr=lr, eps=ADAM_EPS)
+    n_train = len(labels["train"])
+    total = cfg.epochs * math.ceil(n_train / cfg.batch_size)
     warmup = int(cfg.warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: (s + 1) / warmup if s < warmup
         else max(0.0, (total - s) / max(1, total - warmup)))
+    scores = EpochScores()
     forked = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=forked):
-        torch.manual_seed(cfg.seed)
-        order = torch.Generator().manual_seed(cfg.seed)
+        torch.manual_seed(seed)
+        order = torch.Generator().manual_seed(seed)
         for _ in range(cfg.epochs):
-            for input_ids, mask, y in _batches(rows, labels, cfg.batch_size,
-                                               tokenizer.pad_id, order):
-                logits = clf(input_ids.to(device), mask.to(device))
-                loss = nn.functional.cross_entropy(logits.float(), y.to(device))
+            clf.train()
+            permutation = torch.randperm(n_train, generator=order).tolist()
+            for picked, rows, owner in text_batches(encoded["train"], cfg.batch_size,
+                                                    permutation):
+                y = torch.tensor([labels["train"][i] for i in picked], device=device)
+                loss = nn.functional.cross_entropy(clf(rows, owner, len(picked)), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 nn.utils.clip_grad_norm_(clf.parameters(), MAX_GRAD_NORM)
                 optimizer.step()
                 scheduler.step()
+            dev_logits = predict_logits(clf, encoded["dev"], cfg.batch_size)
+            dev_y = torch.tensor(labels["dev"])
+            scores.dev_accuracy.append(float((dev_logits.argmax(-1) == dev_y).float().mean()))
+            scores.dev_loss.append(float(nn.functional.cross_entropy(dev_logits, dev_y)))
+            scores.test_predictions.append(
+                predict_logits(clf, encoded["test"], cfg.batch_size).argmax(-1).tolist())
     clf.eval()
+    return scores
 
 
 @torch.no_grad()
-def classifier_accuracy(clf: SequenceClassifier, tokenizer: Tokenizer,
-                        texts: tuple[str, ...], labels: tuple[int, ...],
-                        cfg: FinetuneConfig, device: torch.device | str = "cpu") -> float:
-    """Fraction of `texts` whose argmax class (eval mode, no dropout) is its label."""
-    clf.to(device).eval()
-    rows = token_rows(tokenizer, texts, _row_len(cfg, clf))
-    hits = 0
-    for input_ids, mask, y in _batches(rows, labels, cfg.batch_size, tokenizer.pad_id, None):
-        hits += int((clf(input_ids.to(device), mask.to(device)).argmax(-1).cpu() == y).sum())
-    return hits / len(rows)
+def predict_logits(clf: SequenceClassifier, encoded: EncodedTexts, batch_size: int
+                   ) -> torch.Tensor:
+    """Logits (texts, C) float32 on the CPU, in eval mode (no dropout), texts in order;
+    the mode is restored afterwards."""
+    was_training = clf.training
+    clf.eval()
+    try:
+        out = [clf(rows, owner, len(picked)).cpu()
+               for picked, rows, owner in text_batches(encoded, batch_size)]
+    finally:
+        clf.train(was_training)
+    return torch.cat(out)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The learning rate and epoch chosen on dev for one arm, and the mean dev accuracy
+    and loss over the seeds there."""
+
+    lr: float
+    epoch: int
+    """1-based."""
+    dev_accuracy: float
+    dev_loss: float
+
+
+def choose_on_dev(runs: dict[float, list[EpochScores]]) -> Choice:
+    """The (lr, epoch) of the highest mean dev accuracy over the seeds; ties: lower mean
+    dev loss, then the smaller lr, then the earlier epoch. Reads dev scores only.
+
+    Args:
+        runs: per learning rate, one `EpochScores` per seed (same epochs each).
+    """
+    best: tuple[float, float, float, int] | None = None
+    for lr in sorted(runs):
+        seeds = runs[lr]
+        for e in range(len(seeds[0].dev_accuracy)):
+            acc = sum(s.dev_accuracy[e] for s in seeds) / len(seeds)
+            loss = sum(s.dev_loss[e] for s in seeds) / len(seeds)
+            key = (-acc, loss, lr, e)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    return Choice(lr=best[2], epoch=best[3] + 1, dev_accuracy=-best[0], dev_loss=best[1])
+
+
+def test_accuracies(runs: dict[float, list[EpochScores]], choice: Choice,
+                    test_labels: tuple[int, ...]) -> list[float]:
+    """Per seed, the test accuracy at the chosen learning rate and epoch."""
+    return [sum(p == y for p, y in zip(s.test_predictions[choice.epoch - 1], test_labels))
+            / len(test_labels) for s in runs[choice.lr]]
+
+
+def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder,
+                  split: TaskSplit, *, device: torch.device | str = "cpu"
+                  ) -> tuple[dict[str, float], dict[str, object]]:
+    """The protocol (module docstring) on one task.
+
+    Args:
+        cfg: the `finetune` section.
+        data: the `linear_probe` section (`max_windows`, `tfidf_C`).
+        encoder: the trained encoder (copied, never changed).
+        split: the task's split.
+        device: where to fine-tune.
+
+    Returns:
+        The metrics without their prefix, and the per-seed record (test accuracies of each
+        arm, chosen learning rates and epochs, the grid, the seeds).
+    """
+    start = time.perf_counter()
+    encoded = {name: encoder_rows(encoder, rows.texts, rows.pairs, input=cfg.input,
+                                  seq_len=cfg.seq_len, max_windows=data.max_windows)
+               for name, rows in _splits(split)}
+    labels = {name: rows.labels for name, rows in _splits(split)}
+    grid = cfg.lr_grid(encoder.hidden_size)
+    seeds = [cfg.seed + k for k in range(cfg.seeds)]
+    runs: dict[str, dict[float, list[EpochScores]]] = {arm: {lr: [] for lr in grid}
+                                                       for arm in ARMS}
+    for seed in seeds:
+        for lr in grid:
+            for arm, clf in zip(ARMS, build_classifiers(encoder, cfg, seed, split.num_classes)):
+                runs[arm][lr].append(finetune_run(clf, encoded, labels, cfg, lr, seed, device))
+                del clf
+    choice = {arm: choose_on_dev(runs[arm]) for arm in ARMS}
+    acc = {arm: test_accuracies(runs[arm], choice[arm], split.test.labels) for arm in ARMS}
+    diff = paired_difference(acc["pretrained"], acc["scratch"])
+    metrics: dict[str, float] = {}
+    for arm, name in (("pretrained", ""), ("scratch", "scratch_")):
+        metrics[f"{name}accuracy"], metrics[f"{name}accuracy_sd"] = mean_sd(acc[arm])
+        metrics[f"{name}lr"] = choice[arm].lr
+        metrics[f"{name}epoch"] = float(choice[arm].epoch)
+        metrics[f"{name}dev_accuracy"] = choice[arm].dev_accuracy
+    metrics.update({"diff": diff.mean, "diff_sd": diff.sd})
+    if diff.n >= 2:
+        metrics.update({"diff_ci95_low": diff.low, "diff_ci95_high": diff.high})
+    metrics.update({"seeds": float(len(seeds)), "epochs": float(cfg.epochs)})
+    metrics.update(baselines(encoder, split, {"train": encoded["train"],
+                                              "test": encoded["test"]}, data.tfidf_C))
+    metrics.update(split_counts(split, list(encoded.values())))
+    metrics["wall_time_s"] = time.perf_counter() - start
+    record = {"seeds": seeds, "lr_grid": list(grid), "epochs": cfg.epochs,
+              "test_accuracy": acc, "lr": {a: choice[a].lr for a in ARMS},
+              "epoch": {a: choice[a].epoch for a in ARMS}}
+    return metrics, record
+
+
+def _splits(split: TaskSplit) -> Iterator[tuple[str, Rows]]:
+    yield from (("train", split.train), ("dev", split.dev), ("test", split.test))
+
+
+def run_finetune(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder, *,
+                 device: torch.device | str = "cpu") -> DownstreamResult:
+    """The fine-tuning protocol on every task of the `linear_probe` section `data`
+    (`cfg.enabled` is not consulted here).
+
+    Returns:
+        Metrics (module docstring), tags (`unavailable.*`, `digest.task.*`) and task
+        records with the per-seed results under `finetune`.
+
+    Raises:
+        ValueError: malformed task data (file and line named).
+    """
+    result = DownstreamResult()
+    for key, split in load_tasks(data, "finetune", result):
+        got, record = finetune_task(cfg, data, encoder, split, device=device)
+        result.metrics.update({key + k: v for k, v in got.items()})
+        next(t for t in result.tasks if t["name"] == split.name)["finetune"] = record
+        if len(record["seeds"]) < 2:
+            result.tags[unavailable_tag(key + "diff_ci95")] = (
+                "one seed (finetune.seeds: 1): no interval")
+        logger.info(
+            "fine-tuning %s (%d seeds, lr grid %s, %d epochs, dev %d rows): test accuracy "
+            "%.4f +- %.4f pretrained (lr %g, epoch %d), %.4f +- %.4f from scratch (lr %g, "
+            "epoch %d); pretrained - scratch %+.4f, 95 %% interval [%.4f, %.4f]; TF-IDF "
+            "%.4f whole text, %.4f same input; majority %.4f; %d test rows; %.0f s",
+            split.name, got["seeds"], record["lr_grid"], cfg.epochs, len(split.dev),
+            got["accuracy"], got["accuracy_sd"], got["lr"], got["epoch"],
+            got["scratch_accuracy"], got["scratch_accuracy_sd"], got["scratch_lr"],
+            got["scratch_epoch"], got["diff"], got.get("diff_ci95_low", math.nan),
+            got.get("diff_ci95_high", math.nan), got["tfidf_accuracy"],
+            got["tfidf_accuracy_same_input"], got["majority_accuracy"], len(split.test),
+            got["wall_time_s"])
+    return result
 
 
 def finetune_metrics(cfg: FinetuneConfig, data: LinearProbeConfig, model: nn.Module,
                      tokenizer: Tokenizer, *, device: torch.device | str = "cpu"
                      ) -> dict[str, float] | None:
-    """Fine-tune `model` and the same architecture from random weights on the linear
-    probe's split and score both on its test rows.
-
-    Args:
-        cfg: the `finetune` section (`enabled` is not consulted here).
-        data: the `linear_probe` section: where the data comes from and how it is split
-            (`data_path`, `archive_url`, `cache_dir`, `test_fraction`, `max_rows`) and the
-            TF-IDF baseline's `tfidf_C`.
-        model: the trained `BertMLM` (copied, never changed).
-        tokenizer: its tokenizer.
-        device: where to fine-tune.
-
-    Returns:
-        `finetune/accuracy` (pretrained), `finetune/scratch_accuracy`,
-        `finetune/tfidf_accuracy`, `finetune/majority_accuracy` (fractions of the test
-        rows), `finetune/train_rows`, `finetune/test_rows`, `finetune/epochs` and
-        `finetune/wall_time_s` (both fine-tunings and test scorings, seconds); or None after a
-        warning when the data cannot be obtained.
-
-    Raises:
-        ValueError: as `downstream.load_split` (a malformed CSV, with its file and line).
-    """
-    split = load_split(data)
-    if split is None:
-        logger.warning("fine-tuning evaluation skipped: no labelled data (see the warning "
-                       "above)")
+    """`run_finetune`'s metrics for our model (a `BertMLM`, copied, never changed); None
+    when no task could be run (a warning says why)."""
+    result = run_finetune(cfg, data, ours(model, tokenizer), device=device)
+    if not result.metrics:
+        logger.warning("fine-tuning evaluation skipped: no task could be run (%s)",
+                       "; ".join(result.tags.get(k, "") for k in result.tags
+                                 if k.startswith("unavailable.")))
         return None
-    start = time.perf_counter()
-    pretrained, scratch = build_classifiers(model, cfg)
-    acc = {name: _finetune_one(clf, tokenizer, split, cfg, device)
-           for name, clf in (("pretrained", pretrained), ("scratch", scratch))}
-    elapsed = time.perf_counter() - start
-    metrics = {
-        "finetune/accuracy": acc["pretrained"],
-        "finetune/scratch_accuracy": acc["scratch"],
-        "finetune/tfidf_accuracy": tfidf_accuracy(split, data.tfidf_C),
-        "finetune/majority_accuracy": majority_rate(split),
-        "finetune/train_rows": float(len(split.train_texts)),
-        "finetune/test_rows": float(len(split.test_texts)),
-        "finetune/epochs": float(cfg.epochs),
-        "finetune/wall_time_s": elapsed,
-    }
-    logger.info("fine-tuning: accuracy %.4f pretrained, %.4f from scratch (TF-IDF %.4f, "
-                "majority %.4f) on %d test rows after %d epochs on %d train rows, %.1f s",
-                acc["pretrained"], acc["scratch"], metrics["finetune/tfidf_accuracy"],
-                metrics["finetune/majority_accuracy"], len(split.test_texts), cfg.epochs,
-                len(split.train_texts), metrics["finetune/wall_time_s"])
-    return metrics
-
-
-def _finetune_one(clf: SequenceClassifier, tokenizer: Tokenizer, split: ProbeSplit,
-                  cfg: FinetuneConfig, device: torch.device | str) -> float:
-    train_classifier(clf, tokenizer, split.train_texts, split.train_labels, cfg, device)
-    return classifier_accuracy(clf, tokenizer, split.test_texts, split.test_labels, cfg,
-                               device)
+    return result.metrics

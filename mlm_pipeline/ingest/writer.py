@@ -4,7 +4,9 @@
 files (string columns `id`, `text`, `source`; zstd; a new file every `DOCS_PER_FILE`
 documents, one row group per `BATCH_DOCS`), each written under a temporary name and
 renamed when complete; `move_to_validation` moves one training document into the
-validation split after the fact. `stage.read_documents` reads the files back.
+validation split after the fact, and `rewrite_split` replaces a split's files by new
+documents (the validation split after its lines found in training were removed).
+`stage.read_documents` reads the files back.
 
 This module imports neither torch nor prefect.
 """
@@ -150,3 +152,31 @@ def _write_table(path: Path, table: pa.Table) -> None:
     tmp = temp_path(path)
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
+
+
+def read_split(out_dir: Path, entries: list[FileEntry]) -> list[tuple[str, str, str]]:
+    """Every `(id, text, source)` of a split's files, in order (the whole split in memory:
+    for the validation split)."""
+    docs: list[tuple[str, str, str]] = []
+    for e in entries:
+        table = pq.read_table(out_dir / e.path, schema=_SCHEMA)
+        docs += zip(*(table.column(c).to_pylist() for c in ("id", "text", "source")))
+    return docs
+
+
+def rewrite_split(out_dir: Path, split: str, entries: list[FileEntry],
+                  documents: list[tuple[str, str, str]]) -> list[FileEntry]:
+    """Replace the files `entries` of `split` by `documents` (`(id, text, source)`, in
+    order), written as `SplitWriter` writes a split; returns the new entries."""
+    out = SplitWriter(out_dir, split)
+    try:
+        for doc_id, text, source in documents:
+            out.add(doc_id, text.encode("utf-8"), source)
+        new = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    for e in entries:  # files the new split no longer has (each new file replaced its own)
+        if e.path not in {n.path for n in new}:
+            (out_dir / e.path).unlink(missing_ok=True)
+    return new

@@ -36,6 +36,7 @@ from mlm_pipeline.manifest.stages import (
     SourceEntry,
     TokenizerManifest,
     TrainManifest,
+    ValidationOverlap,
 )
 
 __all__ = [
@@ -44,5 +45,5 @@ __all__ = [
     "SkippedFile", "SourceEntry", "Stopwatch", "TokenizerManifest", "TrainManifest",
     "atomic_write_text", "canonical_json", "check_in_work_dir", "compute_digest",
     "file_entry", "find_manifest", "load_if_complete", "read_manifest", "sha256_file",
-    "stage_dir", "write_manifest",
+    "stage_dir", "write_manifest", "ValidationOverlap",
 ]

@@ -60,6 +60,36 @@ class BadFile(BaseModel):
     records); 0 when the file was rejected before its first record."""
 
 
+class ValidationOverlap(BaseModel):
+    """How much of the validation split is training text (`mlm_pipeline.ingest.overlap`):
+    what line-level deduplication across the split removed, and the word n-gram overlap
+    that remains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ngram: int
+    """Window length, words."""
+    validation_windows: int
+    """Word n-gram windows of the validation documents (with repeats)."""
+    validation_windows_in_train: int
+    """Of those, windows that occur at least once in the training documents."""
+    validation_documents: int
+    """Validation documents with at least one window."""
+    validation_documents_mostly_in_train: int
+    """Of those, documents with more than half of their windows in training."""
+    validation_documents_short: int = 0
+    """Validation documents shorter than `ngram` words (no window; not in the shares)."""
+    lines_removed: int = 0
+    """Validation lines removed as training lines (`ingest.validation_dedup: lines`)."""
+    characters_removed: int = 0
+    """Characters of validation text those removals took away."""
+
+    @property
+    def share(self) -> float:
+        """`validation_windows_in_train / validation_windows` (0 without windows)."""
+        return self.validation_windows_in_train / max(1, self.validation_windows)
+
+
 class CorpusManifest(Manifest):
     """Output of `ingest`: Parquet document shards (`id`, `text`, `source`) per split."""
 
@@ -90,6 +120,9 @@ class CorpusManifest(Manifest):
     """Input files rejected part-way or before their first record, with the reason."""
     skipped_files: list[SkippedFile] = []  # noqa: RUF012 - pydantic copies defaults
     """Entries of source directories and globs that were not read, with their kind."""
+    validation_overlap: ValidationOverlap | None = None
+    """The validation<->training overlap after deduplication (`ingest.overlap_ngram`);
+    None when not measured (or made before it was)."""
 
 
 class TokenizerManifest(Manifest):
@@ -242,3 +275,7 @@ class EvalManifest(Manifest):
     """`eval/loss`, `eval/mlm_accuracy`, `eval/perplexity`, `eval/masked_tokens`, ..."""
     probes: list[dict[str, Any]]
     """Fill-mask probes: text and top-k predictions per mask."""
+    tags: dict[str, str] = {}  # noqa: RUF012 - pydantic copies defaults
+    """Run tags the evaluation asks for: `unavailable.<figure>` with the reason a figure
+    could not be computed (no data, disabled, too few seeds), and `digest.task.<name>`,
+    the digest of each downstream task's split."""

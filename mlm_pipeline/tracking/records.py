@@ -133,8 +133,10 @@ def data_accounting(
     corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
 ) -> dict[str, int]:
     """Ingestion accounting and data sizes: counts of documents (read, per split, dropped
-    and repaired by reason), characters, vocabulary, rows and tokens, and input files
-    rejected as bad or skipped. `record_data` logs them as params `data.<name>` and as the
+    and repaired by reason), characters, vocabulary, rows and tokens, input files
+    rejected as bad or skipped, and (when measured) the validation<->training n-gram
+    overlap (`validation_13gram_windows`, `..._in_train`, documents mostly training text,
+    validation lines removed as training lines). `record_data` logs them as params `data.<name>` and as the
     artifact `data/accounting.json`, not as metrics (one-point charts would bury the
     training curves in the MLflow UI)."""
     m: dict[str, int] = {
@@ -152,6 +154,12 @@ def data_accounting(
     m.update({f"repaired_{k}": v for k, v in corpus.repaired.items()})
     m["files_rejected"] = len(corpus.bad_files)
     m["files_skipped"] = len(corpus.skipped_files)
+    if (overlap := corpus.validation_overlap) is not None:  # ingest.overlap: what remains
+        m[f"validation_{overlap.ngram}gram_windows"] = overlap.validation_windows
+        m[f"validation_{overlap.ngram}gram_windows_in_train"] = (
+            overlap.validation_windows_in_train)
+        m["validation_documents_mostly_in_train"] = overlap.validation_documents_mostly_in_train
+        m["validation_lines_removed"] = overlap.lines_removed
     return m
 
 
@@ -246,7 +254,9 @@ def record_results(
         log_loss_plot(tracker, run_id)
     except ValueError as exc:  # e.g. no train/tokens_seen logged (a run of 0 steps)
         logger.warning("run %s: plots/loss.png not logged: %s", run_id, exc)
-    tracker.set_tags(run_id, {**train_tags(trained), **holdout_run_tags(evaluated)})
+    # The evaluation's own tags: why a downstream figure is missing, the tasks' digests.
+    tracker.set_tags(run_id, {**train_tags(trained), **holdout_run_tags(evaluated),
+                              **evaluated.tags})
     for m in (trained, evaluated):
         tracker.log_artifacts(run_id, m.path, f"manifests/{m.stage}")
     tracker.log_artifacts(run_id, trained.file(trained.metrics_log), "train")

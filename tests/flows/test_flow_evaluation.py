@@ -45,6 +45,7 @@ def run(tmp_path_factory, reviews_csv):
         "eval.every_steps=2", "eval.periodic_rows=6", f"eval.probes=[{', '.join(PROBES)}]",
         f"linear_probe.data_path={reviews_csv}", "linear_probe.at_each_eval=true",
         "finetune.enabled=true", "finetune.epochs=1", "finetune.batch_size=16",
+        "finetune.lr=[1e-3]", "finetune.seeds=2", "linear_probe.random_init_seeds=1",
         f"tracking.tracking_uri={uri}", "tracking.experiment_name=flow-eval",
         "tracking.log_model=false",  # these tests are about the evaluations, not the model
     ]
@@ -58,9 +59,12 @@ def test_validation_curve_has_the_periodic_points_then_the_final_evaluation(run)
     summary, client, _ = run
     run_id = summary["mlflow_run_id"]
     for key in ("eval/loss", "eval/mlm_accuracy", "eval/top5_accuracy", "eval/perplexity",
-                "eval/probe_accuracy", "probe/accuracy", "probe/tfidf_accuracy"):
+                "eval/probe_accuracy", "probe/accuracy"):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert steps == [2, 4, 6], key
+    # The controls do not change during training: computed once, at the final evaluation.
+    for key in ("probe/tfidf_accuracy", "probe/accuracy_random_init", "eval/mlm_probability"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [6], key
     final = client.get_run(run_id).data.metrics
     assert final["eval/loss"] == pytest.approx(summary["metrics"]["eval/loss"])
     assert final["probe/accuracy"] == pytest.approx(summary["metrics"]["probe/accuracy"])
@@ -69,20 +73,32 @@ def test_validation_curve_has_the_periodic_points_then_the_final_evaluation(run)
 def test_finetune_metrics_are_logged_once_at_the_final_step(run):
     summary, client, _ = run
     run_id = summary["mlflow_run_id"]
-    for key in ("finetune/accuracy", "finetune/scratch_accuracy", "finetune/tfidf_accuracy",
-                "finetune/majority_accuracy", "finetune/train_rows", "finetune/test_rows",
-                "finetune/epochs"):
+    for key in ("finetune/accuracy", "finetune/scratch_accuracy", "finetune/diff",
+                "finetune/diff_ci95_low", "finetune/tfidf_accuracy",
+                "finetune/tfidf_accuracy_same_input", "finetune/majority_accuracy",
+                "finetune/train_rows", "finetune/dev_rows", "finetune/test_rows",
+                "finetune/epochs", "probe/accuracy_random_init"):
         history = client.get_metric_history(run_id, key)
         assert [m.step for m in history] == [6], key
         assert history[0].value == pytest.approx(summary["metrics"][key]), key
     final = client.get_run(run_id).data.metrics
-    # 80 unique rows, half of each class: 0.3 of 40 = 12 per class in test.
-    assert (final["finetune/train_rows"], final["finetune/test_rows"]) == (56, 24)
+    # 80 unique rows, half of each class: 0.3 of 40 = 12 per class in test, 0.15 of the
+    # other 28 = 4 per class in dev, 24 per class in train.
+    assert (final["finetune/train_rows"], final["finetune/dev_rows"],
+            final["finetune/test_rows"]) == (48, 8, 24)
     assert final["finetune/majority_accuracy"] == 0.5 and final["finetune/epochs"] == 1
+    tags = client.get_run(run_id).data.tags
+    assert tags["unavailable.probe/accuracy_random_init_sd"].startswith("one random-init")
+    assert len(tags["digest.task.polarity-fr"]) == 64
     from mlm_pipeline.app.summary import training_lines
 
-    assert any(line.startswith("Fine-tuning (1 epochs on 56 rows, tested on 24): accuracy ")
-               for line in training_lines(summary))
+    lines = training_lines(summary)
+    assert any(line.startswith("Fine-tuning (2 seeds, up to 1 epochs on 48 rows") and
+               "from random weights" in line and "pretrained - scratch" in line
+               for line in lines)
+    assert any(line.startswith("Linear probe (24 test rows): trained ") and "random init"
+               in line for line in lines)
+    assert any(line.startswith("Held-out masked LM at 15 % masking") for line in lines)
 
 
 def read_table(client, run_id, tmp):

@@ -31,23 +31,31 @@ def test_steps_trains_exactly_n_steps_and_resolves_lr_auto_per_recipe(tmp_path, 
     bench = load_bench()
     rc = bench.main(["--smoke", "--steps", "3", "--models", "ours-bert,ours-modern",
                      "--work", str(tmp_path / "work"), "--out", str(out),
-                     "--set", "train.lr=auto"])
+                     "--set", "train.lr=auto", "--seeds", "0,1", "--downstream", "none",
+                     "--mlm-probability", "0.3"])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert report["steps"] == 3
-    bert, modern = report["results"]["ours-bert"], report["results"]["ours-modern"]
+    assert report["steps"] == 3 and report["budget_s"] is None
+    assert list(report["modes"]) == ["steps"] and report["mlm_probability"] == 0.3
+    results = report["modes"]["steps"]
+    bert, modern = results["ours-bert"], results["ours-modern"]
     # micro_batch_size 16 (configs/tiny.yaml) x seq_len 32 (the smoke shards) x 3 steps
     for result in (bert, modern):
-        assert result["steps"] == 3
-        assert result["tokens_seen"] == 3 * 16 * 32
-        assert not result["stopped_early"]
-        # tiny's warmup_ratio 0.06 of 3 steps rounds to 0; at least one warm-up step
-        assert result["warmup_steps"] == 1
-    assert bert["lr"] == pytest.approx(1e-4)
-    assert modern["lr"] == pytest.approx(1e-3)
+        assert [r["seed"] for r in result["seeds"]] == [0, 1]
+        for row in result["seeds"]:
+            assert row["steps"] == 3
+            assert row["tokens_seen"] == 3 * 16 * 32
+            assert not row["stopped_early"]
+            # tiny's warmup_ratio 0.06 of 3 steps rounds to 0; at least one warm-up step
+            assert row["warmup_steps"] == 1
+        accuracies = [r["eval/mlm_accuracy"] for r in result["seeds"]]
+        assert result["eval/mlm_accuracy_mean"] == pytest.approx(sum(accuracies) / 2)
+    assert bert["seeds"][0]["lr"] == pytest.approx(1e-4)
+    assert modern["seeds"][0]["lr"] == pytest.approx(1e-3)
     printed = capsys.readouterr().out
     assert "3 steps per model" in printed
-    assert "ours-bert: peak lr 0.0001" in printed
+    assert "every model trained at 0.3 masking, evaluated at 0.15" in printed
+    assert "ours-bert seed 0: accuracy" in printed and "peak lr 0.0001" in printed
 
 
 def test_steps_below_two_is_refused(capsys):

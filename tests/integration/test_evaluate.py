@@ -69,3 +69,38 @@ def test_metrics_match_a_full_head_reference(model_and_data):
     assert got["eval/top5_accuracy"] == pytest.approx(top5 / masked)
     assert got["eval/perplexity"] == pytest.approx(math.exp(loss_sum / masked), rel=1e-5)
     assert got["eval/baseline_accuracy"] == pytest.approx(hits / masked)
+
+
+def test_the_final_evaluation_masks_at_15_percent_whatever_training_used(
+        tmp_path, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest):
+    """Trained at 30 %: `eval/*` are at 15 % with the eval seed (the rate recorded), and the
+    30 % figures stand beside them under their own names."""
+    from mlm_pipeline.config import EvalConfig, TrainConfig
+    from mlm_pipeline.evaluate import evaluate
+    from mlm_pipeline.train import train
+    from mlm_pipeline.train.checkpoint import load_model
+
+    trained = train(TrainConfig(micro_batch_size=4, max_steps=2, warmup_steps=0,
+                                precision="fp32"), tiny_model_config,
+                    MaskingConfig(mlm_probability=0.3), tiny_shard_manifest,
+                    tiny_tokenizer_manifest, tmp_path / "run")
+    cfg = EvalConfig(batch_size=8, probes=[], seed=7)
+    m = evaluate(cfg, trained, tiny_shard_manifest, tiny_tokenizer_manifest,
+                 tmp_path / "work")
+    model = load_model(trained.file(trained.checkpoint_dir))
+    data = ShardDataset(tiny_shard_manifest, "validation")
+    for rate, loss, acc in ((0.15, "eval/loss", "eval/mlm_accuracy"),
+                            (0.3, "eval/loss_at_train_rate", "eval/mlm_accuracy_at_train_rate")):
+        ref = masked_lm_metrics(model, data, masking=KeyedMasking(
+            MaskingConfig(mlm_probability=rate), tiny_shard_manifest.vocab_size, seed=7),
+            batch_size=3)
+        assert m.metrics[loss] == pytest.approx(ref["eval/loss"], rel=1e-5), rate
+        assert m.metrics[acc] == pytest.approx(ref["eval/mlm_accuracy"]), rate
+    assert m.metrics["eval/mlm_probability"] == 0.15
+    assert m.config["masking"]["mlm_probability"] == 0.15
+    assert m.config["train_masking"]["mlm_probability"] == 0.3
+    same_rate = evaluate(cfg.model_copy(update={"mlm_probability": None}), trained,
+                         tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "work")
+    assert same_rate.metrics["eval/mlm_probability"] == 0.3
+    assert "eval/loss_at_train_rate" not in same_rate.metrics
+    assert same_rate.metrics["eval/loss"] == pytest.approx(m.metrics["eval/loss_at_train_rate"])

