@@ -10,7 +10,8 @@ holds; special entries named and skipped), `readers` (file formats),
 built-in French corpora), `documents` (reading the ingested files back for later stages),
 `holdout` (the fixed benchmark text, kept out of the corpus), `allowed` (event-named
 sources checked against `ingest.allowed_sources`), `hashing` (sha256 of local and remote
-inputs, remembered), `partitions` (ingestion over input partitions, in parallel).
+inputs, remembered), `partitions` (ingestion over input partitions, in parallel),
+`overlap` (validation lines that occur in training removed, the n-gram overlap left).
 """
 
 from mlm_pipeline.ingest.holdout import Holdout, read_holdout

@@ -12,7 +12,11 @@ from mlm_pipeline.tokenizer.pretrained import (
     adopt_pretrained_tokenizer,
     pretrained_tokenizer_digest,
 )
-from mlm_pipeline.tokenizer.stage import adopt_tokenizer, tokenizer_digest, train_tokenizer
+from mlm_pipeline.tokenizer.stage import (
+    adopt_tokenizer,
+    tokenizer_digest,
+    train_tokenizer,
+)
 from mlm_pipeline.tokenizer.tokenizer import SentencePieceTokenizer
 
 __all__ = ["PretrainedTokenizer", "SentencePieceTokenizer", "Tokenizer",

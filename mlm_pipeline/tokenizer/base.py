@@ -32,6 +32,11 @@ BatchEncoder = Callable[[Sequence[bytes]], list[np.ndarray]]
 EncoderSpec = tuple[str, bytes]
 
 
+KINDS: dict[str, type[Tokenizer]] = {}
+"""The tokenizer class of each manifest `kind`, filled by the subclasses' `kind=` class
+argument (the package imports them all, so each is registered before any load)."""
+
+
 class Tokenizer(ABC):
     """A tokenizer of this pipeline: encoding, decoding, special ids, word boundaries.
 
@@ -46,6 +51,16 @@ class Tokenizer(ABC):
     model_sha256: str
     normalization: str | None
     special_ids: SpecialIds
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            KINDS[kind] = cls
+
+    @staticmethod
+    @abstractmethod
+    def encoder_of(model: bytes) -> BatchEncoder:
+        """The `BatchEncoder` of a model file's bytes of this kind."""
 
     @property
     def pad_id(self) -> int:
@@ -142,9 +157,6 @@ class Tokenizer(ABC):
                 directory (`ManifestPathError`), a file differs from its manifest
                 (sha256), or the model is not a tokenizer of its kind (the file named).
         """
-        from mlm_pipeline.tokenizer.pretrained import PretrainedTokenizer
-        from mlm_pipeline.tokenizer.tokenizer import SentencePieceTokenizer
-
         if isinstance(source, TokenizerManifest):
             manifest = source
         else:
@@ -157,10 +169,8 @@ class Tokenizer(ABC):
                 manifest = read_manifest(p.with_name("manifest.json"), TokenizerManifest)
                 manifest = manifest.model_copy(update={"output_dir": str(p.parent.resolve())})
             else:
-                return SentencePieceTokenizer.load_file(p)
-        if manifest.kind == "pretrained":
-            return PretrainedTokenizer.from_manifest(manifest)
-        return SentencePieceTokenizer.from_manifest(manifest)
+                return KINDS["sentencepiece"].load_file(p)
+        return KINDS[manifest.kind].from_manifest(manifest)
 
 
 @functools.lru_cache(maxsize=4)
@@ -171,12 +181,6 @@ def batch_encoder_from_spec(spec: EncoderSpec) -> BatchEncoder:
         ValueError: an unknown kind, or bytes that are not a model of the kind.
     """
     kind, model = spec
-    if kind == "sentencepiece":
-        from mlm_pipeline.tokenizer.tokenizer import sentencepiece_batch_encoder
-
-        return sentencepiece_batch_encoder(model)
-    if kind == "pretrained":
-        from mlm_pipeline.tokenizer.pretrained import pretrained_batch_encoder
-
-        return pretrained_batch_encoder(model)
-    raise ValueError(f"tokenizer: unknown encoder kind {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"tokenizer: unknown encoder kind {kind!r}")
+    return KINDS[kind].encoder_of(model)

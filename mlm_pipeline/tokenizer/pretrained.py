@@ -218,7 +218,7 @@ def _open_tokenizer_json(path: Path):
     return tok
 
 
-class PretrainedTokenizer(Tokenizer):
+class PretrainedTokenizer(Tokenizer, kind="pretrained"):
     """An adopted Hugging Face tokenizer (`tokenizer.json`), with the special ids and word
     boundaries its stage manifest records (module docstring).
 
@@ -232,6 +232,11 @@ class PretrainedTokenizer(Tokenizer):
     """
 
     normalization = None
+
+    @staticmethod
+    def encoder_of(model: bytes) -> BatchEncoder:
+        """`pretrained_batch_encoder(model)`."""
+        return pretrained_batch_encoder(model)
 
     def __init__(self, path: Path, special_ids: SpecialIds, boundary: str) -> None:
         self.path = Path(path)

@@ -65,7 +65,7 @@ def check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Except
         raise error(f"{path}: special tokens differ from {SPECIAL_TOKENS}: {'; '.join(wrong)}")
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(Tokenizer, kind="sentencepiece"):
     """A trained SentencePiece model with the pipeline's fixed special-token ids.
 
     Text given to `encode` and `encode_with_mask` is first brought to the Unicode
@@ -80,6 +80,11 @@ class SentencePieceTokenizer(Tokenizer):
     """
 
     special_ids = SENTENCEPIECE_SPECIAL_IDS
+
+    @staticmethod
+    def encoder_of(model: bytes) -> BatchEncoder:
+        """`sentencepiece_batch_encoder(model)`."""
+        return sentencepiece_batch_encoder(model)
 
     def __init__(self, path: str | os.PathLike[str], normalization: str | None = None) -> None:
         """Load a `.model` file (prefer `Tokenizer.load`, which finds `normalization`).

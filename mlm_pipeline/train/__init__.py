@@ -9,7 +9,8 @@ Rooms besides: `perf` (device, precision, compilation, peak FLOP/s), `verified` 
 verifying and loading checkpoints), `warm_start` (a run started from a parent's weights),
 `hf` (the mapping onto Hugging Face masked-LM classes) and `export` (a checkpoint as a
 `transformers` directory), `distributed` (data-parallel training in one worker) and
-`launch` (training under torchrun).
+`launch` (training under torchrun), `kernels` (attention over packed rows:
+document and sliding-window masks and their kernels).
 """
 
 from mlm_pipeline.train.loop import StopSignal

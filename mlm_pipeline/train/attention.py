@@ -8,16 +8,11 @@ The attention mask convention is SDPA's boolean one: True = may attend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlm_pipeline.config import SEP_ID, ModelConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from mlm_pipeline.train.kernels import AttentionLayout
+from mlm_pipeline.train.kernels import AttentionLayout, dropout
 
 
 class SelfAttention(nn.Module):
@@ -48,8 +43,6 @@ class SelfAttention(nn.Module):
         keys."""
         batch, seq_len, hidden = x.shape
         if layout is None:
-            from mlm_pipeline.train.kernels import AttentionLayout
-
             layout = AttentionLayout(batch, seq_len, x.device, None, None)
         qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, hidden // self.num_heads)
         if rope is None:
@@ -100,33 +93,6 @@ def positions_in_documents(document_ids: Tensor) -> Tensor:
     return index - start
 
 
-def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Inverted dropout (Srivastava et al. 2014): zero each element with probability `p`,
-    scale the rest by 1 / (1 - p); identity when not training or `p == 0`.
-
-    On CPU the keep-mask is drawn as fp32 uniforms compared in place (`rand >= p`, exact to
-    2**-24) and applied with one multiply, whose autograd saves that mask: forward +
-    backward about 1.7x faster than `F.dropout`, whose CPU `bernoulli_` dominated a BERT
-    training step's dropout cost (torch 2.13; B 32, 4 heads, L 128: 8 ms vs 14 ms). CUDA
-    keeps `F.dropout`'s fused kernel. Draws come from torch's global generator, like
-    `F.dropout`, so checkpointed RNG state reproduces them.
-
-    Args:
-        x: any floating tensor.
-        p: drop probability in [0, 1).
-        training: apply dropout only when True.
-
-    Returns:
-        A tensor shaped and typed like `x`.
-    """
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p=p)
-    scale = torch.rand(x.shape, dtype=torch.float32).ge_(p).mul_(1.0 / (1.0 - p))
-    return x * scale.to(x.dtype)
-
-
 class Dropout(nn.Module):
     """`nn.Dropout` with the faster CPU path of `dropout`; no parameters, so checkpoints
     are unchanged.
@@ -142,38 +108,6 @@ class Dropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Apply `dropout(x, p)` in training mode; identity in eval mode."""
         return dropout(x, self.p, self.training)
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-              dropout_p: float) -> Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v (Vaswani et al. 2017, eq. 1) on (B, heads, L, D).
-
-    `F.scaled_dot_product_attention` everywhere except when training on CPU in bf16/fp16
-    or with dropout: there the two matmuls, softmax and their autograd written out beat
-    torch 2.13's kernels (B 32, 4 heads, L 128, D 64, forward + backward: bf16 24 ms vs
-    70 ms for the flash kernel's slow backward; fp32 with dropout 46 ms vs 51 ms for SDPA's
-    math fallback), the (B, heads, L, L) scores being small at BERT lengths.
-    Reduced-precision softmax on CPU accumulates in fp32.
-
-    Args:
-        q, k, v: (B, heads, L, D), any strides.
-        attn_mask: bool, broadcastable to (B, heads, L, L), True = may attend; every
-            query row must allow at least one key.
-        dropout_p: dropout on the attention probabilities.
-
-    Returns:
-        (B, heads, L, D), dtype of `q`.
-    """
-    explicit = (q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad
-                and (dropout_p > 0.0 or q.dtype in (torch.bfloat16, torch.float16)))
-    if not explicit:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                              dropout_p=dropout_p)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    probs = dropout(scores.softmax(dim=-1), dropout_p)
-    return probs @ v
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:

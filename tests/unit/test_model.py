@@ -252,7 +252,8 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_cpu_dropout_is_inverted_dropout():
-    from mlm_pipeline.train.attention import Dropout, dropout
+    from mlm_pipeline.train.attention import Dropout
+    from mlm_pipeline.train.kernels import dropout
 
     torch.manual_seed(0)
     x = torch.full((1000, 1000), 3.0, requires_grad=True)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mlm_pipeline.config import CLS_ID, PAD_ID, SEP_ID, ModelConfig
-from mlm_pipeline.train.attention import attention
+from mlm_pipeline.train.kernels import attention
 from mlm_pipeline.train.model import BertMLM, document_ids_from_sep
 
 VOCAB, SEQ_LEN = 100, 16
