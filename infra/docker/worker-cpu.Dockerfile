@@ -42,7 +42,7 @@ COPY mlm_pipeline ./mlm_pipeline
 # prepare-data with data.executor: dask, `near-dedup` for ingest.near_dedup_threshold, `s3`
 # for s3:// work directories and sources (s3fs) and direct S3 artifact access when a
 # deployment points MLflow at an object store instead of the tracking server's proxy (boto3).
-RUN pip install -c constraints.txt ".[dask,near-dedup,s3]" \
+RUN pip install -c constraints.txt ".[dask,near-dedup,s3,datasets]" \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
  && chown 10001:10001 /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline

@@ -47,7 +47,7 @@ COPY mlm_pipeline ./mlm_pipeline
 # Extras: what the flows this worker runs may import (tests/infra/test_images.py checks
 # it): `gpu` for GPU system metrics, `dask`, `near-dedup` and `s3` as on the CPU worker
 # (the local-gpu pool may run the whole main flow, data preparation included).
-RUN pip install -c constraints.txt ".[gpu,dask,near-dedup,s3]" \
+RUN pip install -c constraints.txt ".[gpu,dask,near-dedup,s3,datasets]" \
  && rm -rf build ./*.egg-info \
  && mkdir -p /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline \
  && chown 10001:10001 /opt/mlm-pipeline/.mlm-pipeline /var/cache/mlm-pipeline

@@ -77,6 +77,8 @@ def test_the_final_evaluation_masks_at_15_percent_whatever_training_used(
     30 % figures stand beside them under their own names."""
     from mlm_pipeline.config import EvalConfig, TrainConfig
     from mlm_pipeline.evaluate import evaluate
+    from mlm_pipeline.masking.maskers import keyed_masking
+    from mlm_pipeline.tokenizer import Tokenizer
     from mlm_pipeline.train import train
     from mlm_pipeline.train.checkpoint import load_model
 
@@ -89,11 +91,12 @@ def test_the_final_evaluation_masks_at_15_percent_whatever_training_used(
                  tmp_path / "work")
     model = load_model(trained.file(trained.checkpoint_dir))
     data = ShardDataset(tiny_shard_manifest, "validation")
+    tok = Tokenizer.load(tiny_tokenizer_manifest)
     for rate, loss, acc in ((0.15, "eval/loss", "eval/mlm_accuracy"),
                             (0.3, "eval/loss_at_train_rate", "eval/mlm_accuracy_at_train_rate")):
-        ref = masked_lm_metrics(model, data, masking=KeyedMasking(
-            MaskingConfig(mlm_probability=rate), tiny_shard_manifest.vocab_size, seed=7),
-            batch_size=3)
+        ref = masked_lm_metrics(model, data, masking=keyed_masking(
+            MaskingConfig(mlm_probability=rate), tok, seed=7), batch_size=3,
+            document_attention=trained.config["train"]["document_attention"])
         assert m.metrics[loss] == pytest.approx(ref["eval/loss"], rel=1e-5), rate
         assert m.metrics[acc] == pytest.approx(ref["eval/mlm_accuracy"]), rate
     assert m.metrics["eval/mlm_probability"] == 0.15

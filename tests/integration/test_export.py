@@ -115,7 +115,7 @@ def test_directory_and_model_card(exported, run, preset, tiny_corpus_manifest):
     assert config["architectures"] == [HF_CLASS[preset]] and config["vocab_size"] == 128
     assert config["max_position_embeddings"] == SEQ_LEN
     if preset == "modern":
-        assert config["layer_types"] == ["full_attention"] * 2
+        assert config["layer_types"] == ["full_attention", "sliding_attention"]
         assert config["rope_parameters"]["full_attention"]["rope_theta"] == 10000.0
     card = (exported / "README.md").read_text()
     for fact in (tiny_corpus_manifest.digest, tok.digest, shards.digest,

@@ -115,9 +115,10 @@ def test_rope_tables_are_hf_tables_bit_for_bit():
     assert torch.equal(ours.rope_cos, rope_tables(SEQ_LEN, 8, 10000.0)[0])
 
 
-def test_config_is_global_attention_everywhere():
-    cfg = hf_modernbert_config(modern(layers=4))
-    assert cfg.layer_types == ["full_attention"] * 4
+def test_config_has_a_global_layer_every_third():
+    cfg = hf_modernbert_config(modern(layers=4))  # the preset: ModernBERT's 1 global in 3
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention",
+                               "full_attention"]
     assert cfg.rope_parameters["full_attention"]["rope_theta"] == 10000.0
     assert (cfg.norm_eps, cfg.norm_bias, cfg.attention_bias, cfg.mlp_bias,
             cfg.classifier_bias, cfg.decoder_bias) == (1e-5, False, False, False, False, True)
