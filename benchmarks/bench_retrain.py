@@ -129,12 +129,12 @@ def run_cli(name: str, overrides: list[str], work: Path, in_process: bool) -> st
     start = time.monotonic()
     print(f"[{time.strftime('%H:%M:%S')}] run {name} ...", flush=True)
     if in_process:
-        from mlm_pipeline_flows.cli import main as cli_main
+        from mlm_pipeline_flows.console import main as cli_main
 
         code = cli_main(argv)
         tail = f"(its output is above; tracebacks in {work / 'work' / 'logs'})"
     else:
-        proc = subprocess.run([sys.executable, "-m", "mlm_pipeline_flows.cli", *argv],
+        proc = subprocess.run([sys.executable, "-m", "mlm_pipeline_flows.console", *argv],
                               capture_output=True, text=True, check=False)
         code, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
     if code != 0:
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                        "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     if args.smoke:  # no MFU peak measurement: seconds saved, MFU is not reported here
         os.environ["MLM_PIPELINE_PEAK_TFLOPS"] = "1"
-    from mlm_pipeline_flows.cli import LocalPrefectApi
+    from mlm_pipeline_flows.console import LocalPrefectApi
     from mlm_pipeline_flows.prefect_private import startup_timeout_s
 
     if not os.environ.get("PREFECT_API_URL"):  # one Prefect API for every run

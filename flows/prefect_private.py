@@ -36,7 +36,7 @@ private name; its `_tracking_uri` restores an unset tracking URI with the public
 `mlflow.set_tracking_uri(None)`, a value MLflow handles (it unsets the URI and
 $MLFLOW_TRACKING_URI) but does not document. No upstream issue found.
 
-This module imports neither Prefect nor the library at import: `flows/cli.py` uses it
+This module imports neither Prefect nor the library at import: `flows/console.py` uses it
 before Prefect may be imported, and `server_app` runs in the server's own process.
 """
 

@@ -22,8 +22,8 @@ stderr (`main`).
 
 `run` executes the `mlm-pretraining` Prefect flow in this process. The library never
 imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
-argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.cli:main` (the
-repository's `flows/cli.py`), which calls `main(argv, run_flow=...)` here with the flow.
+argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.console:main` (the
+repository's `flows/console.py`), which calls `main(argv, run_flow=...)` here with the flow.
 Every other command works from `python -m mlm_pipeline.cli` too; `run` from there says
 which entry to use.
 """
@@ -53,8 +53,8 @@ RunFlow = Callable[..., dict[str, Any]]
 #: What `run` says when the entry point gave it no flow.
 NO_FLOW = (
     "`run` needs the Prefect flow, which this entry point does not provide: use the "
-    "`mlm-pipeline` command (entry point mlm_pipeline_flows.cli:main), "
-    "or `python -m mlm_pipeline_flows.cli run ...`"
+    "`mlm-pipeline` command (entry point mlm_pipeline_flows.console:main), "
+    "or `python -m mlm_pipeline_flows.console run ...`"
 )
 
 #: The epilog of `mlm-pipeline run --help`.
@@ -382,7 +382,7 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str])
 
 def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> int:
     """The `mlm-pipeline` command line (`python -m mlm_pipeline.cli`, and through
-    `mlm_pipeline_flows.cli.main` the console script).
+    `mlm_pipeline_flows.console.main` the console script).
 
     Args:
         argv: arguments without the program name; None reads `sys.argv`.

@@ -267,7 +267,7 @@ class HoldoutRescorer:
                 cannot be found, or its model cannot score it.
         """
         from mlm_pipeline.config import EvalConfig
-        from mlm_pipeline.evaluate.holdout import holdout_metrics, read_holdout_text
+        from mlm_pipeline.evaluate.bpc import holdout_metrics, read_holdout_text
 
         cfg = EvalConfig.model_validate(self.evaluated.config["eval"])
         digest = self.evaluated.config["holdout"]["digest"]

@@ -4,9 +4,8 @@ fine-tuning protocol) beside their controls, for our encoder or a Hugging Face o
 
 Rooms: `stage` (the verb: held-out metrics with fixed masks), `periodic` (evaluation during
 training), `probes` (fill-mask probes and their table rows), `hf_fill_mask` (fill-mask with
-an exported model), `bpc` (bits per character, across tokenizers), `holdout` (the score on
-the fixed holdout text), `tasks` (downstream classification tasks a user brings),
-`encoders` (ours or a Hugging Face encoder behind one interface), `downstream` (the linear
+an exported model), `bpc` (bits per character across tokenizers, and the score on the
+fixed holdout text), `tasks` (downstream classification tasks a user brings), `encoders` (ours or a Hugging Face encoder behind one interface), `downstream` (the linear
 probe and its controls), `finetune` (the fine-tuning protocol), `stats` (mean, sd and
 paired intervals), `probe_data` (the shipped labelled set).
 """

@@ -44,7 +44,7 @@ from mlm_pipeline.config import (
 from mlm_pipeline.evaluate.downstream import DownstreamResult, run_probe
 from mlm_pipeline.evaluate.encoders import ours
 from mlm_pipeline.evaluate.finetune import run_finetune
-from mlm_pipeline.evaluate.holdout import holdout_metrics, write_holdout_text
+from mlm_pipeline.evaluate.bpc import holdout_metrics, write_holdout_text
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -300,7 +300,7 @@ def evaluate(
             manifest's; a task whose data cannot be obtained is a tag instead.
         progress: where the masked-LM pass reports (`masked_lm_metrics`).
         holdout: the fixed holdout text (`ingest.holdout.read_holdout`); when given, the
-            model's `holdout/*` metrics (`evaluate.holdout`) join the manifest's, the
+            model's `holdout/*` metrics (`evaluate.bpc.holdout_metrics`) join the manifest's, the
             text is written beside it and its digest recorded (`config["holdout"]`).
         finetune: the `finetune` section; when given and enabled, its `finetune/*` metrics
             (`finetune.run_finetune`, on `probe`'s tasks) join the manifest's.

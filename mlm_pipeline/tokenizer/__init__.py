@@ -2,7 +2,7 @@
 (`stage`), or the Hugging Face tokenizer of a published model adopted as it is
 (`pretrained`); `Tokenizer` (`base`) is what later stages use of either, loaded from the
 stage's manifest (`Tokenizer.load`); `SentencePieceTokenizer` (`tokenizer`) loads, checks and
-encodes with a trained model, and `export` writes it as Hugging Face `tokenizers` /
+encodes with a trained model, and `hf_files` writes it as Hugging Face `tokenizers` /
 `transformers` files.
 """
 

@@ -81,7 +81,7 @@ _WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
 
 
 def _tokenizers():
-    from mlm_pipeline.tokenizer.export import require
+    from mlm_pipeline.tokenizer.hf_files import require
 
     return require("tokenizers")
 

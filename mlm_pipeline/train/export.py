@@ -7,7 +7,7 @@
   model's architecture (`train.hf`: `bert` -> `BertForMaskedLM`, `modern` ->
   `ModernBertForMaskedLM`), fp32, the vocabulary's padding rows sliced away;
 - `tokenizer.json`, `tokenizer_config.json` (and what `transformers` writes with them):
-  our SentencePiece tokenizer rebuilt with `tokenizers` (`tokenizer.export`), found from
+  our SentencePiece tokenizer rebuilt with `tokenizers` (`tokenizer.hf_files`), found from
   the checkpoint's tokenizer digest in the work directory;
 - `README.md`: a model card (corpus and its digest, steps, tokens seen, evaluation
   metrics when the run was evaluated, how it was trained and how to load it).
@@ -36,7 +36,7 @@ from mlm_pipeline.manifest import (
     TrainManifest,
     read_manifest,
 )
-from mlm_pipeline.tokenizer.export import export_tokenizer, require
+from mlm_pipeline.tokenizer.hf_files import export_tokenizer, require
 from mlm_pipeline.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

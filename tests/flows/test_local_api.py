@@ -14,7 +14,7 @@ CODE = """
 import os, sys
 os.environ.pop('PREFECT_API_URL', None)
 os.environ['PREFECT_HOME'] = sys.argv[1]
-import mlm_pipeline_flows.cli as cli
+import mlm_pipeline_flows.console as cli
 api = cli.LocalPrefectApi()
 api.start(180)
 print('prefect imported:', 'prefect' in sys.modules)

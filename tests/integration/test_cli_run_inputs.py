@@ -11,10 +11,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The console script's entry (installed as mlm_pipeline_flows.cli), as the checkout has it.
+# The console script's entry (installed as mlm_pipeline_flows.console), as the checkout has it.
 CODE = """
 import sys
-from mlm_pipeline_flows.cli import main
+from mlm_pipeline_flows.console import main
 rc = main(["run", "tiny", "--set", sys.argv[1]])
 print("rc", rc, "prefect", "prefect" in sys.modules)
 """
@@ -46,8 +46,8 @@ def test_run_without_a_flow_names_the_entry_point(capsys):
 
     assert main(["run", "tiny"]) == 2
     err = capsys.readouterr().err
-    assert "mlm_pipeline_flows.cli:main" in err
-    assert "python -m mlm_pipeline_flows.cli run" in err
+    assert "mlm_pipeline_flows.console:main" in err
+    assert "python -m mlm_pipeline_flows.console run" in err
 
 
 @pytest.fixture

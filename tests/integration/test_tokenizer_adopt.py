@@ -31,7 +31,7 @@ from mlm_pipeline.tokenizer import (
     adopt_pretrained_tokenizer,
     pretrained_tokenizer_digest,
 )
-from mlm_pipeline.tokenizer.export import export_tokenizer
+from mlm_pipeline.tokenizer.hf_files import export_tokenizer
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.stage import build_train_masker
 from tests.adopted_tokenizers import build_bert_wordpiece, build_modernbert_bpe

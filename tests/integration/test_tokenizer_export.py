@@ -1,4 +1,4 @@
-"""`tokenizer.export`: `AutoTokenizer` on the exported directory gives exactly our ids.
+"""`tokenizer.hf_files`: `AutoTokenizer` on the exported directory gives exactly our ids.
 
 Every combination of unigram / BPE, with and without byte fallback, NFC and NFKC corpora,
 on every document of the tiny corpus (the validation split and the training split), a
@@ -24,7 +24,7 @@ import sentencepiece as spm
 
 from mlm_pipeline.config import SPECIAL_TOKENS, TokenizerConfig
 from mlm_pipeline.tokenizer import SentencePieceTokenizer, Tokenizer, train_tokenizer
-from mlm_pipeline.tokenizer.export import (
+from mlm_pipeline.tokenizer.hf_files import (
     build_hf_tokenizer,
     charsmap_rules,
     export_tokenizer,

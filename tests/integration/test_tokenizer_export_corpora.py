@@ -12,7 +12,7 @@ import pytest
 
 from mlm_pipeline.config import TokenizerConfig
 from mlm_pipeline.tokenizer import Tokenizer, train_tokenizer
-from mlm_pipeline.tokenizer.export import export_tokenizer
+from mlm_pipeline.tokenizer.hf_files import export_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -88,7 +88,7 @@ def test_wheel_contents(wheel):
     assert sorted(expected - names) == []  # every module and shipped config is installed
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "mlm-pipeline = mlm_pipeline_flows.cli:main" in text
+    assert "mlm-pipeline = mlm_pipeline_flows.console:main" in text
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_installed_command_prints_the_shipped_config(installed, monkeypatch):
 def test_installed_flows_import_without_the_checkout(installed):
     python = str(installed["bin"] / "python")
     code = ("import importlib.util, sys; import mlm_pipeline_flows.pretraining as p, "
-            "mlm_pipeline_flows.cli; assert importlib.util.find_spec('flows') is None; "
+            "mlm_pipeline_flows.console; assert importlib.util.find_spec('flows') is None; "
             "print(p.mlm_pretraining.name)")
     out = _run([python, "-c", code], timeout=300, env=installed["env"], cwd=installed["cwd"])
     assert out.stdout.strip() == "mlm-pretraining"
@@ -196,4 +196,4 @@ def test_installed_flows_import_without_the_checkout(installed):
     proc = subprocess.run([python, "-m", "mlm_pipeline.cli", "run", "tiny"], check=False,
                           capture_output=True, text=True, timeout=120, env=installed["env"],
                           cwd=installed["cwd"])
-    assert proc.returncode == 2 and "mlm_pipeline_flows.cli:main" in proc.stderr
+    assert proc.returncode == 2 and "mlm_pipeline_flows.console:main" in proc.stderr

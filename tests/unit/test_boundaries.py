@@ -5,7 +5,7 @@ Rules checked here, one test each:
 
 1. No module under `mlm_pipeline/` imports `prefect`.
 2. No module under `mlm_pipeline/` imports the flows (`flows` or `mlm_pipeline_flows`):
-   `mlm-pipeline run` gets the flow from the console script's entry, `flows/cli.py`.
+   `mlm-pipeline run` gets the flow from the console script's entry, `flows/console.py`.
 3. Only `mlm_pipeline/tracking/` and `mlm_pipeline/app/` import `mlflow`.
 4. No module imports a level above its own. Levels, lowest first: the ground floor
    (`mlm_pipeline/__init__.py`, `config`, `config_files`, `errors`, `locks`, `manifest`,
@@ -183,7 +183,7 @@ def test_rule_1_no_prefect():
 def test_rule_2_no_flows():
     bad = [str(i) for i in IMPORTS if _top(i.target) in ("flows", "mlm_pipeline_flows")]
     assert not bad, ("the library never imports the flows; `run` gets its flow from the "
-                     "console script (flows/cli.py):\n" + "\n".join(bad))
+                     "console script (flows/console.py):\n" + "\n".join(bad))
 
 
 def test_rule_3_mlflow_only_in_tracking_and_app():

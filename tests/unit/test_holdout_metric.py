@@ -1,5 +1,5 @@
 """`holdout/bits_per_char` of the holdout text read from files (`ingest.holdout`,
-`evaluate.holdout`), checked against bits computed here from the model's own logits on
+`evaluate.bpc.holdout_metrics`), checked against bits computed here from the model's own logits on
 words that are one piece each."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from mlm_pipeline.config import EvalConfig, PipelineConfig
-from mlm_pipeline.evaluate.holdout import holdout_metrics
+from mlm_pipeline.evaluate.bpc import holdout_metrics
 from mlm_pipeline.ingest import read_holdout
 from mlm_pipeline.tokenizer import Tokenizer
 from tests.unit.test_bpc import _model, _single_piece_words, single_piece_bits

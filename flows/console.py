@@ -3,8 +3,8 @@ command goes to `mlm_pipeline.cli.main` as it is.
 
 The library never imports the flows, so the flow is handed to it here
 (`mlm_pipeline.cli.main(argv, run_flow=run_pretraining)`). Installed, this module is
-`mlm_pipeline_flows.cli` (the console script's target, also `python -m
-mlm_pipeline_flows.cli`). Prefect is imported only when `run` starts the flow, so the other
+`mlm_pipeline_flows.console` (the console script's target, also `python -m
+mlm_pipeline_flows.console`). Prefect is imported only when `run` starts the flow, so the other
 commands start as fast as the library does.
 
 `run` executes the flow in this process. With `PREFECT_API_URL` set, the run is recorded
