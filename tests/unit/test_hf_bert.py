@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.train.hf import hf_bert_state_dict, to_hf_bert
 from mlm_pipeline.train.model import BertMLM
+from tests.hf_parity import (
+    VOCAB,
+    assert_logits_and_loss_match,
+    assert_logits_match_with_padding,
+    with_nontrivial_vectors,
+)
 
 pytest.importorskip("transformers")
 
-VOCAB = 100  # padded to 128 rows in ours, 100 in the export
 SEQ_LEN = 16
 
 
@@ -21,49 +25,17 @@ def pair():
     torch.manual_seed(0)
     cfg = ModelConfig(preset="bert", hidden_size=32, num_layers=2, num_heads=4,
                       intermediate_size=64)
-    ours = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN)
-    with torch.no_grad():  # init leaves biases and LayerNorms trivial: make them matter
-        for name, p in ours.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return ours.eval(), to_hf_bert(ours)
-
-
-def batch(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, VOCAB, (3, SEQ_LEN), generator=g)
-    labels = torch.full_like(input_ids, -100)
-    chosen = torch.rand(3, SEQ_LEN, generator=g) < 0.3
-    labels[chosen] = torch.randint(5, VOCAB, (int(chosen.sum()),), generator=g)
-    return input_ids, labels
+    ours = with_nontrivial_vectors(BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN))
+    return ours, to_hf_bert(ours)
 
 
 def test_logits_and_loss_match(pair):
     ours, hf = pair
-    input_ids, labels = batch(0)
-    with torch.no_grad():
-        mine = ours(input_ids, labels=labels)
-        theirs = hf(input_ids=input_ids, labels=labels)
-    assert theirs.logits.shape == (3, SEQ_LEN, VOCAB)
-    torch.testing.assert_close(mine.logits, theirs.logits[labels != -100],
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-5, rtol=1e-5)
-    # Independent loss: cross-entropy of HF's full logits over the labelled positions.
-    ref = F.cross_entropy(theirs.logits.reshape(-1, VOCAB), labels.reshape(-1))
-    torch.testing.assert_close(mine.loss, ref, atol=1e-5, rtol=1e-5)
+    assert_logits_and_loss_match(ours, hf, SEQ_LEN)
 
 
 def test_logits_match_with_padding(pair):
-    ours, hf = pair
-    input_ids, _ = batch(1)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, 10:] = 0
-    attention_mask[2, 5:] = 0
-    with torch.no_grad():
-        mine = ours(input_ids, attention_mask=attention_mask).logits
-        theirs = hf(input_ids=input_ids, attention_mask=attention_mask).logits
-    real = attention_mask.bool()
-    torch.testing.assert_close(mine[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert_logits_match_with_padding(*pair, SEQ_LEN, cut=10)
 
 
 def test_export_cuts_vocab_padding_and_zeroes_token_types(pair):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.train.attention import rope_tables
@@ -17,10 +16,15 @@ from mlm_pipeline.train.hf import (
     to_hf_modernbert,
 )
 from mlm_pipeline.train.model import BertMLM
+from tests.hf_parity import (
+    VOCAB,
+    assert_logits_and_loss_match,
+    assert_logits_match_with_padding,
+    with_nontrivial_vectors,
+)
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 100  # padded to 128 rows in ours, 100 in the export
 SEQ_LEN = 32
 
 
@@ -28,12 +32,7 @@ def modern(bias: bool = False, layers: int = 3) -> BertMLM:
     torch.manual_seed(0)
     cfg = ModelConfig(preset="modern", hidden_size=32, num_layers=layers, num_heads=4,
                       intermediate_size=48, bias=bias)
-    model = BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN)
-    with torch.no_grad():  # init leaves biases and LayerNorms trivial: make them matter
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return with_nontrivial_vectors(BertMLM(cfg, vocab_size=VOCAB, seq_len=SEQ_LEN))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "bias"])
@@ -42,41 +41,14 @@ def pair(request):
     return ours, to_hf_modernbert(ours)
 
 
-def batch(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, VOCAB, (3, SEQ_LEN), generator=g)
-    labels = torch.full_like(input_ids, -100)
-    chosen = torch.rand(3, SEQ_LEN, generator=g) < 0.3
-    labels[chosen] = torch.randint(5, VOCAB, (int(chosen.sum()),), generator=g)
-    return input_ids, labels
-
-
 def test_logits_and_loss_match(pair):
     ours, hf = pair
     assert type(hf).__name__ == "ModernBertForMaskedLM" and not hf.training
-    input_ids, labels = batch(0)
-    with torch.no_grad():
-        mine = ours(input_ids, labels=labels)
-        theirs = hf(input_ids=input_ids, labels=labels)
-    assert theirs.logits.shape == (3, SEQ_LEN, VOCAB)
-    torch.testing.assert_close(mine.logits, theirs.logits[labels != -100],
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-5, rtol=1e-5)
-    ref = F.cross_entropy(theirs.logits.reshape(-1, VOCAB), labels.reshape(-1))
-    torch.testing.assert_close(mine.loss, ref, atol=1e-5, rtol=1e-5)
+    assert_logits_and_loss_match(ours, hf, SEQ_LEN)
 
 
 def test_logits_match_with_padding(pair):
-    ours, hf = pair
-    input_ids, _ = batch(1)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, 20:] = 0
-    attention_mask[2, 5:] = 0
-    with torch.no_grad():
-        mine = ours(input_ids, attention_mask=attention_mask).logits
-        theirs = hf(input_ids=input_ids, attention_mask=attention_mask).logits
-    real = attention_mask.bool()
-    torch.testing.assert_close(mine[real], theirs[real], atol=1e-5, rtol=1e-5)
+    assert_logits_match_with_padding(*pair, SEQ_LEN, cut=20)
 
 
 def test_every_tensor_maps_to_one_hf_tensor(pair):
