@@ -154,7 +154,7 @@ class AttentionLayout:
         self.batch, self.seq_len, self.device = batch, seq_len, device
         self.keys_valid, self.documents = keys_valid, documents
         self.kernel = resolve_kernel(kernel, device, dropout_p)
-        self._plans: dict[int | None, Attend] = {}
+        self._plans: dict[int | None, tuple[str, Attend]] = {}
 
     @classmethod
     def build(cls, input_ids: Tensor, attention_mask: Tensor | None,
@@ -184,25 +184,34 @@ class AttentionLayout:
         Returns:
             (B, h, L, D), dtype of `q`.
         """
+        return self._plan(window)[1](q, k, v, dropout_p)
+
+    def plan_name(self, window: int | None) -> str:
+        """How a layer of `window` attends in this batch: `unmasked` (plain SDPA), `dense`
+        (the boolean mask), `buckets` (documents batched by length), `band` (sliding
+        chunks) or `flex`."""
+        return self._plan(window)[0]
+
+    def _plan(self, window: int | None) -> tuple[str, Attend]:
         if window is not None and window >= self.seq_len - 1:
             window = None  # the window spans the row: a global layer
         if window not in self._plans:
-            self._plans[window] = self._plan(window)
-        return self._plans[window](q, k, v, dropout_p)
+            self._plans[window] = self._new_plan(window)
+        return self._plans[window]
 
-    def _plan(self, window: int | None) -> Attend:
+    def _new_plan(self, window: int | None) -> tuple[str, Attend]:
         if self.keys_valid is None and self.documents is None and window is None:
-            return _unmasked
+            return "unmasked", _unmasked
         if self.kernel == "flex":
-            return _flex_plan(self, window)
+            return "flex", _flex_plan(self, window)
         if self.kernel == "blocks":
             if window is not None and self.seq_len > BAND_MIN_HALF_WINDOWS * window:
-                return _band_plan(self, window)
+                return "band", _band_plan(self, window)
             if self.documents is not None or self.keys_valid is not None:
                 plan = _bucket_plan(self, window)
                 if plan is not None:
-                    return plan
-        return _dense_plan(self, window)
+                    return "buckets", plan
+        return "dense", _dense_plan(self, window)
 
 
 def resolve_kernel(kernel: str, device: torch.device, dropout_p: float = 0.0) -> str:
