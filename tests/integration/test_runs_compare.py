@@ -34,17 +34,22 @@ STEPS = (10, 20, 30, 40, 50, 60)
 EVAL_STEPS = (20, 40, 60)
 #: Per run: lr override, train/loss and train/tokens_per_s per interval, eval/loss at
 #: EVAL_STEPS, final eval/mlm_accuracy, probe/accuracy (None: not logged), finetune/accuracy
-#: and finetune/scratch_accuracy (None: not logged), shards digest.
+#: and finetune/scratch_accuracy (None: not logged), the probe's controls (random init, TF-IDF
+#: on the same input, majority; None: not logged), `unavailable.*` tags, shards digest.
 RUNS = {
     "run-a": {"lr": "0.001", "loss": (9.0, 8.0, 7.5, 7.0, 6.8, 6.6),
               "speed": (1000.0, 2000.0, 2000.0, 4000.0, 4000.0, 4000.0),
               "eval": (8.5, 7.4, 6.9), "acc": 0.125, "probe": 0.75, "finetune": (0.8125, 0.5625),
-              "digest": "a1" * 32},
+              "controls": (0.625, 0.6875, 0.5), "unavailable": {}, "digest": "a1" * 32},
     "run-b": {"lr": "0.002", "loss": (8.8, 7.7, 7.1, 6.6, 6.3, 6.1),
               "speed": (500.0, 500.0, 1000.0, 1000.0, 1000.0, 1000.0),
               "eval": (8.0, 6.9, 6.2), "acc": 0.25, "probe": None, "finetune": None,
+              "controls": None, "unavailable": {"unavailable.probe": "no data: fetch failed",
+                                               "unavailable.finetune": "disabled"},
               "digest": "b2" * 32},
 }
+CONTROLS = ("probe/accuracy_random_init", "probe/tfidf_accuracy_same_input",
+            "probe/majority_accuracy")
 WIDTH_PX, HEIGHT_PX = 800, 500
 COMPARE_WIDTH_PX = 1200  # two panels side by side
 
@@ -54,7 +59,8 @@ def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = Tr
     cfg = load_config(None, [f"train.lr={spec['lr']}"])
     # a param MLflow's transformers flavor logs on the run, on one run only
     flavor = {"tokenizer_kwargs/truncation": "True"} if name == "run-a" else {}
-    run_id = tracker.start_run({**run_params(cfg), **flavor}, {"digest.shards": spec["digest"]})
+    run_id = tracker.start_run({**run_params(cfg), **flavor},
+                               {"digest.shards": spec["digest"], **spec["unavailable"]})
     sink = tracker.sink(run_id)
     for step, loss, speed in zip(STEPS, spec["loss"], spec["speed"]):
         sink.log({"train/loss": loss, "train/lr": float(spec["lr"]) * step / STEPS[-1],
@@ -69,6 +75,8 @@ def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = Tr
             final["probe/accuracy"] = spec["probe"]
         if spec["finetune"] is not None:
             final["finetune/accuracy"], final["finetune/scratch_accuracy"] = spec["finetune"]
+        if spec["controls"] is not None:
+            final.update(zip(CONTROLS, spec["controls"]))
         tracker.log_metrics(run_id, final, step=STEPS[-1])
     tracker.end_run(run_id)
     return run_id
@@ -137,6 +145,10 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged, run_cli
         assert row["probe/accuracy"] == spec["probe"]
         assert (row["finetune/accuracy"], row["finetune/scratch_accuracy"]) == (
             spec["finetune"] or (None, None))
+        # the controls side by side with the figure, and what was not computed, by name
+        assert tuple(row[k] for k in CONTROLS) == (spec["controls"] or (None,) * 3)
+        assert row["not computed"] == (", ".join(sorted(
+            k.removeprefix("unavailable.") for k in spec["unavailable"])) or None)
         assert row["data (digest.shards)"] == spec["digest"]
         assert row["wall time"] >= 0
     assert rows["run-a"]["registry alias"] == "champion (tiny-model v1)"
