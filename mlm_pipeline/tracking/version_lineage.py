@@ -1,7 +1,7 @@
 """Lineage of a registered model version: its parent, its data and what the run added,
 as model-version tags, so the champion's history reads from the registry alone; the
-final evaluation metrics on the MLflow logged model; and the asset keys of the stage
-outputs that the flows report to Prefect.
+final evaluation metrics linked to the MLflow logged model (the run's own points, never a
+second one); and the asset keys of the stage outputs that the flows report to Prefect.
 
 Model-version tags (`record_version_lineage`, after `app.publish.publish` registered the
 version; the run gets the `lineage.parent*` and `lineage.steps_added` tags too):
@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -208,17 +209,25 @@ def parent_label(tags: Mapping[str, str]) -> str:
 def log_model_metrics(tracker: MlflowTracker, run_id: str, model_uri: str,
                       metrics: Mapping[str, float], step: int, dataset_name: str,
                       dataset_digest: str) -> dict[str, float]:
-    """Log the final evaluation `metrics` on the logged model `model_uri` (`models:/m-...`)
-    with the dataset they were computed on, so the model's page lists them with it. Each
-    point is the run's own point of that key at `step` (same timestamp and value: the
-    run's history keeps one point per step), linked to the model and the dataset.
+    """Link the run's final evaluation points to the logged model `model_uri`
+    (`models:/m-...`), so the model's page lists them, without ever adding a point to the
+    run's history: the run keeps one point per key and step whatever the end stages did
+    (a model logged, a publish step retried, a run finished after a failure).
 
-    MLflow's `log_model(step=...)` (`registry.log_model`) has already linked the run's
-    points at that step to the model, without a dataset, and the store keys a model's
-    metric by model, name, timestamp, step and run, not by dataset: the dataset's point
-    then takes the current time, and the run's history holds a second point of the same
-    value at `step` (`plots.metric_series` keeps one per step). Non-finite values, and
-    metrics the model holds already for this dataset, are skipped (a rerun logs nothing).
+    A link is the run's own point of that key at `step` (its timestamp and value) sent
+    again with the model's id: MLflow stores a run's metric once per (key, timestamp,
+    step, value), so the run's history is unchanged, and the model gains the point.
+    MLflow's `log_model(step=...)` (`registry.log_model`) has already linked every point
+    of the run at that step to the model, without a dataset; those are left as they are.
+    The store keys a model's metric by model, key, timestamp, step and run, not by
+    dataset, so the dataset cannot be added to a linked point without a second point of
+    a new timestamp in the run's history, which is what this function must never log:
+    a point it links itself carries `dataset_name` / `dataset_digest`; the run's dataset
+    inputs (`lineage.shard_inputs`) say which data the run was evaluated on either way.
+
+    A key the run holds no point of at `step` (its end stages logged none: normally
+    `records.record_results` logs them first) is logged once here, linked, with the
+    dataset: its first point. Non-finite values are skipped, as MLflow cannot store them.
 
     Args:
         tracker: the MLflow backend.
@@ -226,33 +235,31 @@ def log_model_metrics(tracker: MlflowTracker, run_id: str, model_uri: str,
         model_uri: `models:/m-<id>` (`registry.log_model`).
         metrics: key -> value (`eval/loss`, ...).
         step: the final step (the step of the run's eval points).
-        dataset_name, dataset_digest: a dataset input of the run (the validation shards:
-            `lineage.shard_inputs`).
+        dataset_name, dataset_digest: a dataset input of the run (the validation shards).
 
     Returns:
-        The metrics logged.
+        The points linked or logged here, key -> value (empty when all were linked).
 
     Raises:
         ValueError: `model_uri` is not a `models:/m-...` URI.
     """
     from mlflow.entities import Metric
-    from mlflow.utils.time import get_current_time_millis
 
     model_id = model_uri.removeprefix("models:/")
     if not model_uri.startswith("models:/m-"):
         raise ValueError(f"log_model_metrics: {model_uri!r} is not a logged model "
                          "(models:/m-...)")
     client = tracker.client
-    held = client.get_logged_model(model_id).metrics or []
-    have = {(m.key, m.dataset_digest) for m in held}
-    linked = {(m.key, m.step, m.timestamp) for m in held}
+    linked = {(m.key, m.step) for m in client.get_logged_model(model_id).metrics or []}
     points = []
     for key, value in metrics.items():
-        if not math.isfinite(value) or (key, dataset_digest) in have:
+        if not math.isfinite(value) or (key, step) in linked:
             continue
-        own = [m.timestamp for m in client.get_metric_history(run_id, key) if m.step == step]
-        stamp = own[-1] if own and (key, step, own[-1]) not in linked else None
-        stamp = stamp or get_current_time_millis()
+        own = [m for m in client.get_metric_history(run_id, key) if m.step == step]
+        if own:  # the run's point itself: the run's history keeps one
+            value, stamp = own[-1].value, own[-1].timestamp
+        else:
+            stamp = time.time_ns() // 1_000_000  # MLflow's unit: ms since the epoch
         points.append(Metric(key, float(value), stamp, step, model_id=model_id,
                              dataset_name=dataset_name, dataset_digest=dataset_digest,
                              run_id=run_id))
@@ -266,9 +273,10 @@ def record_lineage(tracker: MlflowTracker, registered: Mapping[str, Any],
                    shards: ShardManifest, tokenizer_digest: str) -> dict[str, str]:
     """What `train-evaluate`'s publish step records after registration: the version's
     lineage (`record_version_lineage`, the corpus digest read from `shards.inputs`) and
-    the final evaluation metrics on the logged model `registered["model_uri"]` with the
-    validation shards (`log_model_metrics`; dataset `shards-validation`, digest
-    `lineage.dataset_digest`, as the run's input). Returns the version's lineage tags.
+    the final evaluation metrics linked to the logged model `registered["model_uri"]`
+    (`log_model_metrics`: the run's own points, none added; those it links itself carry
+    the dataset `shards-validation`, digest `lineage.dataset_digest`, as the run's input).
+    Returns the version's lineage tags.
 
     Raises:
         The errors of `record_version_lineage` and `log_model_metrics`.

@@ -14,6 +14,7 @@ import mlm_pipeline_flows
 from mlm_pipeline_flows.prepare_data import prepare_data_flow
 from mlm_pipeline_flows.pretraining import PretrainParams, mlm_pretraining
 from tests.faults.mlm_faults import nan_at_step
+from tests.mlflow_history import assert_one_point_per_step
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 #: For the tests not about the model: no export, MLflow model or registry (which cost a
@@ -98,6 +99,8 @@ def test_flow_logs_a_complete_mlflow_run(tmp_path):
     logged = client.get_logged_model(run.data.tags["mlm.model_uri"].removeprefix("models:/"))
     assert logged.source_run_id == run.info.run_id
     assert {m.key: m.step for m in logged.metrics}["eval/loss"] == 6  # step = final step
+    # The model logged and linked to the final points: each metric once per step.
+    assert assert_one_point_per_step(client, run.info.run_id) > 10
     from mlm_pipeline.app.summary import summary_markdown
 
     assert "## Model registry" in summary_markdown(summary)
@@ -115,6 +118,8 @@ def finished_run(tmp_path_factory):
         return_state=True,
     )
     assert state.is_completed()
+    # No model logged: each metric once per step.
+    assert_one_point_per_step(MlflowClient(tracking_uri=uri), state.result()["mlflow_run_id"])
     return folder, uri, state, state.result()
 
 
@@ -285,6 +290,8 @@ def test_resume_a_crashed_run(tmp_path, caplog):
     assert client.get_run(run_id).info.status == "FINISHED"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6]
+    # Resumed from step 4: each metric once per step, the steps trained twice included.
+    assert assert_one_point_per_step(client, run_id) > 10
 
 
 def test_resume_refuses_a_changed_config(finished_run):

@@ -10,6 +10,8 @@ store and a real tiny trained model:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mlm_pipeline.app.publish import publish, record_results
@@ -23,7 +25,9 @@ from mlm_pipeline.config import (
 )
 from mlm_pipeline.evaluate import evaluate
 from mlm_pipeline.tracking import MlflowTracker
+from mlm_pipeline.tracking.version_lineage import record_lineage
 from mlm_pipeline.train import train
+from tests.mlflow_history import assert_one_point_per_step
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("transformers")
@@ -72,7 +76,8 @@ def test_a_finished_training_is_not_run_again(finished, tiny_shard_manifest,
 
 
 def test_the_end_stages_done_again_log_and_register_once(finished, monkeypatch,
-                                                         tiny_tokenizer_manifest):
+                                                         tiny_tokenizer_manifest,
+                                                         tiny_shard_manifest):
     cfg, tracker, run_id, trained, evaluated = finished
     record_results(tracker, run_id, cfg, trained, evaluated)
     # The server goes away after the version is created, before an alias moves.
@@ -87,7 +92,7 @@ def test_the_end_stages_done_again_log_and_register_once(finished, monkeypatch,
 
     monkeypatch.setattr(MlflowClient, "set_registered_model_alias", fails_once)
     args = (tracker, run_id, NAME, trained, evaluated, tiny_tokenizer_manifest.output_dir,
-               "Le [MASK] du chat.")
+            "Le [MASK] du chat.")
     with pytest.raises(MlflowException, match="server unavailable"):
         publish(*args)
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
@@ -110,3 +115,20 @@ def test_the_end_stages_done_again_log_and_register_once(finished, monkeypatch,
         assert steps == [STEPS], key
     assert len(client.get_metric_history(run_id, "registry/eval_loss")) == 1
     assert client.get_run(run_id).data.tags["registry.decision"] == "first"
+    # The publish step's last part (the version's lineage and the final metrics linked to
+    # the logged model), then the whole publish step retried: the run's history keeps one
+    # point per metric and step, and the model lists the final points.
+    for _ in range(2):
+        record_lineage(tracker, result, trained, evaluated, tiny_shard_manifest,
+                       tiny_tokenizer_manifest.digest)
+        assert assert_one_point_per_step(client, run_id) > len(evaluated.metrics)
+        record_results(tracker, run_id, cfg, trained, evaluated)
+        result = publish(*args)
+        assert result["version"] == 1
+    assert assert_one_point_per_step(client, run_id) > len(evaluated.metrics)
+    linked = client.get_logged_model(result["model_uri"].removeprefix("models:/")).metrics
+    finite = {k: v for k, v in evaluated.metrics.items() if math.isfinite(v)}
+    assert {m.key: m.step for m in linked if m.key in finite} == dict.fromkeys(finite, STEPS)
+    # Each link is the run's own point (its timestamp), not a copy.
+    own = {k: client.get_metric_history(run_id, k)[0].timestamp for k in finite}
+    assert {m.key: m.timestamp for m in linked if m.key in finite} == own

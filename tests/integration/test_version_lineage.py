@@ -160,17 +160,29 @@ def test_the_run_carries_its_parent_and_steps_added(chain):
     assert run["lineage.steps_added"] == "3"
 
 
-def test_eval_metrics_on_the_logged_model_with_the_dataset(tmp_path, fresh_mlflow_db):
+def _steps(client, run_id: str) -> dict[str, list[int]]:
+    """Every metric of the run -> the steps of its history, in order."""
+    return {key: [m.step for m in client.get_metric_history(run_id, key)]
+            for key in client.get_run(run_id).data.metrics}
+
+
+def test_eval_metrics_are_linked_to_the_logged_model_never_logged_twice(
+        tmp_path, fresh_mlflow_db):
     tracker = MlflowTracker(fresh_mlflow_db(tmp_path / "mlflow.db"), "model-metrics")
     run_id = tracker.start_run({})
-    metrics = {"eval/loss": 3.25, "eval/mlm_accuracy": 0.5, "eval/perplexity": float("inf")}
+    metrics = {"eval/loss": 3.25, "eval/mlm_accuracy": 0.5, "eval/perplexity": float("inf"),
+               "eval/rows": 20.0}
     tracker.log_metrics(run_id, {"eval/loss": 3.25, "eval/mlm_accuracy": 0.5}, step=7)
+    client = MlflowClient(tracker.tracking_uri)
+    stamps = {k: client.get_metric_history(run_id, k)[0].timestamp
+              for k in ("eval/loss", "eval/mlm_accuracy")}
     model = tracker.client.create_logged_model(tracker.experiment_id(), name="model",
                                                source_run_id=run_id)
     uri = f"models:/{model.model_id}"
     digest = "d" * 36
     logged = log_model_metrics(tracker, run_id, uri, metrics, 7, "shards-validation", digest)
-    assert logged == {"eval/loss": 3.25, "eval/mlm_accuracy": 0.5}  # inf is not logged
+    # inf is not logged; eval/rows, which the run did not hold, is logged once, linked
+    assert logged == {"eval/loss": 3.25, "eval/mlm_accuracy": 0.5, "eval/rows": 20.0}
     # Again (a publish step done twice): nothing more.
     assert log_model_metrics(tracker, run_id, uri, metrics, 7, "shards-validation",
                              digest) == {}
@@ -181,24 +193,27 @@ def test_eval_metrics_on_the_logged_model_with_the_dataset(tmp_path, fresh_mlflo
         mlflow.set_tracking_uri(None)
     assert sorted((m.key, m.value, m.step, m.dataset_name, m.dataset_digest) for m in found) == [
         ("eval/loss", 3.25, 7, "shards-validation", digest),
-        ("eval/mlm_accuracy", 0.5, 7, "shards-validation", digest)]
-    # The run keeps one point per key at that step.
-    client = MlflowClient(tracker.tracking_uri)
-    assert [m.step for m in client.get_metric_history(run_id, "eval/loss")] == [7]
+        ("eval/mlm_accuracy", 0.5, 7, "shards-validation", digest),
+        ("eval/rows", 20.0, 7, "shards-validation", digest)]
+    # The links are the run's own points (their timestamps): one point per key and step.
+    assert {m.key: m.timestamp for m in found if m.key in stamps} == stamps
+    assert _steps(client, run_id) == {"eval/loss": [7], "eval/mlm_accuracy": [7],
+                                      "eval/rows": [7]}
     # A model `log_model(step=...)` logged: MLflow linked the run's points at that step
-    # to it, without a dataset; the dataset's points are added beside them.
+    # to it, without a dataset; nothing is added, neither to the model nor to the run.
     linked = tracker.client.create_logged_model(tracker.experiment_id(), name="model",
                                                 source_run_id=run_id)
     tracker.client.log_batch(run_id, metrics=[
         Metric(m.key, m.value, m.timestamp, m.step, model_id=linked.model_id, run_id=run_id)
-        for key in ("eval/loss", "eval/mlm_accuracy")
+        for key in ("eval/loss", "eval/mlm_accuracy", "eval/rows")
         for m in client.get_metric_history(run_id, key)])
     assert log_model_metrics(tracker, run_id, f"models:/{linked.model_id}", metrics, 7,
-                             "shards-validation", digest) == logged
+                             "shards-validation", digest) == {}
     found = client.get_logged_model(linked.model_id).metrics
-    assert sorted((m.key, m.dataset_digest or "") for m in found) == [
-        ("eval/loss", ""), ("eval/loss", digest), ("eval/mlm_accuracy", ""),
-        ("eval/mlm_accuracy", digest)]
+    assert sorted((m.key, m.dataset_digest) for m in found) == [
+        ("eval/loss", None), ("eval/mlm_accuracy", None), ("eval/rows", None)]
+    assert _steps(client, run_id) == {"eval/loss": [7], "eval/mlm_accuracy": [7],
+                                      "eval/rows": [7]}
     with pytest.raises(ValueError, match="not a logged model"):
         log_model_metrics(tracker, run_id, f"models:/{NAME}/1", metrics, 7, "x", digest)
 
