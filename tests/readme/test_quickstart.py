@@ -317,7 +317,7 @@ def test_accuracy_beats_the_most_frequent_token(quickstart):
     _, labels = mask_tokens(
         valid, vocab_size=shards["vocab_size"], row_index=torch.arange(len(valid)),
         seed=int(params["eval.seed"]), epoch=0,
-        mlm_probability=float(params["masking.mlm_probability"]),
+        mlm_probability=float(params["eval.mlm_probability"]),  # 15 %, not training's
         mask_replace_prob=float(params["masking.mask_replace_prob"]),
         random_replace_prob=float(params["masking.random_replace_prob"]),
     )
