@@ -51,6 +51,9 @@ EXPECTED = {
                        "ratio ours/HF"],
     "sweep_lr.py": ["bert on tiny:", "| lr | warm-up | eval masked accuracy",
                     "| 0.0001 | 0.06 |", "| 0.001 | 0.06 |", "best: lr"],
+    "bench_validation.py": ["the variants' training data are byte-identical: one model",
+                            "| ingest.validation_dedup | validation docs / rows |",
+                            "masked accuracy at 0.15", "| none |", "| lines |"],
     "gpu_tests.py": ["gpu tests (plain):", "| test | outcome |",
                      "| test_gpu.py::test_fused_adamw_matches_cpu |"],
 }
