@@ -144,6 +144,7 @@ class Runner:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                      fused=fused or None)
         self.bf16 = bf16
+        self.tokens = BATCH * SEQ_LEN  # per step
         self.rates: list[float] = []
         self.i = 0
 
@@ -154,6 +155,10 @@ class Runner:
                else contextlib.nullcontext())
         with ctx:
             loss = self.model(input_ids=input_ids, labels=labels).loss
+        self.update(loss)
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward and one optimizer step."""
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -162,7 +167,7 @@ class Runner:
         start = time.perf_counter()
         for _ in range(steps):
             self.step()
-        self.rates.append(steps * BATCH * SEQ_LEN / (time.perf_counter() - start))
+        self.rates.append(steps * self.tokens / (time.perf_counter() - start))
 
 
 def build_pair(pair: str, fused: bool) -> list[Runner]:
@@ -221,17 +226,8 @@ class AttentionRunner(Runner):
     def step(self) -> None:
         input_ids, labels, document_ids = self.batches[self.i % len(self.batches)]
         self.i += 1
-        loss = self.model(input_ids, labels=labels,
-                          document_ids=document_ids if self.documents else None).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def timed(self, steps: int) -> None:
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        self.rates.append(steps * self.tokens / (time.perf_counter() - start))
+        self.update(self.model(input_ids, labels=labels,
+                               document_ids=document_ids if self.documents else None).loss)
 
 
 def attention_table(seq_len: int, docs: str, rounds: int, steps: int, peak: float) -> None:
