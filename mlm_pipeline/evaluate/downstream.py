@@ -52,10 +52,10 @@ from mlm_pipeline.evaluate.encoders import (
     TextEncoder,
     encoder_rows,
     full_texts,
+    length_batches,
     ours,
-    pooled_states,
+    pooled_sums,
     seen_texts,
-    text_batches,
 )
 from mlm_pipeline.evaluate.stats import mean_sd
 from mlm_pipeline.evaluate.tasks import Rows, TaskSplit, load_task, majority_rate
@@ -127,20 +127,29 @@ def load_tasks(cfg: LinearProbeConfig, kind: str, result: DownstreamResult
 def embed(encoder: TextEncoder, module: torch.nn.Module, encoded: EncodedTexts, *,
           batch_size: int = 32, device: torch.device | str = "cpu") -> np.ndarray:
     """Mean-pooled final hidden states of the encoded texts (`encoders.pooled_states`),
-    `module` frozen: float32 (texts, H).
+    `module` frozen: float32 (texts, H), row i the text i of `encoded`.
 
-    The module runs in eval mode under `no_grad`; its train/eval mode is restored
-    afterwards, so the probe can run in the middle of training.
+    Rows run in batches of about `batch_size` texts' worth of rows, sorted by length
+    (`encoders.length_batches`), and each text's sums are accumulated over the batches its
+    rows fall in: the same means as batches of whole texts, with little padding. The
+    module runs in eval mode under `no_grad`; its train/eval mode is restored afterwards,
+    so the probe can run in the middle of training.
     """
+    n_texts = len(encoded.seen)
+    rows_per_batch = max(1, round(batch_size * len(encoded.rows) / max(1, n_texts)))
+    sums = torch.zeros(n_texts, encoder.hidden_size)
+    counts = torch.zeros(n_texts)
     was_training = module.training
     module.eval()
-    out = []
     try:
-        for _, rows, owner in text_batches(encoded, batch_size):
-            out.append(pooled_states(encoder, module, rows, owner, max(owner) + 1, device))
+        for batch in length_batches(encoded, rows_per_batch):
+            got, n = pooled_sums(encoder, module, [encoded.rows[r] for r in batch],
+                                 [encoded.owner[r] for r in batch], n_texts, device)
+            sums += got.cpu()
+            counts += n.cpu()
     finally:
         module.train(was_training)
-    return torch.cat(out).cpu().numpy()
+    return (sums / counts.unsqueeze(-1)).numpy()
 
 
 def encode_split(encoder: TextEncoder, rows: Rows, cfg: LinearProbeConfig,
