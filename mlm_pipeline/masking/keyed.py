@@ -101,7 +101,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mlm_pipeline.config import IGNORE_INDEX, SENTENCEPIECE_SPECIAL_IDS, MaskingConfig, SpecialIds
+from mlm_pipeline.config import IGNORE_INDEX, MaskingConfig, SpecialIds
 from mlm_pipeline.masking import keyed_numpy
 from mlm_pipeline.masking.vocab import MaskingVocab, masking_vocab
 
@@ -316,25 +316,6 @@ def _unselected_words(
     last = first_scores.gather(1, (taken - 1).clamp_(min=0))
     unselected_first = torch.gt(score, last).logical_or_(taken == 0)
     return unselected_first.gather(1, word_start).logical_or_(special)
-
-
-def special_tokens_mask(input_ids: Tensor, special_ids: SpecialIds | None = None) -> Tensor:
-    """Where the special tokens ([PAD], [UNK], [CLS], [SEP], [MASK] and the tokenizer's
-    other special tokens) and padding are.
-
-    Args:
-        input_ids: integer ids, shape (B, L), each below the vocabulary's size.
-        special_ids: the tokenizer's special ids; None: `SENTENCEPIECE_SPECIAL_IDS`
-            (0-4, the SentencePiece tokenizers this pipeline trains).
-
-    Returns:
-        Bool tensor (B, L), True at the special ids.
-    """
-    special_ids = special_ids or SENTENCEPIECE_SPECIAL_IDS
-    ids = special_ids.all_special_ids
-    if ids == tuple(range(len(ids))):
-        return input_ids < len(ids)
-    return torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
 
 
 def _check_prob(name: str, value: float) -> None:

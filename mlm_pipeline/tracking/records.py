@@ -163,14 +163,6 @@ def data_accounting(
     return m
 
 
-def data_metrics(
-    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
-) -> dict[str, float]:
-    """`data_accounting` as floats keyed `data/<name>`, the metric names runs logged before
-    (for readers of older runs); new runs hold the same values as params `data.<name>`."""
-    return {f"data/{k}": float(v) for k, v in data_accounting(corpus, tokenizer, shards).items()}
-
-
 def record_data(
     tracker: MlflowTracker,
     run_id: str,

@@ -280,13 +280,6 @@ def find_resumable(
     return None
 
 
-def last_logged_step(tracker: MlflowTracker, run_id: str, key: str = "train/loss") -> int:
-    """The highest step at which `key` was logged on the run, 0 if never: a continued run
-    sends only later steps, so every step keeps exactly one value."""
-    history = tracker.client.get_metric_history(run_id, key)
-    return max((m.step for m in history), default=0)
-
-
 def logged_steps(tracker: MlflowTracker, run_id: str) -> dict[str, int]:
     """The highest step at which each metric key was logged on the run (keys the run never
     logged are absent): a continued run sends, key by key, only later steps

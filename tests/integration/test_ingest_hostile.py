@@ -22,7 +22,7 @@ import pytest
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest.readers import read_records
 from mlm_pipeline.ingest.stage import ingest
-from mlm_pipeline.tracking.records import accounting_rows, data_metrics
+from mlm_pipeline.tracking.records import accounting_rows, data_accounting
 
 needs_posix = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/null")
 
@@ -153,10 +153,10 @@ def test_hostile_directory_exact_accounting(tmp_path, caplog):
         assert name in special
     # ... and reach the tracking records (MLflow metrics, the accounting table).
     split = SimpleNamespace(rows=0, remainder_tokens=0)
-    metrics = data_metrics(m, SimpleNamespace(vocab_size=128),
-                           SimpleNamespace(seq_len=16, train=split, validation=split))
-    assert metrics["data/files_rejected"] == 7.0 and metrics["data/files_skipped"] == 6.0
-    assert metrics["data/dropped_binary"] == 3.0 and metrics["data/repaired_control"] == 1.0
+    params = data_accounting(m, SimpleNamespace(vocab_size=128),
+                             SimpleNamespace(seq_len=16, train=split, validation=split))
+    assert params["files_rejected"] == 7 and params["files_skipped"] == 6
+    assert params["dropped_binary"] == 3 and params["repaired_control"] == 1
     rows = [r for r in accounting_rows(m) if r["what"] == "file rejected"]
     assert [(r["reason"], r["documents"]) for r in rows] == [
         (f"{b.reason}: {b.path}", b.documents) for b in m.bad_files]

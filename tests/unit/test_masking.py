@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig
-from mlm_pipeline.masking.keyed import mask_tokens, mix64_, special_tokens_mask
+from mlm_pipeline.masking.keyed import mask_tokens, mix64_
 from mlm_pipeline.masking.maskers import DynamicMasker, Masker, build_masker
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -315,14 +315,6 @@ def test_new_epoch_or_seed_gives_new_mask(change):
     # Independent masks agree on a selected position with probability 0.15 only.
     overlap = (base & other).sum().item() / base.sum().item()
     assert overlap < 0.3
-
-
-def test_special_tokens_mask():
-    ids = torch.tensor([[2, 7, 4, 3, 0, 0], [2, 1, 5, 999, 3, 0]])
-    expected = torch.tensor(
-        [[True, False, True, True, True, True], [True, True, False, False, True, True]]
-    )
-    assert torch.equal(special_tokens_mask(ids), expected)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from test_masking_modes import assert_matches_reference
 
 from mlm_pipeline.config import MaskingConfig, SpecialIds
 from mlm_pipeline.masking import KeyedMasking, build_masker, keyed, keyed_numpy
-from mlm_pipeline.masking.keyed import mask_tokens, special_tokens_mask
+from mlm_pipeline.masking.keyed import mask_tokens
 
 VOCAB = 400
 #: A BERT-like layout with two more special tokens (7, 250) that are no role.
@@ -108,14 +108,6 @@ def test_bert_ids_never_selected_and_replacements_ordinary():
     group = np.searchsorted(ordinary, drawn.numpy()) * 10 // len(ordinary)
     shares = np.bincount(group, minlength=10) / len(group)
     assert np.abs(shares - 0.1).max() < 0.02, shares
-
-
-def test_special_tokens_mask_uses_the_tokenizer_ids():
-    ids = torch.tensor([[101, 5, 7, 102, 0, 250, 4]])
-    assert special_tokens_mask(ids, BERT).tolist() == [[True, False, True, True, True, True,
-                                                         False]]
-    assert special_tokens_mask(ids).tolist() == [[False, False, False, False, True, False,
-                                                  True]]
 
 
 def test_keyed_masking_carries_the_ids_and_refuses_ids_outside_the_vocabulary():
