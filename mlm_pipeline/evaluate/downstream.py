@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from mlm_pipeline.evaluate.encoders import (
 from mlm_pipeline.evaluate.stats import mean_sd
 from mlm_pipeline.evaluate.tasks import Rows, TaskSplit, load_task, majority_rate
 from mlm_pipeline.manifest import TokenizerManifest, TrainManifest
+from mlm_pipeline.progress import active
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
 
@@ -125,9 +126,11 @@ def load_tasks(cfg: LinearProbeConfig, kind: str, result: DownstreamResult
 
 @torch.no_grad()
 def embed(encoder: TextEncoder, module: torch.nn.Module, encoded: EncodedTexts, *,
-          batch_size: int = 32, device: torch.device | str = "cpu") -> np.ndarray:
+          batch_size: int = 32, device: torch.device | str = "cpu",
+          on_rows: Callable[[int], None] | None = None) -> np.ndarray:
     """Mean-pooled final hidden states of the encoded texts (`encoders.pooled_states`),
-    `module` frozen: float32 (texts, H), row i the text i of `encoded`.
+    `module` frozen: float32 (texts, H), row i the text i of `encoded`. `on_rows(n)` is
+    called after each batch with the `n` rows it encoded (progress).
 
     Rows run in batches of about `batch_size` texts' worth of rows, sorted by length
     (`encoders.length_batches`), and each text's sums are accumulated over the batches its
@@ -147,6 +150,8 @@ def embed(encoder: TextEncoder, module: torch.nn.Module, encoded: EncodedTexts, 
                                  [encoded.owner[r] for r in batch], n_texts, device)
             sums += got.cpu()
             counts += n.cpu()
+            if on_rows is not None:
+                on_rows(len(batch))
     finally:
         module.train(was_training)
     return (sums / counts.unsqueeze(-1)).numpy()
@@ -217,20 +222,35 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
         split: the task's split.
         device: where the encoder runs (the random-init ones too).
         controls: False: the trained encoder's `accuracy` alone.
+
+    Reports stage `probe <task>` (rows encoded, of every encoder) to the active reporter
+    (`progress.active`).
     """
     encoded = {"train": encode_split(encoder, split.train, cfg),
                "test": encode_split(encoder, split.test, cfg)}
+    # The stage's reporter (`progress.reporting`): rows of every encoder's two splits.
+    stage, progress, done = f"probe {split.name}", active(), [0]
+    encoders = 1 + cfg.random_init_seeds if controls else 1
+    progress.start(stage, float(encoders * sum(len(e.rows) for e in encoded.values())),
+                   "rows", f"the trained encoder and {encoders - 1} random inits")
+
+    def rows_done(n: int) -> None:
+        done[0] += n
+        progress.update(stage, float(done[0]))
 
     def accuracy(module: torch.nn.Module) -> float:
-        features = {name: embed(encoder, module, e, batch_size=cfg.batch_size, device=device)
+        features = {name: embed(encoder, module, e, batch_size=cfg.batch_size, device=device,
+                                on_rows=rows_done)
                     for name, e in encoded.items()}
         return probe_accuracy(features, split, cfg.C)
 
     metrics = {"accuracy": accuracy(encoder.module)}
     if not controls:
+        progress.finish(stage)
         return metrics
     random = [accuracy(encoder.random_init(seed).module.to(device))
               for seed in range(cfg.random_init_seeds)]
+    progress.finish(stage)
     metrics["accuracy_random_init"], metrics["accuracy_random_init_sd"] = mean_sd(random)
     metrics.update(baselines(encoder, split, encoded, cfg.tfidf_C))
     metrics.update(split_counts(split, list(encoded.values())))

@@ -58,7 +58,7 @@ from mlm_pipeline.manifest import (
 )
 from mlm_pipeline.masking.maskers import KeyedMasking, keyed_masking
 from mlm_pipeline.ingest.holdout import Holdout
-from mlm_pipeline.progress import NullProgress, Progress
+from mlm_pipeline.progress import NullProgress, Progress, reporting
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import load_model
 from mlm_pipeline.train.data import ShardDataset
@@ -358,7 +358,8 @@ def evaluate(
     if holdout is not None:
         held = write_holdout_text(holdout, out)
         metrics.update(holdout_metrics(model, tok, holdout.documents, cfg, device))
-    downstream = downstream_results(probe, finetune, model, tok, device)
+    with reporting(progress):  # the probe reports its encoders' rows to the same reporter
+        downstream = downstream_results(probe, finetune, model, tok, device)
     metrics.update(downstream.metrics)
     for result in probes:
         if "error" in result:

@@ -23,6 +23,7 @@ from mlm_pipeline.evaluate import linear_probe, ours, run_linear_probe, run_prob
 from mlm_pipeline.evaluate.downstream import embed
 from mlm_pipeline.evaluate.encoders import encoder_rows, seen_texts
 from mlm_pipeline.evaluate.probe_data import EXPECTED_SHA256, fetch_polarity_csv, read_polarity_csv
+from mlm_pipeline.progress import reporting
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train import BertMLM, train
 
@@ -126,11 +127,46 @@ def sklearn_probe(train_x, train_y, test_x, test_y, C):
     return clf.score(test_x, test_y)
 
 
+class RecordedProgress:
+    """A `Progress` that keeps every call: (method, stage, value)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, stage, total, unit, description=""):
+        self.calls.append(("start", stage, total))
+
+    def update(self, stage, completed, **fields):
+        self.calls.append(("update", stage, completed))
+
+    def finish(self, stage, **fields):
+        self.calls.append(("finish", stage, None))
+
+
 @pytest.fixture(scope="module")
-def probed(csv_path, tok, model):
+def recorded():
+    return RecordedProgress()
+
+
+@pytest.fixture(scope="module")
+def probed(csv_path, tok, model, recorded):
     cfg = LinearProbeConfig(data_path=str(csv_path), max_rows=120, test_fraction=0.3,
                             dev_fraction=0.2, tfidf_C=3.0, random_init_seeds=2)
-    return cfg, run_probe(cfg, ours(model, tok))
+    with reporting(recorded):
+        return cfg, run_probe(cfg, ours(model, tok))
+
+
+def test_the_probe_reports_every_row_of_its_three_encoders(reviews, probed, recorded, tok):
+    """The active reporter sees stage `probe <task>` from 0 to the rows of the train and
+    test splits (windows of `seq_len - 2` pieces) times the trained + 2 random encoders."""
+    ref, _ = reference_split(reviews, 0.3, 0.2, 120)
+    rows = sum(len(reference_pieces(tok, t, "windows", SEQ_LEN - 2))
+               for split in ("train", "test") for t, _ in ref[split])
+    calls = [c for c in recorded.calls if c[1] == "probe polarity-fr"]
+    assert calls[0] == ("start", "probe polarity-fr", 3.0 * rows)
+    done = [c[2] for c in calls if c[0] == "update"]
+    assert done == sorted(done) and done[-1] == 3 * rows
+    assert calls[-1][0] == "finish"
 
 
 def test_split_counts_and_majority_follow_the_documented_split(reviews, probed):
