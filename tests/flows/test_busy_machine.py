@@ -1,7 +1,7 @@
 """The main job on a busy machine: `mlm-pipeline run tiny` while two CPU-bound processes keep
 both cores busy must start its Prefect API, train every step it was asked for and finish.
 
-The README's command trains 1,000 steps (3 to 5 minutes on a quiet machine, more than
+The README's command trains 800 steps (3 to 4 minutes on a quiet machine, more than
 twice that here); to keep CI short this runs it with 50 steps (a periodic evaluation at 25
 and the final one: every kind of work the main job does between start-up and stop), on a
 copy of the session's ingested corpus and tokenizer (`debian_tiny_data`: the run reuses

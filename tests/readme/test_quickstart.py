@@ -42,10 +42,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import yaml
 
 from tests.conftest import TIMING_PROPERTY
 
 ROOT = Path(__file__).resolve().parents[2]
+#: What the shipped `tiny` config asks for, read from the YAML itself (not through the
+#: package's config loader): the steps and the periodic evaluation's interval.
+TINY = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text(encoding="utf-8"))
+MAX_STEPS = TINY["train"]["max_steps"]
+EVERY = TINY["eval"]["every_steps"]
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
 #: `eval/mlm_accuracy` may differ from the README's "about X" by this much: the README
@@ -248,15 +254,15 @@ def test_accuracy_is_the_readme_figure(quickstart):
 
 
 @slow
-def test_all_1000_steps_were_trained(quickstart):
+def test_every_step_of_the_config_was_trained(quickstart):
     summary = _ok(quickstart)
     client = quickstart["client"]
     run = client.get_run(summary["mlflow_run_id"])
-    assert run.data.params["train.max_steps"] == "1000"
-    assert summary["steps"] == 1000 and summary["stop_reason"] == "max_steps"
+    assert run.data.params["train.max_steps"] == str(MAX_STEPS)
+    assert summary["steps"] == MAX_STEPS and summary["stop_reason"] == "max_steps"
     assert run.data.tags.get("mlm.stop_reason") != "time_cap"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert max(steps) == 1000
+    assert max(steps) == MAX_STEPS
 
 
 # --- the MLflow run and the registry (sqlite:///<clone>/mlflow.db)
@@ -330,16 +336,16 @@ def test_accuracy_beats_the_most_frequent_token(quickstart):
 
 @slow
 def test_validation_curve_table_plot_and_linear_probe(quickstart, tmp_path):
-    """The shipped config evaluates every 100 steps: points at 100 ... 900, the final
-    evaluation at 1,000; the fill-mask table holds every evaluation; the loss plot and the
-    downstream probe (with its TF-IDF baseline) are on the run."""
+    """The shipped config evaluates every `every_steps` (100): points at 100, 200, ...,
+    the final evaluation at `max_steps`; the fill-mask table holds every evaluation; the
+    loss plot and the downstream probe (with its TF-IDF baseline) are on the run."""
     summary = _ok(quickstart)
     client = quickstart["client"]
     run_id = summary["mlflow_run_id"]
-    steps = list(range(100, 1001, 100))
+    steps = sorted({*range(EVERY, MAX_STEPS, EVERY), MAX_STEPS})
     curve = {m.step: m.value for m in client.get_metric_history(run_id, "eval/loss")}
     assert sorted(curve) == steps
-    assert curve[1000] == pytest.approx(summary["metrics"]["eval/loss"])
+    assert curve[MAX_STEPS] == pytest.approx(summary["metrics"]["eval/loss"])
     path = client.download_artifacts(run_id, "eval/fill_mask_table.json", str(tmp_path))
     table = json.loads(Path(path).read_text())  # pandas orient="split": columns, data
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
