@@ -300,7 +300,8 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
     settings outside `train`/`model`/`masking`) keep their first value (MLflow params are
     immutable) and are recorded, with the step and time, in a tag `mlm.resume.<n>`
     (n = 1, 2, ... per resume); a changed `train.max_steps` is also the tag
-    `mlm.max_steps` (the budget in effect, which the param cannot show); `tags` are set.
+    `mlm.max_steps` (the budget in effect, which the param cannot show); `tags` and the
+    tracker's `bookkeeping_tags` (how the run was continued) are set.
 
     Raises:
         ValueError: the run is FINISHED (a finished run is never continued) or unknown.
@@ -325,7 +326,8 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
     tracker.log_params(run_id, {k: v for k, v in params.items() if k not in old})
     budget = ({MAX_STEPS_TAG: changed["train.max_steps"][1]}
               if "train.max_steps" in changed else {})
-    tracker.set_tags(run_id, {**tags, **budget, f"mlm.resume.{number}": json.dumps(record)})
+    tracker.set_tags(run_id, {**tracker.bookkeeping_tags, **tags, **budget,
+                              f"mlm.resume.{number}": json.dumps(record)})
     if finish:
         logger.info("finishing MLflow run %s: its training reached step %d, only what is "
                     "missing after training is done (resume %d; --fresh starts a new run "

@@ -266,37 +266,6 @@ class MlflowTracker:
                     self.run_url(run_id) or self.tracking_uri)
         return run_id
 
-    def resume_run(self, run_id: str, params: Mapping[str, object],
-                   tags: Mapping[str, str] | None = None) -> str:
-        """Reopen an existing run (status RUNNING again) to continue it; returns `run_id`.
-
-        Params already logged must keep their values (MLflow params are immutable); new
-        params are added and tags updated.
-
-        Raises:
-            ValueError: the run does not exist, or a param would change value (the keys
-                are named).
-        """
-        try:
-            run = self.client.get_run(run_id)
-        except Exception as exc:  # mlflow.exceptions.MlflowException
-            raise ValueError(f"cannot resume MLflow run {run_id!r}: {exc}") from exc
-        old = run.data.params
-        changed = sorted(k for k, v in params.items()
-                         if k in old and old[k] != _truncate("param", k, str(v),
-                                                             MAX_PARAM_VALUE_LENGTH))
-        if changed:
-            raise ValueError(
-                f"cannot resume MLflow run {run_id}: these params would change: "
-                + ", ".join(f"{k} ({old[k]!r} -> {params[k]!r})" for k in changed)
-            )
-        self._experiment_ids[run_id] = run.info.experiment_id
-        self.client.update_run(run_id, status="RUNNING")
-        self.log_params(run_id, {k: v for k, v in params.items() if k not in old})
-        self.set_tags(run_id, {**self.bookkeeping_tags, **(tags or {})})
-        logger.info("MLflow run %s resumed", run_id)
-        return run_id
-
     def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
         """Log params in batches of 100 (values stringified, cut to 6000 characters).
 

@@ -4,6 +4,7 @@ params of the run it continues, and the `tracking.` settings are tags."""
 
 from __future__ import annotations
 
+from mlm_pipeline.app.open_run import open_or_continue
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.tracking import MlflowTracker
 from mlm_pipeline.tracking.records import run_params
@@ -26,7 +27,8 @@ def test_a_continued_run_keeps_its_params_and_tags_how_it_was_continued(tmp_path
     again = _cfg(tmp_path, resume_run_id=run_id, resume="never")
     again = again.model_copy(update={"train": again.train.model_copy(
         update={"trust_unverified_checkpoint": True})})
-    MlflowTracker.from_config(again.tracking).resume_run(run_id, run_params(again))
+    # the path every continued run takes (`mlm-pipeline run` and the flows)
+    assert open_or_continue(again, MlflowTracker.from_config(again.tracking), {}).continued
 
     run = tracker.get_run(run_id)
     assert run.data.params == params_before
