@@ -180,7 +180,7 @@ def test_installed_command_prints_the_shipped_config(installed, monkeypatch):
     (installed["cwd"] / "my.yaml").write_text(out, encoding="utf-8")
     monkeypatch.chdir(installed["cwd"])
     assert load_config("my.yaml") == expected
-    assert load_config("my.yaml").train.warmup == expected.train.warmup == 60
+    assert load_config("my.yaml").train.warmup == expected.train.warmup == 48  # 6 % of 800
 
 
 @pytest.mark.slow

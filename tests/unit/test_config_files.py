@@ -45,7 +45,7 @@ def test_tiny_warmup_survives_printing(tmp_path, monkeypatch):
     printed = yaml.safe_load(dump_config(load_config("tiny")))
     assert printed["train"]["warmup_steps"] is None and printed["train"]["warmup_ratio"] == 0.06
     (tmp_path / "my.yaml").write_text(dump_config(load_config("tiny")), encoding="utf-8")
-    assert load_config("my.yaml").train.warmup == 60
+    assert load_config("my.yaml").train.warmup == 48  # 0.06 x 800
 
 
 def test_warmup_in_effect():

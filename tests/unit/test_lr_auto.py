@@ -36,7 +36,7 @@ def test_tiny_resolves_as_before():
     assert load_config("tiny", ["train.lr=auto"]) == tiny
     # tiny says `lr: auto`, so switching its preset to BERT's switches the peak lr too.
     bert = load_config("tiny", ["model.preset=bert"])
-    assert (bert.train.lr, bert.train.warmup) == (1e-4, 60)  # tiny's own 6 % warm-up
+    assert (bert.train.lr, bert.train.warmup) == (1e-4, 48)  # tiny's own 6 % of 800
 
 
 def test_resolve_lr_on_a_train_section():

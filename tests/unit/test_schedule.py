@@ -75,7 +75,7 @@ def test_warmup_ratio_scales_with_max_steps_and_explicit_steps_win():
     from mlm_pipeline.config import TrainConfig
     from mlm_pipeline.config_files import ConfigError, load_config
 
-    assert load_config("tiny", []).train.warmup == 60  # 0.06 x 1,000
+    assert load_config("tiny", []).train.warmup == 48  # 0.06 x 800
     assert load_config("tiny", ["train.max_steps=20"]).train.warmup == 1  # round(1.2)
     assert load_config("tiny", ["train.max_steps=20", "train.warmup_steps=5"]).train.warmup == 5
     with pytest.raises(ConfigError, match="warmup_steps 50 exceeds max_steps 20"):
