@@ -173,6 +173,7 @@ def _result_files() -> set[Path]:
     return {p for p in storage.rglob("*") if p.is_file()} if storage.exists() else set()
 
 
+@pytest.mark.slow  # 20 s of whole pipelines: in the push tier, not the fast suite
 def test_data_stages_are_reused_by_content(tmp_path):
     """A rerun finds each data stage's complete output by its digest (the stages' own
     lookup: Prefect persists no result, so there is no record to plant or to read); the

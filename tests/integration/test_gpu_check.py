@@ -28,6 +28,7 @@ _BLOCKED_RUN = (
 )
 
 
+@pytest.mark.slow  # 14-17 s: in the push tier, beside the README run's long wait
 def test_dry_run_writes_json_and_markdown(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", _BLOCKED_RUN, "--smoke", "--tests", "auto",
