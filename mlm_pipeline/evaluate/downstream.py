@@ -229,14 +229,15 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
     encoded = {"train": encode_split(encoder, split.train, cfg),
                "test": encode_split(encoder, split.test, cfg)}
     # The stage's reporter (`progress.reporting`): rows of every encoder's two splits.
-    stage, progress, done = f"probe {split.name}", active(), [0]
+    stage, progress, done = f"probe {split.name}", active(), 0
     encoders = 1 + cfg.random_init_seeds if controls else 1
     progress.start(stage, float(encoders * sum(len(e.rows) for e in encoded.values())),
                    "rows", f"the trained encoder and {encoders - 1} random inits")
 
     def rows_done(n: int) -> None:
-        done[0] += n
-        progress.update(stage, float(done[0]))
+        nonlocal done
+        done += n
+        progress.update(stage, float(done))
 
     def accuracy(module: torch.nn.Module) -> float:
         features = {name: embed(encoder, module, e, batch_size=cfg.batch_size, device=device,
@@ -245,12 +246,11 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
         return probe_accuracy(features, split, cfg.C)
 
     metrics = {"accuracy": accuracy(encoder.module)}
-    if not controls:
-        progress.finish(stage)
-        return metrics
     random = [accuracy(encoder.random_init(seed).module.to(device))
-              for seed in range(cfg.random_init_seeds)]
+              for seed in range(cfg.random_init_seeds if controls else 0)]
     progress.finish(stage)
+    if not controls:
+        return metrics
     metrics["accuracy_random_init"], metrics["accuracy_random_init_sd"] = mean_sd(random)
     metrics.update(baselines(encoder, split, encoded, cfg.tfidf_C))
     metrics.update(split_counts(split, list(encoded.values())))
