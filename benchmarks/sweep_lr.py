@@ -103,9 +103,10 @@ def sweep(args: argparse.Namespace, seeds: list[int], extra: list[str]) -> int:
           f"{masking.mlm_probability:g} masking, training at "
           f"{cfg.masking.eval_probability:g}", flush=True)
     runs = []
-    for warmup in args.warmups:
-        for lr in args.lrs:
-            for seed in seeds:
+    # Seeds outermost: a sweep stopped early still holds every rate at the first seeds.
+    for seed in seeds:
+        for warmup in args.warmups:
+            for lr in args.lrs:
                 run_cfg = load_config(args.config, base + [
                     f"train.lr={lr}", f"train.warmup_ratio={warmup}", "train.warmup_steps=null",
                     f"train.seed={seed}", f"masking.seed={seed}"])
