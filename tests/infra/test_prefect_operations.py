@@ -1,9 +1,11 @@
 """Production Prefect settings shipped in prefect.yaml and infra/: the zombie-run automation,
+the failure alerts' reach (every project flow),
 heartbeats in every job environment, and one run at a time on the retraining and GPU
 deployments (checked offline against Prefect's own schemas)."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -62,3 +64,29 @@ def test_retraining_and_gpu_runs_queue_one_at_a_time(name):
     assert limit["limit"] == 1
     assert ConcurrencyOptions(collision_strategy=limit["collision_strategy"]
                               ).collision_strategy.value == "ENQUEUE"
+
+
+def _flow_names_in_flows_folder() -> set[str]:
+    """The `name=` of every `@flow(...)` decorator in flows/*.py (read with `ast`)."""
+    names = set()
+    for path in sorted((ROOT / "flows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "flow":
+                names |= {kw.value.value for kw in node.keywords if kw.arg == "name"}
+    return names
+
+
+def test_failure_alerts_watch_every_project_flow():
+    from mlm_pipeline_flows.alerts import FLOW_NAMES
+
+    found = _flow_names_in_flows_folder()
+    assert "mlm-pretraining" in found and "train-evaluate" in found
+    assert set(FLOW_NAMES) == found, "add the new flow to alerts.FLOW_NAMES"
+
+
+def test_alerts_without_the_console_script_names_the_entry_point(capsys):
+    from mlm_pipeline import cli
+
+    assert cli.main(["alerts", "remove"]) == 2
+    err = capsys.readouterr().err
+    assert "`alerts` needs Prefect" in err and "mlm_pipeline_flows.console" in err
