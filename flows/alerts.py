@@ -22,7 +22,7 @@ its parent too: one message for each.
 Only Prefect's public Python API: `prefect.automations.Automation` (create, read, update,
 delete), `prefect.events` triggers and actions, notification blocks, and the client's
 `read_automations_by_name` / `read_block_document_by_name`.
-Upstream recipe: https://docs.prefect.io/v3/automate/events/automations-triggers
+Prefect's guide: https://docs.prefect.io/v3/concepts/automations (triggers, actions, Python SDK).
 """
 
 from __future__ import annotations

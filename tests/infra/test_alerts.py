@@ -41,7 +41,7 @@ LIST_SCRIPT = textwrap.dedent(f"""
                       for a in client.read_automations_by_name(name=name)]
                for name in ({FAILURE_NAME!r}, {ZOMBIE_NAME!r})}}
         blocks = client.read_block_documents(include_secrets=False)
-        out["blocks"] = [{{"name": b.name, "slug": b.block_type.slug,
+        out["blocks"] = [{{"id": str(b.id), "name": b.name, "slug": b.block_type.slug,
                           "data": json.loads(json.dumps(b.data, default=str))}}
                          for b in blocks if not b.is_anonymous]
     print(json.dumps(out))
@@ -57,6 +57,14 @@ FAILING_FLOW = textwrap.dedent("""
 
     state = failing(return_state=True)
     print("FLOW_RUN_ID", state.state_details.flow_run_id, state.name)
+""")
+
+
+#: Saves a notification block of the operator's own, `custom-webhook/ops`.
+OPS_BLOCK = textwrap.dedent("""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    CustomWebhookNotificationBlock(name="ops", url={url!r}, json_data={{"t": "{{{{body}}}}"}}
+                                   ).save("ops", overwrite=True)
 """)
 
 
@@ -190,9 +198,19 @@ def test_install_adopts_hand_made_copies_and_remove_deletes_everything(prefect_e
     assert f"automation {ZOMBIE_NAME}: updated, 1 duplicate(s) deleted" in installed.stdout
     assert f"automation {FAILURE_NAME}: created" in installed.stdout
     assert len(_server_state(prefect_env)[ZOMBIE_NAME]) == 1
+
+    # retarget to a block saved beforehand (as an email block would be): used, kept
+    subprocess.run([sys.executable, "-c", OPS_BLOCK.format(url=url + "&to=ops")], cwd=ROOT,
+                   env=prefect_env, capture_output=True, text=True, timeout=120, check=True)
+    retargeted = _cli(prefect_env, "alerts", "install", "--block", "custom-webhook/ops")
+    assert "block custom-webhook/ops: existing notification block" in retargeted.stdout
+    state = _server_state(prefect_env)
+    (ops,) = [b for b in state["blocks"] if b["name"] == "ops"]
+    (failure,) = state[FAILURE_NAME]
+    assert failure["actions"][0]["block_document_id"] == ops["id"]
     removed = _cli(prefect_env, "alerts", "remove")
     assert f"automation {FAILURE_NAME}: 1 deleted" in removed.stdout
     assert f"automation {ZOMBIE_NAME}: 1 deleted" in removed.stdout
     state = _server_state(prefect_env)
     assert state[FAILURE_NAME] == [] and state[ZOMBIE_NAME] == []
-    assert not [b for b in state["blocks"] if b["slug"] == "custom-webhook"]
+    assert [b["name"] for b in state["blocks"] if b["slug"] == "custom-webhook"] == ["ops"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,27 @@ def test_alerts_without_the_console_script_names_the_entry_point(capsys):
     assert cli.main(["alerts", "remove"]) == 2
     err = capsys.readouterr().err
     assert "`alerts` needs Prefect" in err and "mlm_pipeline_flows.console" in err
+
+
+@pytest.mark.parametrize(("kwargs", "error", "named"), [
+    ({}, ValueError, "exactly one of --webhook-url"),
+    ({"webhook_url": "http://h/x", "block": "custom-webhook/ops"}, ValueError,
+     "exactly one of --webhook-url"),
+    ({"webhook_url": "hooks.example.com/x"}, ValueError, "'hooks.example.com/x'"),
+    ({"webhook_url": "http://h/x", "zombie_file": "/nonexistent/zombie.yaml"},
+     FileNotFoundError, "/nonexistent/zombie.yaml"),
+])
+def test_alerts_install_refuses_bad_input_before_touching_a_server(kwargs, error, named):
+    from mlm_pipeline_flows.alerts import install
+
+    with pytest.raises(error, match=re.escape(named)):
+        install(**kwargs)
+
+
+def test_alerts_install_names_a_zombie_file_that_is_not_one_automation(tmp_path):
+    from mlm_pipeline_flows.alerts import install
+
+    bad = tmp_path / "two.yaml"
+    bad.write_text(yaml.safe_dump({"automations": [{"name": "a"}, {"name": "b"}]}))
+    with pytest.raises(ValueError, match=re.escape(f"{bad}: `automations` must list")):
+        install(webhook_url="http://h/x", zombie_file=str(bad))
