@@ -1,5 +1,6 @@
-"""The `mlm-pipeline` console script: `run` gets the `mlm-pretraining` flow, every other
-command goes to `mlm_pipeline.cli.main` as it is.
+"""The `mlm-pipeline` console script: `run` gets the `mlm-pretraining` flow, `alerts` its
+Prefect automations (`mlm_pipeline_flows.alerts`), every other command goes to
+`mlm_pipeline.cli.main` as it is.
 
 The library never imports the flows, so the flow is handed to it here
 (`mlm_pipeline.cli.main(argv, run_flow=run_pretraining)`). Installed, this module is
@@ -190,10 +191,18 @@ def run_pretraining(config: str, overrides: list[str],
         return mlm_pretraining(params)
 
 
+def alerts(**kwargs: Any) -> list[str]:
+    """`mlm-pipeline alerts`: `mlm_pipeline_flows.alerts.alerts`, imported (with Prefect)
+    only when the command runs."""
+    from mlm_pipeline_flows.alerts import alerts as install_or_remove
+
+    return install_or_remove(**kwargs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mlm-pipeline` console script; returns the exit status
     (`mlm_pipeline.cli.main`)."""
-    return cli.main(argv, run_flow=run_pretraining)
+    return cli.main(argv, run_flow=run_pretraining, flow_verbs={"alerts": alerts})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@
     mlm-pipeline models NAME [--json] [--tracking-uri URI]
     mlm-pipeline compare RUN [RUN ...] [--out compare.png] [--experiment NAME] [--json]
     mlm-pipeline gc [--keep N] [--dry-run] [--experiment NAME] [--work-dir DIR]
+    mlm-pipeline alerts install (--webhook-url URL | --block TYPE/NAME)
+    mlm-pipeline alerts remove
 
 Each `Command` names its verb, its arguments (the shared ones, such as `--tracking-uri`
 and `--set`, defined once) and how its result is shown. An argument's destination is the
@@ -24,7 +26,9 @@ stderr (`main`).
 imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
 argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.console:main` (the
 repository's `flows/console.py`), which calls `main(argv, run_flow=...)` here with the flow.
-Every other command works from `python -m mlm_pipeline.cli` too; `run` from there says
+`alerts` (Prefect automations) is the other command whose verb needs Prefect: the console
+script hands it in the same way (`main(argv, flow_verbs={"alerts": ...})`). Every other
+command works from `python -m mlm_pipeline.cli` too; `run` and `alerts` from there say
 which entry to use.
 """
 
@@ -36,7 +40,7 @@ import logging
 import shlex
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,12 +54,23 @@ from mlm_pipeline.errors import TrainingInterrupted
 #: `app.sweep.parse_grid`), the sweep flow, whose record has the children's summaries.
 RunFlow = Callable[..., dict[str, Any]]
 
+#: The verbs that need Prefect, by command name (`alerts`): handed in by the console
+#: script, as the flow is.
+FlowVerbs = Mapping[str, Callable[..., Any]]
+
+#: A `Command.verb` that the console script hands in (`FlowVerbs`, by the command's name).
+FROM_FLOWS = "<flows>"
+
+
+def no_flow(command: str) -> str:
+    """What `command` says when the entry point gave it no Prefect side."""
+    return (f"`{command}` needs Prefect, which this entry point does not provide: use the "
+            "`mlm-pipeline` command (entry point mlm_pipeline_flows.console:main), "
+            f"or `python -m mlm_pipeline_flows.console {command} ...`")
+
+
 #: What `run` says when the entry point gave it no flow.
-NO_FLOW = (
-    "`run` needs the Prefect flow, which this entry point does not provide: use the "
-    "`mlm-pipeline` command (entry point mlm_pipeline_flows.console:main), "
-    "or `python -m mlm_pipeline_flows.console run ...`"
-)
+NO_FLOW = no_flow("run")
 
 #: The epilog of `mlm-pipeline run --help`.
 RUN_EXAMPLES = """examples:
@@ -176,8 +191,9 @@ def _verb(path: str) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class Command:
-    """One sub-command: `verb` (`module:function`) is called with the arguments' values by
-    destination and its result shown by `show`."""
+    """One sub-command: `verb` (`module:function`, or `FROM_FLOWS`: the function the
+    console script hands in under the command's name) is called with the arguments' values
+    by destination and its result shown by `show`."""
 
     name: str
     help: str
@@ -185,8 +201,16 @@ class Command:
     args: tuple[Arg, ...] = ()
     show: Callable[[Any, argparse.Namespace], None] = show_json
 
-    def __call__(self, args: argparse.Namespace) -> int:
-        """Run the verb on the parsed `args` and show its result; returns 0."""
+    def __call__(self, args: argparse.Namespace, flow_verbs: FlowVerbs | None = None) -> int:
+        """Run the verb on the parsed `args` and show its result; returns 0 (2, with a line
+        on stderr, for a `FROM_FLOWS` verb that `flow_verbs` lacks)."""
+        if self.verb == FROM_FLOWS:
+            verb = (flow_verbs or {}).get(self.name)
+            if verb is None:
+                print(f"mlm-pipeline: {no_flow(self.name)}", file=sys.stderr)
+                return 2
+        else:
+            verb = _verb(self.verb)
         kwargs = {a.dest: getattr(args, a.dest) for a in self.args if a.verb}
         for a in self.args:
             if a.stdin and kwargs[a.dest] is None:
@@ -197,7 +221,7 @@ class Command:
 
             uri = kwargs.pop("tracking_uri")
             kwargs["tracker"] = MlflowTracker.from_config(TrackingConfig(tracking_uri=uri))
-        self.show(_verb(self.verb)(**kwargs), args)
+        self.show(verb(**kwargs), args)
         return 0
 
 
@@ -276,6 +300,17 @@ COMMANDS = (
              EXPERIMENT,
              arg("--work-dir", default=PipelineConfig().work_dir, metavar="DIR",
                  help="the config's work_dir (default: %(default)s)"), TRACKING_URI),
+            show_lines),
+    Command("alerts", "create or update (install) or delete (remove) the Prefect "
+            "automations on $PREFECT_API_URL: notify on a Failed, Crashed or TimedOut flow "
+            "run, mark runs without heartbeats Crashed", FROM_FLOWS,
+            (arg("action", choices=("install", "remove")),
+             arg("--webhook-url", metavar="URL", help="install: POST the notification "
+                 "(JSON: text, subject, body) to URL"),
+             arg("--block", metavar="TYPE/NAME", help="install: notify through this saved "
+                 "Prefect notification block instead (e.g. an email block)"),
+             arg("--zombie-file", metavar="PATH", help="the zombie-run automation's YAML "
+                 "(default: infra/automations/crash-zombie-flows.yaml of the checkout)")),
             show_lines),
 )
 
@@ -380,7 +415,8 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str])
     return 0
 
 
-def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> int:
+def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None,
+         flow_verbs: FlowVerbs | None = None) -> int:
     """The `mlm-pipeline` command line (`python -m mlm_pipeline.cli`, and through
     `mlm_pipeline_flows.console.main` the console script).
 
@@ -389,6 +425,8 @@ def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> 
         run_flow: what `run` calls after checking the config and local inputs: runs the
             pretraining flow and returns its summary. None: `run` fails with status 2 and
             names the entry point that has it.
+        flow_verbs: the verbs of the `FROM_FLOWS` commands by name (`alerts`); one
+            missing fails as `run` does without its flow.
 
     Returns:
         The exit status: 0 on success, 2 for a config error (or `run` without a flow), 1 for
@@ -401,7 +439,7 @@ def main(argv: Sequence[str] | None = None, run_flow: RunFlow | None = None) -> 
     if command is not None:  # `run` logs through `RunConsole` and a log file
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args, run_flow, argv) if command is None else command(args)
+        return run(args, run_flow, argv) if command is None else command(args, flow_verbs)
     except ConfigError as exc:
         print(f"mlm-pipeline: {exc}", file=sys.stderr)
         return 2

@@ -1,10 +1,13 @@
 """Production Prefect settings shipped in prefect.yaml and infra/: the zombie-run automation,
+the failure alerts' reach (every project flow),
 heartbeats in every job environment, and one run at a time on the retraining and GPU
 deployments (checked offline against Prefect's own schemas)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,53 @@ def test_retraining_and_gpu_runs_queue_one_at_a_time(name):
     assert limit["limit"] == 1
     assert ConcurrencyOptions(collision_strategy=limit["collision_strategy"]
                               ).collision_strategy.value == "ENQUEUE"
+
+
+def _flow_names_in_flows_folder() -> set[str]:
+    """The `name=` of every `@flow(...)` decorator in flows/*.py (read with `ast`)."""
+    names = set()
+    for path in sorted((ROOT / "flows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "flow":
+                names |= {kw.value.value for kw in node.keywords if kw.arg == "name"}
+    return names
+
+
+def test_failure_alerts_watch_every_project_flow():
+    from mlm_pipeline_flows.alerts import FLOW_NAMES
+
+    found = _flow_names_in_flows_folder()
+    assert "mlm-pretraining" in found and "train-evaluate" in found
+    assert set(FLOW_NAMES) == found, "add the new flow to alerts.FLOW_NAMES"
+
+
+def test_alerts_without_the_console_script_names_the_entry_point(capsys):
+    from mlm_pipeline import cli
+
+    assert cli.main(["alerts", "remove"]) == 2
+    err = capsys.readouterr().err
+    assert "`alerts` needs Prefect" in err and "mlm_pipeline_flows.console" in err
+
+
+@pytest.mark.parametrize(("kwargs", "error", "named"), [
+    ({}, ValueError, "exactly one of --webhook-url"),
+    ({"webhook_url": "http://h/x", "block": "custom-webhook/ops"}, ValueError,
+     "exactly one of --webhook-url"),
+    ({"webhook_url": "hooks.example.com/x"}, ValueError, "'hooks.example.com/x'"),
+    ({"webhook_url": "http://h/x", "zombie_file": "/nonexistent/zombie.yaml"},
+     FileNotFoundError, "/nonexistent/zombie.yaml"),
+])
+def test_alerts_install_refuses_bad_input_before_touching_a_server(kwargs, error, named):
+    from mlm_pipeline_flows.alerts import install
+
+    with pytest.raises(error, match=re.escape(named)):
+        install(**kwargs)
+
+
+def test_alerts_install_names_a_zombie_file_that_is_not_one_automation(tmp_path):
+    from mlm_pipeline_flows.alerts import install
+
+    bad = tmp_path / "two.yaml"
+    bad.write_text(yaml.safe_dump({"automations": [{"name": "a"}, {"name": "b"}]}))
+    with pytest.raises(ValueError, match=re.escape(f"{bad}: `automations` must list")):
+        install(webhook_url="http://h/x", zombie_file=str(bad))
