@@ -32,3 +32,19 @@ def fake_parts(seed: int, random: bool = False) -> dict[str, FakePart]:
                             else {"w": torch.full((3,), float(seed))})
                            if not file.endswith(".json") else {"value": seed, "name": name})
             for name, (file, _) in LAYOUT.items()}
+
+
+class RecordedProgress:
+    """A `Progress` reporter that keeps every call: (method, stage, value, fields)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float | None, dict[str, Any]]] = []
+
+    def start(self, stage: str, total: float | None, unit: str, description: str = "") -> None:
+        self.calls.append(("start", stage, total, {"unit": unit}))
+
+    def update(self, stage: str, completed: float, **fields: Any) -> None:
+        self.calls.append(("update", stage, completed, fields))
+
+    def finish(self, stage: str, **fields: Any) -> None:
+        self.calls.append(("finish", stage, None, fields))

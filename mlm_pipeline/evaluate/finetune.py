@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +71,7 @@ from mlm_pipeline.evaluate.encoders import (
 )
 from mlm_pipeline.evaluate.stats import mean_sd, paired_difference
 from mlm_pipeline.evaluate.tasks import Rows, TaskSplit
+from mlm_pipeline.progress import active
 from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class EpochScores:
 
 def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
                  labels: dict[str, tuple[int, ...]], cfg: FinetuneConfig, lr: float,
-                 seed: int, device: torch.device | str = "cpu") -> EpochScores:
+                 seed: int, device: torch.device | str = "cpu",
+                 on_epoch: Callable[[float], None] | None = None) -> EpochScores:
     """Fine-tune `clf` in place for `cfg.epochs` epochs at peak `lr`, scoring dev (and
     predicting test) after each epoch.
 
@@ -178,6 +180,7 @@ def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
         lr: the peak learning rate.
         seed: the run's seed.
         device: where to train.
+        on_epoch: called after each epoch with its dev accuracy (progress).
     """
     clf.to(device).train()
     optimizer = torch.optim.AdamW(_param_groups(clf, cfg.weight_decay), lr=lr, eps=ADAM_EPS)
@@ -210,6 +213,8 @@ def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
             scores.dev_loss.append(float(nn.functional.cross_entropy(dev_logits, dev_y)))
             scores.test_predictions.append(
                 predict_logits(clf, encoded["test"], cfg.batch_size).argmax(-1).tolist())
+            if on_epoch is not None:
+                on_epoch(scores.dev_accuracy[-1])
     clf.eval()
     return scores
 
@@ -293,11 +298,25 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
     seeds = [cfg.seed + k for k in range(cfg.seeds)]
     runs: dict[str, dict[float, list[EpochScores]]] = {arm: {lr: [] for lr in grid}
                                                        for arm in ARMS}
+    # The stage's reporter (`progress.reporting`): epochs of every arm, rate and seed.
+    stage, progress, done = f"finetune {split.name}", active(), 0
+    progress.start(stage, float(len(seeds) * len(grid) * len(ARMS) * cfg.epochs), "epochs",
+                   f"{len(ARMS)} arms x {len(grid)} learning rates x {len(seeds)} seeds")
     for seed in seeds:
         for lr in grid:
             for arm, clf in zip(ARMS, build_classifiers(encoder, cfg, seed, split.num_classes)):
-                runs[arm][lr].append(finetune_run(clf, encoded, labels, cfg, lr, seed, device))
+
+                def epoch_done(dev_accuracy: float, arm: str = arm, lr: float = lr,
+                               seed: int = seed) -> None:
+                    nonlocal done
+                    done += 1
+                    progress.update(stage, float(done), arm=arm, lr=f"{lr:g}", seed=seed,
+                                    dev_accuracy=round(dev_accuracy, 4))
+
+                runs[arm][lr].append(finetune_run(clf, encoded, labels, cfg, lr, seed, device,
+                                                  on_epoch=epoch_done))
                 del clf
+    progress.finish(stage)
     choice = {arm: choose_on_dev(runs[arm]) for arm in ARMS}
     acc = {arm: test_accuracies(runs[arm], choice[arm], split.test.labels) for arm in ARMS}
     diff = paired_difference(acc["pretrained"], acc["scratch"])

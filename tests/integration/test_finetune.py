@@ -32,8 +32,10 @@ from mlm_pipeline.evaluate.finetune import (
     finetune_task,
 )
 from mlm_pipeline.evaluate.tasks import Rows, load_task
+from mlm_pipeline.progress import reporting
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train import BertMLM, train
+from tests.fakes import RecordedProgress
 
 SEQ_LEN = 24
 #: A quick protocol: two rates, three seeds, two epochs.
@@ -84,8 +86,28 @@ def split(data):
 
 
 @pytest.fixture(scope="module")
-def protocol(data, tok, model, split):
-    return finetune_task(RECIPE, data, ours(model, tok), split)
+def recorded():
+    return RecordedProgress()
+
+
+@pytest.fixture(scope="module")
+def protocol(data, tok, model, split, recorded):
+    with reporting(recorded):
+        return finetune_task(RECIPE, data, ours(model, tok), split)
+
+
+def test_the_protocol_reports_every_epoch_of_every_run(protocol, recorded, split):
+    """Stage `finetune <task>` counts epochs: 2 arms x 2 rates x 3 seeds x 2 epochs = 24,
+    one update per epoch with the run's arm, rate, seed and dev accuracy, then finish."""
+    calls = [c for c in recorded.calls if c[1] == f"finetune {split.name}"]
+    assert calls[0][:3] == ("start", f"finetune {split.name}", 24.0)
+    updates = [c for c in calls if c[0] == "update"]
+    assert [c[2] for c in updates] == [float(i) for i in range(1, 25)]
+    runs = {(c[3]["arm"], c[3]["lr"], c[3]["seed"]) for c in updates}
+    assert runs == {(arm, lr, seed) for arm in ("pretrained", "scratch")
+                    for lr in ("0.001", "0.003") for seed in (3, 4, 5)}
+    assert all(0.0 <= c[3]["dev_accuracy"] <= 1.0 for c in updates)
+    assert calls[-1][0] == "finish"
 
 
 def test_the_scratch_arm_is_a_fresh_draw_never_the_trained_weights(model, tok,

@@ -26,6 +26,7 @@ from mlm_pipeline.evaluate.probe_data import EXPECTED_SHA256, fetch_polarity_csv
 from mlm_pipeline.progress import reporting
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train import BertMLM, train
+from tests.fakes import RecordedProgress
 
 SEQ_LEN = 16
 POSITIVE = ["Un livre magnifique, je le recommande.", "Excellent, captivant du début à la fin.",
@@ -127,22 +128,6 @@ def sklearn_probe(train_x, train_y, test_x, test_y, C):
     return clf.score(test_x, test_y)
 
 
-class RecordedProgress:
-    """A `Progress` that keeps every call: (method, stage, value)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def start(self, stage, total, unit, description=""):
-        self.calls.append(("start", stage, total))
-
-    def update(self, stage, completed, **fields):
-        self.calls.append(("update", stage, completed))
-
-    def finish(self, stage, **fields):
-        self.calls.append(("finish", stage, None))
-
-
 @pytest.fixture(scope="module")
 def recorded():
     return RecordedProgress()
@@ -163,7 +148,7 @@ def test_the_probe_reports_every_row_of_its_three_encoders(reviews, probed, reco
     rows = sum(len(reference_pieces(tok, t, "windows", SEQ_LEN - 2))
                for split in ("train", "test") for t, _ in ref[split])
     calls = [c for c in recorded.calls if c[1] == "probe polarity-fr"]
-    assert calls[0] == ("start", "probe polarity-fr", 3.0 * rows)
+    assert calls[0][:3] == ("start", "probe polarity-fr", 3.0 * rows)
     done = [c[2] for c in calls if c[0] == "update"]
     assert done == sorted(done) and done[-1] == 3 * rows
     assert calls[-1][0] == "finish"
