@@ -218,3 +218,21 @@ def test_mlflow_refuses_a_call_without_the_login_and_logs_a_metric_with_it(
           f"run {run.info.run_id}, train/loss history {history}")
     assert history == [(3, 2.5)]
     assert client.get_experiment(experiment_id).name == "logins"
+
+
+def test_mlflow_admin_password_rotates_as_infra_readme_says(servers):
+    """The stored admin password outlives infra/.env: the README's rotation is a PATCH with
+    the old login, after which only the new password logs in (then infra/.env follows)."""
+    uri, user = servers["mlflow_uri"], servers["mlflow_user"]
+    old, new = servers["mlflow_password"], secrets.token_hex(12)
+    changed = httpx.patch(f"{uri}/api/2.0/mlflow/users/update-password", timeout=30,
+                          auth=(user, old),
+                          json={"username": user, "password": new, "current_password": old})
+    assert changed.status_code == 200, changed.text
+    servers["mlflow_password"] = new  # for any test after this one
+    url = f"{uri}/api/2.0/mlflow/experiments/search"
+    with_old = httpx.post(url, json={"max_results": 1}, timeout=30, auth=(user, old))
+    with_new = httpx.post(url, json={"max_results": 1}, timeout=30, auth=(user, new))
+    print(f"\nMLflow PATCH users/update-password with the old login: {changed.status_code}; "
+          f"then old password: {with_old.status_code}, new password: {with_new.status_code}")
+    assert (with_old.status_code, with_new.status_code) == (401, 200)
