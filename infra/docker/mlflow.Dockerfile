@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
-# MLflow tracking server with the PostgreSQL driver (psycopg2) and the S3 client (boto3)
-# that the stack's backend store and artifact store need; the command comes from
+# MLflow tracking server with what the stack's stores and login need: the PostgreSQL driver
+# (psycopg2), the S3 client (boto3) and Flask-WTF (the basic-auth app); the command comes from
 # infra/compose.yaml. Copies only constraints.txt from the build context (the repository
-# root): mlflow, boto3 and psycopg2-binary at the versions pinned there, the mlflow CI tests.
+# root): every package at the version pinned there, the mlflow CI tests.
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONUNBUFFERED=1 \
@@ -13,9 +13,13 @@ ENV PYTHONUNBUFFERED=1 \
     DO_NOT_TRACK=true
 
 COPY constraints.txt /tmp/constraints.txt
-RUN pip install -c /tmp/constraints.txt mlflow psycopg2-binary boto3 \
+# Flask-WTF: the basic-auth app (`--app-name basic-auth`, mlflow's `auth` extra) needs it.
+# /var/lib/mlflow-auth: the login database; a new named volume copies this owner.
+RUN pip install -c /tmp/constraints.txt mlflow Flask-WTF psycopg2-binary boto3 \
  && rm /tmp/constraints.txt \
- && useradd --create-home --uid 10001 --user-group mlflow
+ && useradd --create-home --uid 10001 --user-group mlflow \
+ && mkdir -p /var/lib/mlflow-auth \
+ && chown 10001:10001 /var/lib/mlflow-auth
 
 USER 10001:10001
 WORKDIR /home/mlflow

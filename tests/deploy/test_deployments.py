@@ -36,6 +36,8 @@ def deployed(stack):
     template = stack["root"] / "infra" / "k8s" / "gpu-work-pool-template.json"
     _prefect(stack, "work-pool", "create", "gpu-k8s", "--type", "kubernetes",
              "--base-job-template", str(template), "--overwrite")
+    # the compose GPU worker's pool (prefect deploy refuses a deployment's missing pool)
+    _prefect(stack, "work-pool", "create", "local-gpu", "--type", "process", "--overwrite")
     out = _prefect(stack, "--no-prompt", "deploy", "--all", check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "local-cpu" in out.stdout + out.stderr

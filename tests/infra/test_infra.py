@@ -132,7 +132,43 @@ def test_secrets_come_only_from_required_environment_variables(compose):
             assert not re.search(r"://[^:/@\s]+:[^@\s]+@", str(arg)), f"{name}: password in command"
     for var, _default in DEFAULTED_REF.findall(_compose_text()):
         assert not SECRET_NAME.search(var), f"${{{var}:-...}}: a secret must not have a default"
-    assert all(SECRET_NAME.search(v) or v.endswith("_USER") for v in _required_vars())
+    assert all(SECRET_NAME.search(v) or v.endswith(("_USER", "_USERNAME"))
+               for v in _required_vars())
+
+
+def test_both_servers_require_the_login_every_client_presents(compose):
+    """Prefect's server takes the auth string its clients send; MLflow's basic-auth app
+    creates as admin the user the workers log in as; every client (both workers) gets
+    both logins under the clients' standard variable names, from one required variable
+    each. tests/deploy/test_pools_and_logins.py runs both servers so."""
+    services = compose["services"]
+    server = services["prefect-server"]["environment"]
+    mlflow = services["mlflow"]
+    ref = {key: REQUIRED_REF.fullmatch(str(value)).group(1)
+           for key, value in mlflow["environment"].items() if REQUIRED_REF.fullmatch(str(value))}
+    assert REQUIRED_REF.fullmatch(server["PREFECT_SERVER_API_AUTH_STRING"]).group(1) == (
+        "PREFECT_API_AUTH_STRING")
+    command = mlflow["command"]
+    assert command[command.index("--app-name") + 1] == "basic-auth"
+    assert ref["MLFLOW_AUTH_ADMIN_USERNAME"] == "MLFLOW_TRACKING_USERNAME"
+    assert ref["MLFLOW_AUTH_ADMIN_PASSWORD"] == "MLFLOW_TRACKING_PASSWORD"
+    assert "MLFLOW_FLASK_SERVER_SECRET_KEY" in ref
+    for worker in ("worker-cpu", "worker-gpu"):
+        env = services[worker]["environment"]
+        for var in ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME",
+                    "MLFLOW_TRACKING_PASSWORD"):
+            assert REQUIRED_REF.fullmatch(env[var]).group(1) == var, f"{worker}.{var}"
+    # the login settings the server reads: mounted, and the user store on a named volume
+    config_path = mlflow["environment"]["MLFLOW_AUTH_CONFIG_PATH"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in mlflow["volumes"]}
+    assert (INFRA / mounts[config_path]).is_file()
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(INFRA / mounts[config_path])
+    assert "admin_password" not in ini["mlflow"]  # credentials come from infra/.env only
+    store = ini["mlflow"]["database_uri"].removeprefix("sqlite:///")
+    assert mounts[str(Path(store).parent)] in compose["volumes"]
 
 
 def test_env_example_documents_every_variable_without_secrets():
