@@ -254,6 +254,8 @@ def apply_hf_parent(tree: dict[str, Any], origin: dict[tuple[str, ...], str]) ->
     model = dict(fields)
     wrong = []
     for key, item in sorted(origin.items()):
+        if key == ("model",):
+            wrong.append(f"--set {item} (config.json gives the whole section)")
         if len(key) != 2 or key[0] != "model":
             continue
         field, value = key[1], (tree.get("model") or {}).get(key[1])

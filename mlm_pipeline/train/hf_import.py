@@ -48,7 +48,7 @@ from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.config.hf_parent import HF_CONFIG, hf_model_fields
 from mlm_pipeline.manifest import sha256_file
 from mlm_pipeline.train.hf import BERT_QKV, bert_pairs, modern_name
-from mlm_pipeline.train.model import BertMLM
+from mlm_pipeline.train.model import VOCAB_PAD_MULTIPLE, BertMLM
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -255,6 +255,18 @@ def _modern_state(hf: dict[str, Tensor], model: BertMLM, rows: int) -> dict[str,
                                                "head.decoder.bias") else t
     out["head.decoder.weight"] = out["embeddings.word_embeddings.weight"]
     return out
+
+
+def fit_vocab(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """`state` with its word-embedding table, tied decoder and decoder bias cut to the rows
+    of a `vocab_size` model (`vocab_size` rounded up to a multiple of 64); a state of that
+    many rows already is returned as it is (a Hugging Face parent with more rows than the
+    run's tokenizer has ids: the rows cut are ids no input holds).
+    """
+    rows = -(-vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    keys = ("embeddings.word_embeddings.weight", "head.decoder.weight", "head.decoder.bias")
+    return {k: (t[:rows].clone() if k in keys and t.shape[0] > rows else t)
+            for k, t in state.items()}
 
 
 def load_hf_model(path: str | Path, attention_kernel: str = "auto"

@@ -56,11 +56,11 @@ from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
 from mlm_pipeline.train.export import find_stage_manifest
 from mlm_pipeline.train.hf_import import (
     directory_digest,
+    fit_vocab,
     hf_model_fields,
     load_hf_model,
     parent_files,
 )
-from mlm_pipeline.train.model import VOCAB_PAD_MULTIPLE
 from mlm_pipeline.train.verified import (
     STATE_DIGEST,
     find_checkpoint,
@@ -188,18 +188,24 @@ def _refuse_exported(source: str, path: Path) -> None:
     if not (path / "config.json").is_file() or (path / "state.json").is_file() \
             or (path / "checkpoints").is_dir():
         return
-    card = path / "README.md"
-    origin = ""
-    if card.is_file():
-        found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
-        if found:
-            origin = (f" (its model card says: checkpoint {found.group(1)} of run "
-                      f"{found.group(2)}, in <work_dir>/train/{found.group(2)}/checkpoints)")
+    origin = _exported_origin(path)
     raise ValueError(
         f"train.init_from {source!r}: an exported transformers model directory, which holds "
         "no training checkpoint to verify (digests, declared sizes); give the checkpoint "
         f"directory it was exported from{origin}, or the MLflow run id or models:/ URI of "
         "the run that logged it")
+
+
+def _exported_origin(path: Path) -> str:
+    """` (its model card says: checkpoint ... of run ...)` for a directory our export wrote
+    (`train.export.model_card`), else an empty string."""
+    card = path / "README.md"
+    if card.is_file():
+        found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
+        if found:
+            return (f" (its model card says: checkpoint {found.group(1)} of run "
+                    f"{found.group(2)}, in <work_dir>/train/{found.group(2)}/checkpoints)")
+    return ""
 
 
 def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest,
@@ -230,6 +236,11 @@ def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest
     parent_tok = init.state.get("tokenizer_digest")
     if init.hf_class and parent_tok is None:
         pass  # a parent saved without its tokenizer: the vocabulary size is all it says
+    elif tokenizer is not None and parent_tok != tokenizer.digest and init.hf_class:
+        problems.append(f"tokenizer: the source's files (digest {str(parent_tok)[:16]}) are "
+                        f"not the config's tokenizer ({tokenizer.digest[:16]}): set "
+                        f"tokenizer.adopt_from={init.checkpoint}, as `load_config` does for "
+                        f"such a parent{_exported_origin(init.checkpoint)}")
     elif tokenizer is not None and parent_tok != tokenizer.digest:
         problems.append(f"tokenizer: digest {str(parent_tok)[:16]} in the source, "
                         f"{tokenizer.digest[:16]} in the config (other pieces; set "
@@ -283,18 +294,6 @@ def fit_positions(state: dict[str, torch.Tensor], seq_len: int) -> dict[str, tor
         return state
     rows = torch.arange(seq_len) % table.shape[0]
     return {**state, key: table[rows].clone()}
-
-
-def fit_vocab(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """`state` with its word-embedding table, tied decoder and decoder bias cut to the rows
-    of a `vocab_size` model (`vocab_size` rounded up to a multiple of 64); a state of that
-    many rows already is returned as it is (a Hugging Face parent with more rows than the
-    run's tokenizer has ids: the rows cut are ids no input holds).
-    """
-    rows = -(-vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-    keys = ("embeddings.word_embeddings.weight", "head.decoder.weight", "head.decoder.bias")
-    return {k: (t[:rows].clone() if k in keys and t.shape[0] > rows else t)
-            for k, t in state.items()}
 
 
 def check_init_compatible(init: InitSource, model: ModelConfig, shards: ShardManifest,

@@ -30,8 +30,8 @@ from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.config.hf_parent import hf_model_fields, hf_parent_class
 from mlm_pipeline.config_files import load_config
 from mlm_pipeline.errors import ConfigError
-from mlm_pipeline.train.hf_import import directory_digest, load_hf_model
-from mlm_pipeline.train.warm_start import fit_vocab, init_weights, resolve_init
+from mlm_pipeline.train.hf_import import directory_digest, fit_vocab, load_hf_model
+from mlm_pipeline.train.warm_start import init_weights, resolve_init
 
 H, LAYERS, HEADS, FFN, VOCAB, MAX_POS = 16, 2, 2, 32, 100, 64
 
