@@ -324,6 +324,12 @@ def test_conflicting_model_overrides_are_one_error_naming_each(bert_dir):
         assert said in text
 
 
+def test_a_whole_model_section_override_is_refused(bert_dir):
+    with pytest.raises(ConfigError, match=re.escape("--set model={} (config.json gives the "
+                                                    "whole section)")):
+        load_config("tiny", [f"train.init_from={bert_dir}", "model={}"])
+
+
 def test_a_sentencepiece_request_with_a_hf_parent_is_refused(bert_dir):
     with pytest.raises(ConfigError, match=r"--set tokenizer.vocab_size=500 asks for a "
                        "SentencePiece tokenizer"):
