@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config.hf_parent import apply_hf_parent
 from mlm_pipeline.errors import ConfigError  # noqa: F401 - raised here, importable from here
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11
@@ -102,6 +103,8 @@ def load_config(
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
         origin[tuple(key.split("."))] = item
+    # A Hugging Face parent defines the model (and its tokenizer): once, here.
+    tree = apply_hf_parent(tree, origin)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:

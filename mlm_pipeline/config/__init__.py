@@ -10,7 +10,8 @@ This package imports neither torch nor prefect (STYLE rule 3): flows and CPU wor
 configs cheaply.
 
 Rooms: `base` (the base model and the fixed special-token ids), `stages` (ingest,
-tokenizer, shards, masking, model, train), `evaluation` (probes, held-out evaluation,
+tokenizer, shards, masking, model, train), `hf_parent` (a Hugging Face masked LM as
+`train.init_from`: its `config.json` as the `model` section), `evaluation` (probes, held-out evaluation,
 linear probe, fine-tuning), `lr_auto` (`train.lr: auto`), `masking_schedule` (masking-rate
 schedules), `reference` (the configuration reference page).
 """

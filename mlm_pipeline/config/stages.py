@@ -501,8 +501,12 @@ class TrainConfig(StrictModel):
     """Warm start: a model SOURCE whose weights initialize a fresh run instead of random
     ones (a checkpoint directory, a training run directory: its newest intact checkpoint,
     an MLflow run id or a `models:/NAME@ALIAS` URI: its run's checkpoint, kept in its work
-    directory or uploaded with `tracking.log_training_state`; an exported `transformers`
-    directory is refused: it cannot be verified, the error names its checkpoint). Weights
+    directory or uploaded with `tracking.log_training_state`), or a Hugging Face masked
+    LM's `save_pretrained` directory (`BertForMaskedLM`, `ModernBertForMaskedLM`: a
+    published encoder to continue pretraining on this corpus), whose `config.json` then
+    replaces the `model` section (a `--set model.*` that disagrees is an error; `dropout`
+    and `document_positions` stay the config's), whose tokenizer is adopted
+    (`tokenizer.adopt_from`) and whose identity is the sha256 of every file read. Weights
     only: the optimizer, LR schedule (with its own warm-up), data order and step count start
     afresh. Its architecture (`model.*`), `vocab_size` and tokenizer must be this config's
     (each difference is named); a length phase may change `shards.seq_len` (a learned

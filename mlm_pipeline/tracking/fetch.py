@@ -158,13 +158,17 @@ def _download(client: Any, run_id: str, artifact: str, dest: Path) -> None:
 
 def parent_tags(init: dict[str, Any] | None) -> dict[str, str]:
     """MLflow tags of a run's parent (`TrainManifest.init`): `mlm.init_from`,
-    `mlm.init_digest`, `mlm.init_step`, `mlm.init_checkpoint`, and `mlm.init_changes` (JSON:
-    what a length phase changed, e.g. `seq_len` and `model.rope_base`) when it changed
-    something; empty without one."""
+    `mlm.init_digest`, `mlm.init_step`, `mlm.init_checkpoint`, `mlm.init_hf_class` for a
+    Hugging Face parent (its `transformers` class; its directory is `mlm.init_checkpoint`,
+    its directory digest `mlm.init_digest`), and `mlm.init_changes` (JSON: what a length
+    phase changed, e.g. `seq_len` and `model.rope_base`) when it changed something; empty
+    without one."""
     if not init:
         return {}
     tags = {"mlm.init_from": str(init["source"]), "mlm.init_digest": str(init["digest"]),
             "mlm.init_step": str(init["step"]), "mlm.init_checkpoint": str(init["checkpoint"])}
+    if init.get("hf_class"):
+        tags["mlm.init_hf_class"] = str(init["hf_class"])
     if init.get("changes"):
         tags["mlm.init_changes"] = json.dumps(init["changes"], sort_keys=True)
     return tags

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlm_pipeline.config import PipelineConfig
+from mlm_pipeline.config.hf_parent import HF_CONFIG, hf_parent_class
 from mlm_pipeline.config_files import flatten
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.manifest import (
@@ -49,9 +50,14 @@ def run_params(cfg: PipelineConfig) -> dict[str, Any]:
     """The flattened config (`train.lr`, `model.hidden_size`, ...) logged as MLflow params,
     less `BOOKKEEPING_KEYS`, plus `train.warmup_in_effect`: the warm-up steps used
     (`TrainConfig.warmup`), since `train.warmup_steps` is None when `warmup_ratio` (or the
-    default) sets the warm-up."""
+    default) sets the warm-up, and `mlm.model_from` when a Hugging Face parent's
+    `config.json` gave the `model` section (`config.hf_parent`): that file, and its class."""
     params = {k: v for k, v in flatten(cfg).items() if k not in BOOKKEEPING_KEYS}
-    return {**params, "train.warmup_in_effect": cfg.train.warmup}
+    params["train.warmup_in_effect"] = cfg.train.warmup
+    hf_class = hf_parent_class(cfg.train.init_from) if cfg.train.init_from else None
+    if hf_class is not None:
+        params["mlm.model_from"] = f"{Path(cfg.train.init_from) / HF_CONFIG} ({hf_class})"
+    return params
 
 
 def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:

@@ -7,7 +7,8 @@ its layers in `layers`, attention in `attention`).
 
 Rooms besides: `perf` (device, precision, compilation, peak FLOP/s), `verified` (finding,
 verifying and loading checkpoints), `warm_start` (a run started from a parent's weights),
-`hf` (the mapping onto Hugging Face masked-LM classes) and `export` (a checkpoint as a
+`hf` (the mapping onto Hugging Face masked-LM classes), `hf_import` (its inverse: a
+published masked LM loaded as ours) and `export` (a checkpoint as a
 `transformers` directory), `distributed` (data-parallel training in one worker) and
 `launch` (training under torchrun), `kernels` (attention over packed rows:
 document and sliding-window masks and their kernels).

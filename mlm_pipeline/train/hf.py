@@ -14,7 +14,7 @@ layout included: `layer_types` says which layers are global (`model.global_every
 preset's two local 128-token sliding-window layers for every global one, or every layer
 global for a checkpoint trained before the layout existed), `local_attention` the window
 and `rope_parameters` the two RoPE bases. Every tensor maps to
-one HF tensor under another name (`_modern_names`), nothing split or added: fused `Wqkv`
+one HF tensor under another name (`modern_name`), nothing split or added: fused `Wqkv`
 rows [q | k | v] with heads contiguous (HF views them as (3, heads, d) as ours does), `Wi`
 rows [gelu input | gate], no attention LayerNorm in layer 0 (HF `attn_norm` is Identity
 there), `final_norm`, head `dense` + GELU + `norm`, tied `decoder` with its bias. RoPE is
@@ -123,6 +123,25 @@ def hf_bert_config(model: BertMLM) -> BertConfig:
     )
 
 
+#: The names of HF BERT's three attention projections, in our fused `qkv`'s row order.
+BERT_QKV = ("query", "key", "value")
+
+
+def bert_pairs(num_layers: int) -> list[tuple[str, str]]:
+    """(HF BERT name, our name) of every layer and head tensor that maps one to one (the
+    embeddings, `qkv` and the tied decoder are mapped by hand)."""
+    blocks = {"attention.output.dense": "attention.out",
+              "attention.output.LayerNorm": "attention_norm", "intermediate.dense": "ffn.0",
+              "output.dense": "ffn.2", "output.LayerNorm": "ffn_norm"}
+    pairs = [(f"bert.encoder.layer.{i}.{hf_name}.{kind}", f"layers.{i}.{our_name}.{kind}")
+             for i in range(num_layers) for hf_name, our_name in blocks.items()
+             for kind in ("weight", "bias")]
+    for kind in ("weight", "bias"):
+        pairs += [(f"cls.predictions.transform.dense.{kind}", f"head.transform.0.{kind}"),
+                  (f"cls.predictions.transform.LayerNorm.{kind}", f"head.transform.2.{kind}")]
+    return pairs
+
+
 def hf_bert_state_dict(model: BertMLM) -> dict[str, Tensor]:
     """`BertForMaskedLM` state dict (detached copies) holding `model`'s weights.
 
@@ -147,24 +166,13 @@ def hf_bert_state_dict(model: BertMLM) -> dict[str, Tensor]:
     for i in range(model.cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"bert.encoder.layer.{i}."
         # Our qkv rows are [query (H) | key (H) | value (H)], heads contiguous within each.
-        for name, w, b in zip(("query", "key", "value"),
+        for name, w, b in zip(BERT_QKV,
                               src[ours + "attention.qkv.weight"].chunk(3, dim=0),
                               src[ours + "attention.qkv.bias"].chunk(3, dim=0)):
             out[f"{theirs}attention.self.{name}.weight"] = w.contiguous()
             out[f"{theirs}attention.self.{name}.bias"] = b.contiguous()
-        pairs = {
-            "attention.output.dense": "attention.out",
-            "attention.output.LayerNorm": "attention_norm",
-            "intermediate.dense": "ffn.0",
-            "output.dense": "ffn.2",
-            "output.LayerNorm": "ffn_norm",
-        }
-        for hf_name, our_name in pairs.items():
-            for kind in ("weight", "bias"):
-                out[f"{theirs}{hf_name}.{kind}"] = src[f"{ours}{our_name}.{kind}"]
-    for kind in ("weight", "bias"):
-        out[f"cls.predictions.transform.dense.{kind}"] = src[f"head.transform.0.{kind}"]
-        out[f"cls.predictions.transform.LayerNorm.{kind}"] = src[f"head.transform.2.{kind}"]
+    for hf_name, our_name in bert_pairs(model.cfg.num_layers):
+        out[hf_name] = src[our_name]
     out["cls.predictions.decoder.weight"] = word  # tied to the word embeddings in HF too
     out["cls.predictions.bias"] = src["head.decoder.bias"][:v]
     out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]  # tied in HF
@@ -231,7 +239,7 @@ def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
     )
 
 
-def _modern_names(key: str) -> str:
+def modern_name(key: str) -> str:
     """The `ModernBertForMaskedLM` name of one of our `modern` state-dict keys."""
     renames = [  # (our prefix, theirs), first match wins
         ("embeddings.word_embeddings.", "model.embeddings.tok_embeddings."),
@@ -271,7 +279,7 @@ def hf_modernbert_state_dict(model: BertMLM) -> dict[str, Tensor]:
             continue
         if key in ("embeddings.word_embeddings.weight", "head.decoder.bias"):
             tensor = tensor[:v]
-        out[_modern_names(key)] = tensor.detach().clone()
+        out[modern_name(key)] = tensor.detach().clone()
     out["decoder.weight"] = out["model.embeddings.tok_embeddings.weight"]
     return out
 

@@ -6,9 +6,16 @@ directory: its newest intact checkpoint, as `fill-mask` and `export` take them t
 its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
 step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
 local checkpoint by the tracking layer first (`tracking.fetch`, as `app.parents` decides), which passes it
-here as `checkpoint`. An exported `transformers` directory is refused: it holds no
-digests to verify it by (the message names the checkpoint its model card says it was
-exported from).
+here as `checkpoint`. A Hugging Face masked LM (a `save_pretrained` directory whose
+`config.json` names a `...ForMaskedLM` class: a published encoder, or one of our exports)
+is a parent too (`resolve_hf_init`): its weights are read by `train.hf_import` (the
+sha256 of every file read, checked again when they are loaded), its identity is the
+directory digest, its `step` 0, and its record names the class (`hf_class`); its
+`config.json` is the run's `model` section (`config.hf_parent`, applied by
+`load_config`), its vocabulary may be larger than the run's tokenizer (the rows past the
+tokenizer's ids are cut: no input can look them up, their logits leave the softmax; the
+lineage records `vocab_size` [parent, child]). Another `config.json` directory is refused
+(the message names the checkpoint its model card says it was exported from).
 
 `check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
 or compute the network: all but `preset`, `dropout`, `initializer_range` and the
@@ -44,8 +51,16 @@ from typing import Any
 import torch
 
 from mlm_pipeline.config import ModelConfig, TrainConfig
+from mlm_pipeline.config.hf_parent import hf_parent_class
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
 from mlm_pipeline.train.export import find_stage_manifest
+from mlm_pipeline.train.hf_import import (
+    directory_digest,
+    fit_vocab,
+    hf_model_fields,
+    load_hf_model,
+    parent_files,
+)
 from mlm_pipeline.train.verified import (
     STATE_DIGEST,
     find_checkpoint,
@@ -76,7 +91,10 @@ class InitSource:
         checkpoint: the checkpoint directory resolved from it.
         digest: the checkpoint's `state_sha256` (hex): it covers the sha256 of every file.
         step: optimizer steps the parent had taken.
-        state: the checkpoint's verified `state.json`.
+        state: the checkpoint's verified `state.json`; for a Hugging Face parent, what it
+            says in those terms (`config.model`, `seq_len` = its `max_position_
+            embeddings`, `vocab_size`, `tokenizer_digest`).
+        hf_class: the `transformers` class of a Hugging Face parent (None: a checkpoint).
     """
 
     source: str
@@ -84,13 +102,16 @@ class InitSource:
     digest: str
     step: int
     state: dict[str, Any]
+    hf_class: str | None = None
 
     def record(self, changes: dict[str, Any] | None = None) -> dict[str, Any]:
         """What runs record of their parent (checkpoint meta, train manifest, MLflow tags):
-        `source`, `checkpoint`, `digest`, `step` (JSON values), and the `changes` from the
+        `source`, `checkpoint` (a Hugging Face parent's directory), `digest`, `step`
+        (JSON values), `hf_class` for a Hugging Face parent, and the `changes` from the
         parent (`init_changes`) when there are any."""
         record = {"source": self.source, "checkpoint": str(self.checkpoint),
-                  "digest": self.digest, "step": self.step}
+                  "digest": self.digest, "step": self.step,
+                  **({"hf_class": self.hf_class} if self.hf_class else {})}
         return {**record, **({"changes": changes} if changes else {})}
 
 
@@ -99,7 +120,8 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
     """The verified checkpoint of a warm-start SOURCE.
 
     Args:
-        source: `train.init_from`: a checkpoint or training run directory.
+        source: `train.init_from`: a checkpoint or training run directory, or a Hugging
+            Face masked-LM directory (`resolve_hf_init`).
         checkpoint: the local checkpoint an MLflow SOURCE was fetched to (None: `source`
             is a local path).
         trust_unverified: accept a checkpoint without a digest (`train.trust_unverified_
@@ -108,7 +130,7 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
     Raises:
         ValueError: `source` is not a local path and no `checkpoint` is given (an MLflow
             SOURCE must be fetched by the caller); the checkpoint is damaged or cannot be
-            verified (`CheckpointError`, the file named).
+            verified (`CheckpointError`, the file named); the errors of `resolve_hf_init`.
         FileNotFoundError: the path holds no complete checkpoint.
     """
     if checkpoint is None:
@@ -117,6 +139,8 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
             raise ValueError(
                 f"train.init_from {source!r}: no such checkpoint or run directory (an MLflow "
                 "run id or models:/ URI is fetched by `mlm-pipeline run` and the flows)")
+        if hf_parent_class(path) is not None:
+            return resolve_hf_init(source, path)
         _refuse_exported(source, path)
         checkpoint = find_checkpoint(path, trust_unverified)
     path = Path(checkpoint).resolve()
@@ -124,6 +148,33 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
     step = int((state.get("train_state") or {}).get("step", state.get("step", 0)))
     digest = state.get(STATE_DIGEST) or ""
     return InitSource(source=source, checkpoint=path, digest=digest, step=step, state=state)
+
+
+def resolve_hf_init(source: str, path: Path) -> InitSource:
+    """The `InitSource` of a Hugging Face masked-LM directory: digest = the directory
+    digest of every file `load_hf_model` reads, step 0, `hf_class`, and a `state` in a
+    checkpoint's terms (module docstring).
+
+    Raises:
+        ValueError: `train.init_from` and the errors of `hf_model_fields` and
+            `parent_files` (the file and field named).
+    """
+    path = path.resolve()
+    try:
+        hf_class, fields, sizes = hf_model_fields(path)
+        files = parent_files(path)
+    except ValueError as exc:
+        raise ValueError(f"train.init_from {source!r}: {exc}") from None
+    tokenizer = None
+    if "tokenizer.json" in files:
+        from mlm_pipeline.tokenizer import pretrained_tokenizer_digest
+
+        tokenizer = pretrained_tokenizer_digest(path)
+    state = {"config": {"model": ModelConfig.model_validate(fields).model_dump(mode="json")},
+             "seq_len": sizes["max_position_embeddings"], "vocab_size": sizes["vocab_size"],
+             "tokenizer_digest": tokenizer, "hf_class": hf_class, "files": files}
+    return InitSource(source=source, checkpoint=path, digest=directory_digest(files), step=0,
+                      state=state, hf_class=hf_class)
 
 
 def _refuse_exported(source: str, path: Path) -> None:
@@ -137,18 +188,24 @@ def _refuse_exported(source: str, path: Path) -> None:
     if not (path / "config.json").is_file() or (path / "state.json").is_file() \
             or (path / "checkpoints").is_dir():
         return
-    card = path / "README.md"
-    origin = ""
-    if card.is_file():
-        found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
-        if found:
-            origin = (f" (its model card says: checkpoint {found.group(1)} of run "
-                      f"{found.group(2)}, in <work_dir>/train/{found.group(2)}/checkpoints)")
+    origin = _exported_origin(path)
     raise ValueError(
         f"train.init_from {source!r}: an exported transformers model directory, which holds "
         "no training checkpoint to verify (digests, declared sizes); give the checkpoint "
         f"directory it was exported from{origin}, or the MLflow run id or models:/ URI of "
         "the run that logged it")
+
+
+def _exported_origin(path: Path) -> str:
+    """` (its model card says: checkpoint ... of run ...)` for a directory our export wrote
+    (`train.export.model_card`), else an empty string."""
+    card = path / "README.md"
+    if card.is_file():
+        found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
+        if found:
+            return (f" (its model card says: checkpoint {found.group(1)} of run "
+                    f"{found.group(2)}, in <work_dir>/train/{found.group(2)}/checkpoints)")
+    return ""
 
 
 def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest,
@@ -170,14 +227,21 @@ def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest
         if a != b:
             problems.append(f"model.{name}: {a!r} in the source, {b!r} in the config")
     have = init.state.get("vocab_size")
-    if have != shards.vocab_size:
+    if have != shards.vocab_size and not (init.hf_class and have > shards.vocab_size):
         problems.append(f"vocab_size: {have} in the source, {shards.vocab_size} in the "
                         "config's shards")
     if type(init.state.get("seq_len")) is not int:
         problems.append(f"seq_len: {init.state.get('seq_len')!r} in the source is not a "
                         "length")
     parent_tok = init.state.get("tokenizer_digest")
-    if tokenizer is not None and parent_tok != tokenizer.digest:
+    if init.hf_class and parent_tok is None:
+        pass  # a parent saved without its tokenizer: the vocabulary size is all it says
+    elif tokenizer is not None and parent_tok != tokenizer.digest and init.hf_class:
+        problems.append(f"tokenizer: the source's files (digest {str(parent_tok)[:16]}) are "
+                        f"not the config's tokenizer ({tokenizer.digest[:16]}): set "
+                        f"tokenizer.adopt_from={init.checkpoint}, as `load_config` does for "
+                        f"such a parent{_exported_origin(init.checkpoint)}")
+    elif tokenizer is not None and parent_tok != tokenizer.digest:
         problems.append(f"tokenizer: digest {str(parent_tok)[:16]} in the source, "
                         f"{tokenizer.digest[:16]} in the config (other pieces; set "
                         "tokenizer.from_init=true to reuse the source's)")
@@ -189,11 +253,15 @@ def _parent_model(init: InitSource) -> ModelConfig:
     return ModelConfig.from_record((init.state.get("config") or {}).get("model") or {})
 
 
-def init_changes(init: InitSource, model: ModelConfig, seq_len: int) -> dict[str, Any]:
+def init_changes(init: InitSource, model: ModelConfig, seq_len: int,
+                 vocab_size: int | None = None) -> dict[str, Any]:
     """What a compatible child changes from its parent: `{"seq_len": [parent, child],
-    "model.rope_base": [parent, child], ...}` (only what differs), plus `positions`, the
-    rule that fitted a learned position table to another length (`fit_positions`)."""
+    "model.rope_base": [parent, child], ...}` (only what differs; `vocab_size`, the
+    child's V, for a Hugging Face parent with more rows), plus `positions`, the rule that
+    fitted a learned position table to another length (`fit_positions`)."""
     theirs, changes = _parent_model(init), {}
+    if init.hf_class and vocab_size is not None and init.state["vocab_size"] != vocab_size:
+        changes["vocab_size"] = [init.state["vocab_size"], vocab_size]
     parent_len = int(init.state["seq_len"])
     if parent_len != seq_len:
         changes["seq_len"] = [parent_len, seq_len]
@@ -245,10 +313,26 @@ def init_weights(init: InitSource, trust_unverified: bool = False) -> dict[str, 
     """The parent's model `state_dict` (CPU, fp32 as saved), read through the verified
     loader (`load_verified`: digests, sizes, then safetensors).
 
+    A Hugging Face parent's weights are read by `hf_import.load_hf_model` (its
+    vocabulary rows padded to a multiple of 64: `fit_vocab` fits them to the run's).
+
     Raises:
         CheckpointError: the checkpoint changed since `resolve_init` (damaged, or its
             declared sizes are not its tensors').
+        ValueError: a Hugging Face parent's files changed since `resolve_init` (their
+            digest is not the one the run records), or the errors of `load_hf_model`.
     """
+    if init.hf_class:
+        model, _, record = load_hf_model(init.checkpoint)
+        if record["digest"] != init.digest:
+            changed = sorted(k for k in {**record["files"], **init.state["files"]}
+                             if record["files"].get(k) != init.state["files"].get(k))
+            raise ValueError(f"train.init_from {init.source!r}: {changed} in {init.checkpoint} "
+                             "changed since the run resolved its parent")
+        logger.info("warm start: weights of Hugging Face %s %s (digest %s; %s)",
+                    init.hf_class, init.checkpoint, init.digest[:16],
+                    record.get("token_type", "every tensor mapped one to one"))
+        return model.state_dict()
     model, _ = load_verified(init.checkpoint, "cpu", trust_unverified)
     logger.info("warm start: weights of %s (step %d, digest %s)", init.checkpoint, init.step,
                 init.digest[:16])
@@ -262,7 +346,12 @@ def parent_tokenizer(init: InitSource) -> TokenizerManifest:
 
     Raises:
         FileNotFoundError: no such tokenizer output (named with the digest).
+        ValueError: the parent is a Hugging Face directory (its tokenizer is adopted).
     """
+    if init.hf_class:
+        raise ValueError(f"tokenizer.from_init: {init.checkpoint} is a Hugging Face "
+                         f"{init.hf_class}: adopt its tokenizer with tokenizer.adopt_from "
+                         "(what load_config does for such a parent)")
     digest = init.state.get("tokenizer_digest") or ""
     found = find_stage_manifest(init.checkpoint, "tokenizer", digest, TokenizerManifest)
     if found is None:
@@ -298,8 +387,9 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
         return None, None
     init = resolve_init(cfg.init_from, init_checkpoint, cfg.trust_unverified_checkpoint)
     check_init_compatible(init, model, shards, tokenizer)
-    changes = init_changes(init, model, shards.seq_len)
+    changes = init_changes(init, model, shards.seq_len, shards.vocab_size)
     if changes:
         logger.info("warm start: changes from the parent: %s", changes)
-    weights = fit_positions(init_weights(init, cfg.trust_unverified_checkpoint), shards.seq_len)
+    weights = fit_vocab(fit_positions(init_weights(init, cfg.trust_unverified_checkpoint),
+                                      shards.seq_len), shards.vocab_size)
     return init.record(changes), weights

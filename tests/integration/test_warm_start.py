@@ -68,14 +68,17 @@ def test_refuses_other_architecture_naming_each_field(tmp_path, parents, tiny_mo
 
 @pytest.mark.full
 @pytest.mark.slow  # the export imports transformers: about 10 s
-def test_refuses_an_exported_model_naming_its_checkpoint(tmp_path, parents, tiny_model_config,
-                                                        tiny_shard_manifest,
-                                                        tiny_tokenizer_manifest):
+def test_an_exported_model_needs_its_own_tokenizer_naming_its_checkpoint(
+        tmp_path, parents, tiny_model_config, tiny_shard_manifest, tiny_tokenizer_manifest):
+    """An export is a Hugging Face parent (`train.hf_import`); with the run's SentencePiece
+    tokenizer instead of the export's `tokenizer.json` it is refused, the message naming
+    the fix and the checkpoint it was exported from."""
     from mlm_pipeline.train.export import export_checkpoint
 
     exported = export_checkpoint(parents[0].file(parents[0].checkpoint_dir), tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"an exported transformers model directory.*"
-                                         r"checkpoint step-00000006 of run parent-11"):
+    with pytest.raises(ValueError, match=r"tokenizer: the source's files .* set "
+                                         r"tokenizer.adopt_from=.*checkpoint step-00000006 of "
+                                         r"run parent-11"):
         train(_train_cfg(init_from=str(exported)), tiny_model_config, MaskingConfig(),
               tiny_shard_manifest, tiny_tokenizer_manifest, tmp_path / "child")
 
