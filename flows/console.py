@@ -94,7 +94,13 @@ class LocalPrefectApi:
                 if response.status == 200:
                     return
             time.sleep(0.5)
+        code = self.process.poll()
         self.stop()
+        if code is not None:
+            raise RuntimeError(
+                f"the local Prefect API server exited with status {code} before it answered "
+                "(its error is printed above: often a Prefect release that does not work with "
+                "the installed FastAPI/pydantic; see pyproject.toml's prefect floor)")
         raise RuntimeError(
             f"the local Prefect API did not start within {timeout_s:.0f} s on this machine; "
             "retry when it is less busy, raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, "
