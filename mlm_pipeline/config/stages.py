@@ -417,8 +417,8 @@ class TrainConfig(StrictModel):
     max_skipped_steps: int = Field(default=10, ge=1)
     """Consecutive skipped (non-finite) steps after which `nonfinite: skip` stops the run."""
     lr: Annotated[float, Field(gt=0)] | Literal["auto"] = 1e-3
-    """Peak learning rate; `auto`: chosen from the model's recipe (post-LN `bert`: BERT's
-    1e-4 with a 1 % warm-up unless one is set; pre-LN `modern`: 1e-3), resolved when the
+    """Peak learning rate; `auto`: chosen from the model's recipe (post-LN `bert`: 5e-4
+    with a 6 % warm-up unless one is set, from this project's sweep; pre-LN `modern`: 1e-3), resolved when the
     config is loaded (`mlm_pipeline.config.lr_auto`)."""
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """Final LR as a share of the peak."""

@@ -50,12 +50,12 @@ def test_steps_trains_exactly_n_steps_and_resolves_lr_auto_per_recipe(tmp_path, 
             assert row["warmup_steps"] == 1
         accuracies = [r["eval/mlm_accuracy"] for r in result["seeds"]]
         assert result["eval/mlm_accuracy_mean"] == pytest.approx(sum(accuracies) / 2)
-    assert bert["seeds"][0]["lr"] == pytest.approx(1e-4)
+    assert bert["seeds"][0]["lr"] == pytest.approx(5e-4)
     assert modern["seeds"][0]["lr"] == pytest.approx(1e-3)
     printed = capsys.readouterr().out
     assert "3 steps per model" in printed
     assert "every model trained at 0.3 masking, evaluated at 0.15" in printed
-    assert "ours-bert seed 0: accuracy" in printed and "peak lr 0.0001" in printed
+    assert "ours-bert seed 0: accuracy" in printed and "peak lr 0.0005" in printed
 
 
 def test_steps_below_two_is_refused(capsys):

@@ -54,8 +54,8 @@ def test_train_resolves_auto_from_the_model(tmp_path, tiny_model_config, tiny_sh
     cfg = TrainConfig(micro_batch_size=4, max_steps=2, lr="auto", log_every=1)
     post = train(cfg, tiny_model_config, MaskingConfig(), tiny_shard_manifest,
                  tiny_tokenizer_manifest, tmp_path / "post")
-    assert post.config["train"]["lr"] == 1e-4 and post.config["train"]["warmup_ratio"] == 0.01
+    assert post.config["train"]["lr"] == 5e-4 and post.config["train"]["warmup_ratio"] == 0.06
     records = [json.loads(line) for line in
                post.file(post.metrics_log).read_text().splitlines()]
-    # warm-up round(0.01 * 2) = 0 steps: the decay from 1e-4 reaches 0 at step 2
-    assert [r["train/lr"] for r in records] == [5e-5, 0.0]
+    # warm-up round(0.06 * 2) = 0 steps: the decay from 5e-4 reaches 0 at step 2
+    assert [r["train/lr"] for r in records] == [2.5e-4, 0.0]
