@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.small_run import small_run_args
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("MLM_FLOORS_WHEELS", "/opt/wheels"))
@@ -96,19 +97,7 @@ def test_default_flow_runs_and_exports_on_the_floors(floor_env):
     """`mlm-pipeline run tiny`, a few steps, the model exported and logged; then the
     exported Hugging Face model loads with the floor transformers and predicts."""
     cwd = floor_env["cwd"]
-    overrides = {
-        "work_dir": str(cwd / "work"),
-        "ingest.sources": json.dumps([str(ROOT / "tests" / "assets" / "tiny_fr.txt")]),
-        "ingest.validation_fraction": "0.1",
-        "tokenizer.vocab_size": "128", "shards.seq_len": "32",
-        "model.hidden_size": "32", "model.num_layers": "2", "model.num_heads": "2",
-        "model.intermediate_size": "64",
-        "train.micro_batch_size": "4", "train.max_steps": "4", "train.log_every": "1",
-        "train.precision": "fp32",
-        "eval.batch_size": "8", "eval.probes": "[]", "linear_probe.enabled": "false",
-        "tracking.log_model": "true", "tracking.experiment_name": "floors",
-    }
-    args = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    args = small_run_args(str(cwd / "work"), "floors")
     _run([str(floor_env["bin"] / "mlm-pipeline"), "run", "tiny", *args,
           "--summary-json", str(cwd / "summary.json")], timeout=1200,
          env=floor_env["env"], cwd=cwd)

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from mlm_pipeline.config_files import load_config
+from tests.small_run import small_run_args
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the wheel is built from (the worker images copy the same, plus prefect.yaml).
@@ -136,20 +137,7 @@ def test_installed_default_flow_runs_and_registers_its_model(installed):
     exported and logged (`tracking.log_model`, the default): the run finishes, from the
     wheel's files (no git commit tag: it does not run from a checkout)."""
     cwd = installed["cwd"]
-    overrides = {
-        "work_dir": str(cwd / "work"),
-        "ingest.sources": json.dumps([str(ROOT / "tests" / "assets" / "tiny_fr.txt")]),
-        "ingest.validation_fraction": "0.1",
-        "tokenizer.vocab_size": "128",
-        "shards.seq_len": "32",
-        "model.hidden_size": "32", "model.num_layers": "2", "model.num_heads": "2",
-        "model.intermediate_size": "64",
-        "train.micro_batch_size": "4", "train.max_steps": "4", "train.log_every": "1",
-        "train.precision": "fp32",
-        "eval.batch_size": "8", "eval.probes": "[]", "linear_probe.enabled": "false",
-        "tracking.log_model": "true", "tracking.experiment_name": "wheel",
-    }
-    args = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    args = small_run_args(str(cwd / "work"), "wheel")
     proc = subprocess.run(
         [str(installed["bin"] / "mlm-pipeline"), "run", "tiny", *args,
          "--summary-json", str(cwd / "summary.json")],
