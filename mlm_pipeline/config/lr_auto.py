@@ -6,7 +6,7 @@ The choice follows where the LayerNorm sits (`model.norm`, which `model.preset` 
   from this project's sweep (`benchmarks/sweep_lr.py --preset bert`, `tiny`'s data and
   4 x 256 shape, 1,000 steps of 16 rows, 30 % masking, accuracy at 15 %; RESULTS.md "The
   `bert` learning rate"), mean of seeds 0 and 1: 1e-4 0.0741, 3e-4 0.1036, 5e-4 0.1175;
-  1e-3 0.0363 (seed 0), the most-frequent-token baseline (the run collapses). BERT's own 1e-4
+  1e-3 0.0363, the most-frequent-token baseline (the run collapses). BERT's own 1e-4
   (Devlin et al. 2019, appendix A.2: 10,000 warm-up steps of 1,000,000 at batch 256) is
   for a million steps; at the short runs this pipeline trains on CPU it is 1.6x below the
   best accuracy. RoBERTa (Liu et al. 2019, table 9) trains post-LN at 6e-4 with a warm-up
