@@ -47,15 +47,16 @@ from torch import Tensor
 from mlm_pipeline.config import ModelConfig
 from mlm_pipeline.config.hf_parent import HF_CONFIG, hf_model_fields
 from mlm_pipeline.manifest import sha256_file
+from mlm_pipeline.tokenizer.pretrained import COMPANION_FILES, TOKENIZER_JSON
 from mlm_pipeline.train.hf import BERT_QKV, bert_pairs, modern_name
 from mlm_pipeline.train.model import VOCAB_PAD_MULTIPLE, BertMLM
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
-#: Tokenizer files `save_pretrained` writes beside a model (hashed when present).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt")
+#: Tokenizer files `save_pretrained` writes beside a model (hashed when present): the
+#: files the tokenizer adoption reads (`tokenizer.pretrained`).
+TOKENIZER_FILES = (TOKENIZER_JSON, *COMPANION_FILES)
 #: Tensors a masked LM's file may carry that it does not compute with.
 _IGNORED = re.compile(r"^(bert\.pooler\.|cls\.seq_relationship\.|.*position_ids$)")
 #: Tied copies of the word embeddings / decoder bias, present or not in a file.
