@@ -9,8 +9,8 @@ running interval sums (on the training device, no host sync); at the end of a lo
 - `train/tokens_per_s`: tokens (rows * seq_len, padding included) per second of loop time,
 - `train/mfu_pct`: model FLOP utilization (Chowdhery et al. 2022, appendix B) in percent,
   against `perf.peak_flops` (left out when the peak is unknown), never above 100: an
-  interval that achieves more FLOP/s than the peak raises the peak to its rate (a warning;
-  `peak_source` becomes `achieved`),
+  interval that achieves more FLOP/s than the peak raises the peak to its rate (a warning the
+  first time only; `peak_source` becomes `achieved`),
 - `train/peak_tflops`: that peak in TFLOP/s (10**12 FLOP/s), logged with the MFU,
 - `train/masked_tokens`: tokens predicted (selected by masking) in the interval,
 - `train/skipped_steps`, `train/empty_steps`: steps not applied so far (non-finite, or
@@ -159,7 +159,9 @@ class Meter:
         if self.peak_flops:
             achieved = self.flops_per_token * tokens_per_s
             if achieved > self.peak_flops:
-                logger.warning(
+                # Once a run: later intervals that beat the raised peak only move it.
+                log = logger.warning if self.peak_source != "achieved" else logger.debug
+                log(
                     "step %d: %.4g TFLOP/s achieved, above the %s peak of %.4g TFLOP/s: the "
                     "peak is raised to the achieved rate (MFU 100 %%); declare the device's "
                     "peak with MLM_PIPELINE_PEAK_TFLOPS", step, achieved / 1e12,

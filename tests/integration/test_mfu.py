@@ -7,12 +7,14 @@ machine's speed."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
 from mlm_pipeline.config import MaskingConfig, TrainConfig
 from mlm_pipeline.train import train
+from mlm_pipeline.train import meter as meter_module
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
 from mlm_pipeline.train.perf import (
@@ -76,6 +78,26 @@ def test_a_declared_peak_below_the_achieved_rate_is_raised(monkeypatch):
     assert metrics["train/peak_tflops"] == pytest.approx(
         1e3 * metrics["train/tokens_per_s"] / 1e12)
     assert meter.peak_source == "achieved"
+
+
+def test_the_raised_peak_is_warned_about_once_a_run(monkeypatch, caplog):
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "1e-12")
+    cpu = torch.device("cpu")
+    meter = Meter(cpu, tokens_per_step=64, flops_per_token=1e3,
+                  peak_flops=peak_flops(cpu, "fp32"))
+    raised = []
+    with caplog.at_level(logging.DEBUG, logger=meter_module.logger.name):
+        for step in range(1, 6):
+            meter.start()
+            meter.update(torch.tensor(8.0), torch.tensor(4))
+            before = meter.peak_flops
+            meter.flops_per_token *= 1e3  # each interval beats the last raised peak
+            meter.report(step=step, lr=1e-3, grad_norm=1.0, epoch=0, tokens_seen=64 * step)
+            raised.append(meter.peak_flops > before)
+    lines = [r for r in caplog.records if "above the" in r.getMessage()]
+    assert raised == [True] * 5 and len(lines) == 5  # every raise is logged...
+    warnings = [r for r in lines if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "declared peak" in warnings[0].getMessage()  # ...warned once
 
 
 def test_a_declared_peak_that_is_not_a_number_is_named(monkeypatch):
