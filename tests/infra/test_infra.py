@@ -386,6 +386,15 @@ def test_rendered_job_runs_the_cuda_image_on_a_gpu_node(compose):
     assert pod["securityContext"]["runAsNonRoot"] is True
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"].startswith("http")
+    # The store's credentials and the MLflow login come from optional Secrets, and the
+    # README's command creates the logins Secret with the two names the MLflow client reads.
+    secrets = {s["secretRef"]["name"]: s["secretRef"]["optional"] for s in container["envFrom"]}
+    assert secrets == {"mlm-pipeline-store": True, "mlm-pipeline-logins": True}
+    readme = (INFRA / "README.md").read_text()
+    create = re.search(r"kubectl create secret generic mlm-pipeline-logins(.*?)\n```", readme,
+                       re.S)
+    assert create and set(re.findall(r"--from-literal=(\w+)=", create.group(1))) == {
+        "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
     assert "PREFECT_API_URL" not in env  # unset: the worker passes its own
     job = _render_job({"gpu_count": 4, "prefect_api_url": "http://prefect:4200/api"})
     container = job["spec"]["template"]["spec"]["containers"][0]
