@@ -12,7 +12,7 @@ leaves one of each, with the new definition):
   `WEBHOOK_JSON`; the URL is kept in the block's secrets, so the UI and API show it
   obscured) or through any notification block already saved on the server (`--block
   TYPE/NAME`: e.g. an email block such as `sendgrid-email/ops`).
-- The zombie-run automation of `infra/automations/crash-zombie-flows.yaml` (its one
+- The zombie-run automation of `flows/automations/crash-zombie-flows.yaml` (its one
   definition): a running flow run that stops sending heartbeats is marked Crashed, which
   in turn notifies.
 
@@ -34,9 +34,8 @@ from typing import Any
 #: Name of the failure automation on the server.
 FAILURE_AUTOMATION = "mlm-pipeline-flow-run-failed"
 #: The zombie-run automation's definition (one automation, `prefect automation create
-#: --from-file` format), in the repository checkout beside `flows/`.
-ZOMBIE_FILE = Path(__file__).resolve().parents[1] / "infra" / "automations" / \
-    "crash-zombie-flows.yaml"
+#: --from-file` format), installed with the flows (package data), so a wheel has it too.
+ZOMBIE_FILE = Path(__file__).resolve().parent / "automations" / "crash-zombie-flows.yaml"
 #: The zombie-run automation's name, should its file be missing when `remove` runs.
 ZOMBIE_AUTOMATION = "crash-zombie-flows"
 #: Name of the webhook block document `--webhook-url` saves (type `custom-webhook`).
@@ -103,7 +102,7 @@ def zombie_automation(path: Path = ZOMBIE_FILE) -> Any:
     """The zombie-run automation defined in `path` (an `automations:` list of one).
 
     Raises:
-        FileNotFoundError: `path` is missing (outside a repository checkout: pass
+        FileNotFoundError: `path` is missing (a damaged install, or a wrong
             `--zombie-file`).
         ValueError: `path` does not hold exactly one valid automation (pydantic's message,
             with the file named).
@@ -113,7 +112,7 @@ def zombie_automation(path: Path = ZOMBIE_FILE) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"alerts: {path}: no such file (the zombie-run automation; "
-                                "run from a repository checkout or pass --zombie-file)")
+                                "installed with the flows; reinstall, or pass --zombie-file)")
     specs = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("automations")
     if not isinstance(specs, list) or len(specs) != 1:
         raise ValueError(f"alerts: {path}: `automations` must list exactly one automation")

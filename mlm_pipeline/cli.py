@@ -310,7 +310,7 @@ COMMANDS = (
              arg("--block", metavar="TYPE/NAME", help="install: notify through this saved "
                  "Prefect notification block instead (e.g. an email block)"),
              arg("--zombie-file", metavar="PATH", help="the zombie-run automation's YAML "
-                 "(default: infra/automations/crash-zombie-flows.yaml of the checkout)")),
+                 "(default: the one installed with the flows)")),
             show_lines),
 )
 

@@ -25,7 +25,7 @@ from tests.servers import BIN, start_prefect_server, stop
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-ZOMBIE_FILE = ROOT / "infra" / "automations" / "crash-zombie-flows.yaml"
+ZOMBIE_FILE = ROOT / "flows" / "automations" / "crash-zombie-flows.yaml"
 #: The failure automation's name, as the docs give it (not imported from the code).
 FAILURE_NAME = "mlm-pipeline-flow-run-failed"
 ZOMBIE_NAME = yaml.safe_load(ZOMBIE_FILE.read_text())["automations"][0]["name"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-AUTOMATION = ROOT / "infra" / "automations" / "crash-zombie-flows.yaml"
+AUTOMATION = ROOT / "flows" / "automations" / "crash-zombie-flows.yaml"
 TEMPLATE = ROOT / "infra" / "k8s" / "gpu-work-pool-template.json"
 
 
