@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.config_files import load_config, shipped_configs
 from mlm_pipeline.errors import ConfigError
 
@@ -71,3 +72,16 @@ def child_overrides(parent_run_id: str) -> list[str]:
     if not parent_run_id:
         raise ValueError("a phase's parent reported no MLflow run id to start from")
     return [f"train.init_from={parent_run_id}"]
+
+
+def alone_warning(cfg: PipelineConfig) -> str | None:
+    """What to tell a user who runs a phase config alone without a parent checkpoint
+    (`train.phase_of` set, `train.init_from` unset): it trains from random weights, and
+    which flow runs the chain; None otherwise."""
+    if cfg.train.phase_of is None or cfg.train.init_from is not None:
+        return None
+    return (f"config {cfg.name!r} is a phase of {cfg.train.phase_of!r} "
+            "(train.phase_of) but sets no train.init_from: it trains from random weights. "
+            f"Start it from a finished {cfg.train.phase_of} run with --set "
+            "train.init_from=RUN_ID, or run the chain with the mlm-phases flow "
+            "(docs/deploy.md, Phases)")

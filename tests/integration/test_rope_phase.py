@@ -56,3 +56,12 @@ def test_a_change_of_the_local_rope_base_is_recorded_beside_the_global_one(
                   tmp_path / "child")
     assert child.init["changes"] == {"model.rope_base": [10000.0, 160000.0],
                                      "model.local_rope_base": [10000.0, 20000.0]}
+
+
+def test_naming_a_parent_phase_leaves_the_runs_identity_alone(rope_model, tiny_shard_manifest,
+                                                              tiny_tokenizer_manifest):
+    from mlm_pipeline.train.stage import train_digest
+
+    args = (rope_model, MaskingConfig(), tiny_shard_manifest, tiny_tokenizer_manifest, "run")
+    assert train_digest(_train_cfg(phase_of="tiny"), *args) == train_digest(_train_cfg(), *args)
+    assert train_digest(_train_cfg(lr=2e-3), *args) != train_digest(_train_cfg(), *args)

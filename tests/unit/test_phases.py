@@ -4,7 +4,7 @@ chain's refusals."""
 
 import pytest
 
-from mlm_pipeline.app.phases import child_overrides, phase_chain
+from mlm_pipeline.app.phases import alone_warning, child_overrides, phase_chain
 from mlm_pipeline.config_files import flatten, load_config, shipped_configs
 from mlm_pipeline.errors import ConfigError
 
@@ -83,3 +83,11 @@ def test_a_child_phase_starts_from_its_parents_mlflow_run():
     assert child_overrides("0123abcd") == ["train.init_from=0123abcd"]
     with pytest.raises(ValueError, match="no MLflow run id"):
         child_overrides("")
+
+
+def test_a_phase_run_alone_without_a_parent_is_told_it_starts_from_random_weights():
+    message = alone_warning(load_config("bert-base-512"))
+    assert message.startswith("config 'bert-base-512' is a phase of 'bert-base' "
+                              "(train.phase_of) but sets no train.init_from")
+    assert alone_warning(load_config("bert-base-512", ["train.init_from=0123abcd"])) is None
+    assert alone_warning(load_config("bert-base")) is None
