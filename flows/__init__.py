@@ -3,7 +3,8 @@
 Flows load a config, call one library function per task and pass manifests (small pydantic
 records) between tasks, never tensors or corpora. All ML logic lives in `mlm_pipeline`.
 `prepare_data.py` (the `prepare-data` flow), `train_evaluate.py` (`train-evaluate`) and
-`pretraining.py` (`mlm-pretraining`, chaining them) are the entry points; `pretrain_params`,
+`pretraining.py` (`mlm-pretraining`, chaining them) and `phases.py` (`mlm-phases`, a
+recipe's phases one after the other) are the entry points; `pretrain_params`,
 `task_support` and `tracking_tasks` are what they share. `alerts` creates the Prefect
 automations an operator needs (`mlm-pipeline alerts install`), `console` is the command.
 

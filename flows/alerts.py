@@ -41,8 +41,8 @@ ZOMBIE_AUTOMATION = "crash-zombie-flows"
 #: Name of the webhook block document `--webhook-url` saves (type `custom-webhook`).
 WEBHOOK_BLOCK = "mlm-pipeline-alerts"
 #: The project's flows (the `@flow(name=...)` of flows/*.py; a test keeps the list whole).
-FLOW_NAMES = ("mlm-pretraining", "mlm-sweep", "prepare-data", "prepare-data-dask",
-              "train-evaluate")
+FLOW_NAMES = ("mlm-phases", "mlm-pretraining", "mlm-sweep", "prepare-data",
+              "prepare-data-dask", "train-evaluate")
 #: State names whose flow-run events notify (TimedOut is a Failed state of its own name).
 ALERT_STATES = ("Failed", "Crashed", "TimedOut")
 #: The notification's subject and body: Jinja templates Prefect renders with the flow run,

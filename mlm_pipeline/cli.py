@@ -381,6 +381,10 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str])
 
     check_local_sources(cfg.ingest)
     check_holdout(cfg)
+    from mlm_pipeline.app.phases import alone_warning
+
+    if (warning := alone_warning(cfg)) is not None:
+        print(f"mlm-pipeline: warning: {warning}", file=sys.stderr)
     grid = parse_grid(args.sweep)
     if grid and args.fresh:
         raise ConfigError("--sweep continues its own unfinished runs; --fresh is not for it")

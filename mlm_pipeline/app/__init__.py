@@ -12,7 +12,8 @@ and Markdown report), `prepared` (which stage outputs of a config exist;
 checks that prepared data matches a config), `open_run` (the resume policy: a new MLflow
 run or this job's unfinished one continued; the data a run records), `models` (a
 registered model's history, `promote`), `parents` (the parent of a run, `train.init_from`,
-and the retrain policy), `training_run` (the tracked training run: sinks, evaluator,
+and the retrain policy), `phases` (a recipe's chain of phases, `train.phase_of`),
+`training_run` (the tracked training run: sinks, evaluator,
 parent, stop signal, torchrun) and `torchrun_entry` (its entry on every rank), `publish`
 (the end of a run: results recorded, the model exported, logged, registered and decided),
 `decide` (the registry's decision, pure), `rescore` (the champion scored on a new

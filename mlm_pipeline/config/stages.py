@@ -514,6 +514,14 @@ class TrainConfig(StrictModel):
     run's lineage records (`mlm.init_changes`). The source, its digest and step are part
     of the run's digest. A resumed run continues from its own checkpoint, never from this.
     None: random initialization."""
+    phase_of: str | None = None
+    """The shipped config (`configs/NAME.yaml`, by NAME) whose run this config's run
+    continues as its next phase, e.g. `bert-base` for `bert-base-512` (a length phase).
+    The `mlm-phases` flow derives the chain of phases from it, parent first, and starts
+    each phase from the previous phase's MLflow run (`train.init_from`); a config that
+    names no parent is a first phase. Read by the chain only: running the config alone
+    trains it as it is (from `init_from`, or from random weights). No part of the run's
+    digest. None: no parent phase."""
     trust_unverified_checkpoint: bool = False
     """Resume from a checkpoint that cannot be verified (no digest of its `state.json`:
     written before checkpoints were verified); false refuses it, naming it. Damaged

@@ -321,11 +321,39 @@ def test_the_server_rejects_a_bad_parameter_before_a_worker_starts(deployed):
 
 def test_retraining_and_gpu_deployments_queue_one_run_at_a_time(deployed):
     with _client(deployed) as client:
-        for name in ("scheduled-retrain", "gpu"):
-            dep = client.read_deployment_by_name(f"mlm-pretraining/{name}")
+        for name in ("mlm-pretraining/scheduled-retrain", "mlm-pretraining/gpu",
+                     "mlm-phases/bert-base-phases", "mlm-phases/modern-base-phases",
+                     "mlm-phases/bert-base-phases-k8s", "mlm-phases/modern-base-phases-k8s"):
+            dep = client.read_deployment_by_name(name)
             assert dep.global_concurrency_limit is not None, name
             assert dep.global_concurrency_limit.limit == 1
             assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
+
+
+def test_phase_chain_deployments_are_registered_on_the_gpu_pools(deployed):
+    """The server holds the mlm-phases deployments with the parameters prefect.yaml gives
+    them (the last phase of each chain), and checks them against the flow's schema."""
+    expected = {"bert-base-phases": ("local-gpu", "bert-base-512", False),
+                "modern-base-phases": ("local-gpu", "modern-base-8k", False),
+                "bert-base-phases-k8s": ("local-cpu", "bert-base-512", True),
+                "modern-base-phases-k8s": ("local-cpu", "modern-base-8k", True)}
+    with _client(deployed) as client:
+        for name, (pool, config, staged) in expected.items():
+            dep = client.read_deployment_by_name(f"mlm-phases/{name}")
+            assert dep.work_pool_name == pool, name
+            assert dep.entrypoint == "flows/phases.py:mlm_phases"
+            assert dep.parameters["params"]["config"] == config
+            assert ("stages" in dep.parameters) == staged, name
+            schema = dep.parameter_openapi_schema
+            assert {"params", "phases", "stages"} <= set(schema["properties"])
+        before = len(client.read_flow_runs())
+    # a chain that names no shipped config is refused before a worker starts
+    out = _prefect(deployed, "deployment", "run", "mlm-phases/bert-base-phases", "--param",
+                   'params={"config": "no-such-config"}', check=False)
+    assert out.returncode != 0
+    assert "config" in out.stdout + out.stderr
+    with _client(deployed) as client:
+        assert len(client.read_flow_runs()) == before  # no run was created
 
 
 @pytest.mark.full

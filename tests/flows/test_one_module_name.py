@@ -20,8 +20,9 @@ def _file_entrypoints() -> list[str]:
     return sorted({d["entrypoint"] for d in deployments})
 
 
-def test_prefect_yaml_names_the_three_flow_files():
+def test_prefect_yaml_names_the_four_flow_files():
     assert _file_entrypoints() == [
+        "flows/phases.py:mlm_phases",
         "flows/prepare_data.py:prepare_data_flow",
         "flows/pretraining.py:mlm_pretraining",
         "flows/train_evaluate.py:train_evaluate_flow",

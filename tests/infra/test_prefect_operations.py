@@ -42,7 +42,12 @@ def _heartbeat_s(env: dict) -> int:
     return int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"])
 
 
-@pytest.mark.parametrize("name", ["local-cpu", "scheduled-retrain", "gpu"])
+#: The deployments of the base recipes' phase chains (the `mlm-phases` flow).
+PHASE_DEPLOYMENTS = ["bert-base-phases", "modern-base-phases", "bert-base-phases-k8s",
+                     "modern-base-phases-k8s"]
+
+
+@pytest.mark.parametrize("name", ["local-cpu", "scheduled-retrain", "gpu", *PHASE_DEPLOYMENTS])
 def test_every_deployment_sends_heartbeats_the_automation_can_see(name):
     (spec,) = yaml.safe_load(AUTOMATION.read_text())["automations"]
     env = _deployments()[name]["work_pool"]["job_variables"]["env"]
@@ -57,7 +62,7 @@ def test_gpu_job_template_sends_heartbeats():
     assert _heartbeat_s(env) > 30
 
 
-@pytest.mark.parametrize("name", ["scheduled-retrain", "gpu"])
+@pytest.mark.parametrize("name", ["scheduled-retrain", "gpu", *PHASE_DEPLOYMENTS])
 def test_retraining_and_gpu_runs_queue_one_at_a_time(name):
     from prefect.client.schemas.objects import ConcurrencyOptions
 
@@ -115,3 +120,22 @@ def test_alerts_install_names_a_zombie_file_that_is_not_one_automation(tmp_path)
     bad.write_text(yaml.safe_dump({"automations": [{"name": "a"}, {"name": "b"}]}))
     with pytest.raises(ValueError, match=re.escape(f"{bad}: `automations` must list")):
         install(webhook_url="http://h/x", zombie_file=str(bad))
+
+
+@pytest.mark.parametrize("name", PHASE_DEPLOYMENTS)
+def test_a_phase_chain_deployment_names_its_last_phase_on_the_gpu_pools(name):
+    from mlm_pipeline.app.phases import phase_chain
+
+    spec = _deployments()[name]
+    assert spec["entrypoint"] == "flows/phases.py:mlm_phases"
+    recipe = name.removesuffix("-k8s").removesuffix("-phases")
+    last = spec["parameters"]["params"]["config"]
+    assert phase_chain(last) == [recipe, last]
+    assert "train.device=cuda" in spec["parameters"]["params"]["overrides"]
+    if name.endswith("-k8s"):  # the parent only waits; each phase trains on the GPU pool
+        assert spec["work_pool"]["name"] == "local-cpu"
+        assert spec["parameters"]["stages"] == _deployments()["gpu"]["parameters"]["stages"]
+        assert spec["parameters"]["stages"]["train_evaluate"] == "train-evaluate/train-gpu"
+    else:
+        assert spec["work_pool"]["name"] == "local-gpu"
+        assert "stages" not in spec["parameters"]
