@@ -102,7 +102,8 @@ def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     unset `init_from` is left out, and the model is hashed as `ModelConfig.digest_record`
     gives it, so digests made before those fields existed still hold."""
     unset = {"init_from"} if cfg.init_from is None else set()
-    train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint", *unset})
+    train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint", "init_required",
+                                                  *unset})
     inputs = {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key}
     if init is not None:
         inputs["init"] = init["digest"]
