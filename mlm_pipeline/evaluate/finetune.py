@@ -55,7 +55,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -76,6 +75,7 @@ from mlm_pipeline.evaluate.encoders import (
     pooled_states,
     text_batches,
 )
+from mlm_pipeline.evaluate.selection import EpochScores, choose_on_dev, test_accuracies
 from mlm_pipeline.evaluate.stats import PairedDifference, mean_sd, paired_difference
 from mlm_pipeline.evaluate.tasks import Rows, TaskSplit
 from mlm_pipeline.progress import active
@@ -163,16 +163,6 @@ def _param_groups(clf: SequenceClassifier, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-@dataclass
-class EpochScores:
-    """One fine-tuning run's scores after each epoch: dev accuracy and loss, and the test
-    predictions (kept aside: read only for the chosen learning rate and epoch)."""
-
-    dev_accuracy: list[float] = field(default_factory=list)
-    dev_loss: list[float] = field(default_factory=list)
-    test_predictions: list[list[int]] = field(default_factory=list)
-
-
 def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
                  labels: dict[str, tuple[int, ...]], cfg: FinetuneConfig, lr: float,
                  seed: int, device: torch.device | str = "cpu",
@@ -244,45 +234,6 @@ def predict_logits(clf: SequenceClassifier, encoded: EncodedTexts, batch_size: i
     finally:
         clf.train(was_training)
     return torch.cat(out)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The learning rate and epoch chosen on dev for one arm, and the mean dev accuracy
-    and loss over the seeds there."""
-
-    lr: float
-    epoch: int
-    """1-based."""
-    dev_accuracy: float
-    dev_loss: float
-
-
-def choose_on_dev(runs: dict[float, list[EpochScores]]) -> Choice:
-    """The (lr, epoch) of the highest mean dev accuracy over the seeds; ties: lower mean
-    dev loss, then the smaller lr, then the earlier epoch. Reads dev scores only.
-
-    Args:
-        runs: per learning rate, one `EpochScores` per seed (same epochs each).
-    """
-    best: tuple[float, float, float, int] | None = None
-    for lr in sorted(runs):
-        seeds = runs[lr]
-        for e in range(len(seeds[0].dev_accuracy)):
-            acc = sum(s.dev_accuracy[e] for s in seeds) / len(seeds)
-            loss = sum(s.dev_loss[e] for s in seeds) / len(seeds)
-            key = (-acc, loss, lr, e)
-            if best is None or key < best:
-                best = key
-    assert best is not None
-    return Choice(lr=best[2], epoch=best[3] + 1, dev_accuracy=-best[0], dev_loss=best[1])
-
-
-def test_accuracies(runs: dict[float, list[EpochScores]], choice: Choice,
-                    test_labels: tuple[int, ...]) -> list[float]:
-    """Per seed, the test accuracy at the chosen learning rate and epoch."""
-    return [sum(p == y for p, y in zip(s.test_predictions[choice.epoch - 1], test_labels))
-            / len(test_labels) for s in runs[choice.lr]]
 
 
 def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder,
