@@ -355,6 +355,10 @@ def evaluate(
     if parent is not None:  # before adaptation: the same rows, the same fixed masks
         before = masked_lm_metrics(parent, validation, masking=fixed, **mlm)
         metrics.update({name: before[key] for key, name in PARENT_MLM_KEYS.items()})
+        logger.info("the parent (before adaptation) on the same %d rows and masks: loss %.4f, "
+                    "mlm_accuracy %.4f; after: loss %.4f, mlm_accuracy %.4f",
+                    int(before["eval/rows"]), before["eval/loss"], before["eval/mlm_accuracy"],
+                    metrics["eval/loss"], metrics["eval/mlm_accuracy"])
     if cfg.train_rate_metrics and not math.isclose(mc.eval_probability, masks.mlm_probability):
         at_train = masked_lm_metrics(
             model, validation, masking=eval_masking(cfg, mc, shards, tok, mc.eval_probability),
@@ -386,9 +390,6 @@ def evaluate(
         metrics["eval/loss"], metrics["eval/mlm_accuracy"], metrics["eval/baseline_accuracy"],
         metrics["eval/perplexity"], int(metrics["eval/masked_tokens"]),
     )
-    if "eval/parent_loss" in metrics:
-        logger.info("the parent on the same rows and masks: loss %.4f, mlm_accuracy %.4f",
-                    metrics["eval/parent_loss"], metrics["eval/parent_mlm_accuracy"])
     manifest = EvalManifest(
         stage="evaluate",
         digest=digest,
