@@ -7,7 +7,8 @@ runs (only those), tokens seen, wall time, mean training speed, the final held-o
 figures at their masking rate (`eval/mlm_probability`, `eval/loss`, `eval/mlm_accuracy`),
 the downstream figures beside their controls (`FINAL_METRICS`: the probe on the trained
 and on random-init encoders, TF-IDF on the same input, the majority class; fine-tuning
-pretrained and from scratch with the paired difference and its interval), the figures a
+pretrained and from scratch with the paired difference and its interval; in a run with a
+parent, the parent's masked LM, probe and fine-tuning and adapted - parent), the figures a
 run could not compute (tags `unavailable.*`), the data digest (tag `digest.shards`) and
 the model-registry aliases (`champion`, `challenger`) held by a version the run registered.
 
@@ -47,11 +48,17 @@ SPEED = "tokens/s (seen / loop time)"
 #: `probe/accuracy` of the trained encoder, then of random-init encoders of the same
 #: architecture, TF-IDF on the same input, the majority class (`evaluate.downstream`);
 #: `finetune/*`: mean over seeds fine-tuned from the trained weights, then from random
-#: weights (same protocol), and their paired difference (`evaluate.finetune`).
-FINAL_METRICS = ("eval/mlm_probability", "eval/loss", "eval/mlm_accuracy", "probe/accuracy",
+#: weights (same protocol), and their paired difference (`evaluate.finetune`). A run with a
+#: parent (`train.init_from`) adds the parent's figures beside the run's
+#: (`evaluate.parent`): masked LM on the same rows and masks, probe, fine-tuning, and the
+#: paired adapted - parent difference.
+FINAL_METRICS = ("eval/mlm_probability", "eval/loss", "eval/parent_loss", "eval/mlm_accuracy",
+                 "eval/parent_mlm_accuracy", "probe/accuracy", "probe/accuracy_parent",
                  "probe/accuracy_random_init", "probe/tfidf_accuracy_same_input",
-                 "probe/majority_accuracy", "finetune/accuracy", "finetune/scratch_accuracy",
-                 "finetune/diff", "finetune/diff_ci95_low", "finetune/diff_ci95_high")
+                 "probe/majority_accuracy", "finetune/accuracy", "finetune/parent_accuracy",
+                 "finetune/scratch_accuracy", "finetune/diff", "finetune/diff_ci95_low",
+                 "finetune/diff_ci95_high", "finetune/diff_parent",
+                 "finetune/diff_parent_ci95_low", "finetune/diff_parent_ci95_high")
 #: Column of the figures a run could not compute (its `unavailable.*` tags).
 UNAVAILABLE = "not computed"
 #: Run ids are shown by their first characters in the table.

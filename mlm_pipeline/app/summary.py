@@ -205,7 +205,10 @@ def evaluation_lines(summary_dict: dict[str, Any]) -> list[str]:
                if "eval/baseline_accuracy" in m else "")
             + (f"; at the training rate: accuracy {m['eval/mlm_accuracy_at_train_rate']:.4f}, "
                f"loss {m.get('eval/loss_at_train_rate', math.nan):.4f}"
-               if "eval/mlm_accuracy_at_train_rate" in m else ""))
+               if "eval/mlm_accuracy_at_train_rate" in m else "")
+            + (f"; the parent (before adaptation), same rows and masks: accuracy "
+               f"{m['eval/parent_mlm_accuracy']:.4f}, loss {m['eval/parent_loss']:.4f}"
+               if "eval/parent_loss" in m else ""))
     if overlap := summary_dict.get("validation_overlap"):
         lines.append(f"Validation text also in training: {100 * overlap['share']:.1f} % of "
                      f"its {overlap['validation_windows']:,} word {overlap['ngram']}-gram "
@@ -233,7 +236,9 @@ def probe_line(metrics: dict[str, float]) -> str | None:
         return None
     m = {k.removeprefix("probe/"): v for k, v in metrics.items() if k.startswith("probe/")}
     return (f"Linear probe ({m.get('test_rows', 0):,.0f} test rows): trained "
-            f"{m['accuracy']:.4f} | random init {_sd(m, 'accuracy_random_init')} | TF-IDF "
+            f"{m['accuracy']:.4f}"
+            + (f" | parent {m['accuracy_parent']:.4f}" if "accuracy_parent" in m else "")
+            + f" | random init {_sd(m, 'accuracy_random_init')} | TF-IDF "
             f"{_f(m, 'tfidf_accuracy')} whole text, {_f(m, 'tfidf_accuracy_same_input')} "
             f"same input | majority {_f(m, 'majority_accuracy')}")
 
@@ -258,10 +263,25 @@ def finetune_line(metrics: dict[str, float]) -> str | None:
             + (f" (lr {m['scratch_lr']:g}, epoch {m['scratch_epoch']:.0f})"
                if "scratch_lr" in m else "")
             + (f" | pretrained - scratch {m['diff']:+.4f}{interval}" if "diff" in m else "")
+            + _parent_arm(m)
             + f" | TF-IDF {_f(m, 'tfidf_accuracy')} whole text, "
             f"{_f(m, 'tfidf_accuracy_same_input')} same input | majority "
             f"{_f(m, 'majority_accuracy')}"
             + (f"; {m['wall_time_s']:,.0f} s" if "wall_time_s" in m else ""))
+
+
+def _parent_arm(m: dict[str, float]) -> str:
+    """The fine-tuning's parent arm and the paired adapted - parent difference (`finetune/`
+    keys without the prefix), or an empty string without a parent arm."""
+    if "parent_accuracy" not in m:
+        return ""
+    interval = (f" [{m['diff_parent_ci95_low']:+.4f}, {m['diff_parent_ci95_high']:+.4f}] "
+                "(95 %, paired t over seeds)" if "diff_parent_ci95_low" in m else "")
+    return (f" | parent {_sd(m, 'parent_accuracy')}"
+            + (f" (lr {m['parent_lr']:g}, epoch {m['parent_epoch']:.0f})"
+               if "parent_lr" in m else "")
+            + (f" | adapted - parent {m['diff_parent']:+.4f}{interval}"
+               if "diff_parent" in m else ""))
 
 
 def summary_markdown(summary_dict: dict[str, Any]) -> str:

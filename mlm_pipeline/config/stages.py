@@ -522,6 +522,10 @@ class TrainConfig(StrictModel):
     names no parent is a first phase. Read by the chain only: running the config alone
     trains it as it is (from `init_from`, or from random weights). No part of the run's
     digest. None: no parent phase."""
+    init_required: bool = False
+    """The config continues pretraining a parent model (the shipped `adapt`): loading it
+    without `init_from` is an error naming the field and what to pass, instead of a run
+    from random weights at an adaptation learning rate. No part of the run's digest."""
     trust_unverified_checkpoint: bool = False
     """Resume from a checkpoint that cannot be verified (no digest of its `state.json`:
     written before checkpoints were verified); false refuses it, naming it. Damaged
@@ -544,6 +548,13 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainConfig:
+        if self.init_required and self.init_from is None:
+            raise ValueError(
+                "train.init_from is required (train.init_required: this config continues "
+                "pretraining a parent model): pass --set train.init_from=DIR, a Hugging Face "
+                "save_pretrained directory (BertForMaskedLM, ModernBertForMaskedLM; e.g. "
+                "`mlm-pipeline export RUN DIR` of one of our runs), or a checkpoint or run "
+                "directory, an MLflow run id or models:/NAME@ALIAS URI")
         # `lr: auto` may bring its own warm-up: checked once resolved (`lr_auto.resolve_lr`).
         if self.lr != "auto" and self.warmup > self.max_steps:
             raise ValueError(f"train: warmup_steps {self.warmup} exceeds max_steps "

@@ -6,8 +6,10 @@ Rooms: `stage` (the verb: held-out metrics with fixed masks), `periodic` (evalua
 training), `probes` (fill-mask probes and their table rows), `hf_fill_mask` (fill-mask with
 an exported model), `bpc` (bits per character across tokenizers, and the score on the
 fixed holdout text), `tasks` (downstream classification tasks a user brings), `encoders` (ours or a Hugging Face encoder behind one interface), `downstream` (the linear
-probe and its controls), `finetune` (the fine-tuning protocol), `stats` (mean, sd and
-paired intervals), `probe_data` (the shipped labelled set).
+probe and its controls), `finetune` (the fine-tuning protocol), `selection` (its choice of
+learning rate and epoch on dev), `parent` (the weights an adapted run started from, as an
+arm of each figure), `stats` (mean, sd and paired intervals), `probe_data` (the shipped
+labelled set).
 """
 
 from mlm_pipeline.evaluate.downstream import (

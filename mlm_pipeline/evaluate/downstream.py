@@ -12,6 +12,8 @@ the same code runs, in the same call, on:
 - `linear_probe.random_init_seeds` randomly initialised encoders of the same architecture
   (`TextEncoder.random_init`, seeds 0, 1, ...; never the trained weights):
   `probe/accuracy_random_init` (their mean) and `probe/accuracy_random_init_sd`;
+- in a run with a parent (`train.init_from`), the weights it started from
+  (`evaluate.parent`): `probe/accuracy_parent`;
 - the majority class of train: `probe/majority_accuracy`;
 - TF-IDF word 1-2-grams + logistic regression on the whole text, `probe/tfidf_accuracy`,
   and on exactly the pieces the encoder sees, decoded (`encoders.seen_texts`),
@@ -83,11 +85,16 @@ class DownstreamResult:
     tasks: list[dict[str, Any]] = field(default_factory=list)
 
     def update(self, other: DownstreamResult) -> None:
-        """Add `other`'s metrics, tags and task records (a task recorded once)."""
+        """Add `other`'s metrics, tags and task records (a task recorded once: what
+        `other`'s record of it adds, fine-tuning's per-seed `finetune`, joins the first)."""
         self.metrics.update(other.metrics)
         self.tags.update(other.tags)
-        names = {t["name"] for t in self.tasks}
-        self.tasks += [t for t in other.tasks if t["name"] not in names]
+        for task in other.tasks:
+            mine = next((t for t in self.tasks if t["name"] == task["name"]), None)
+            if mine is None:
+                self.tasks.append(task)
+            else:
+                mine.update({k: v for k, v in task.items() if k not in mine})
 
 
 def prefix(kind: str, index: int, task: ClassificationTask) -> str:
@@ -212,7 +219,8 @@ def split_counts(split: TaskSplit, encoded: Sequence[EncodedTexts]) -> dict[str,
 
 
 def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *,
-               device: torch.device | str = "cpu", controls: bool = True) -> dict[str, float]:
+               device: torch.device | str = "cpu", controls: bool = True,
+               parent: torch.nn.Module | None = None) -> dict[str, float]:
     """The probe on one task (module docstring), keys without their prefix.
 
     Args:
@@ -222,6 +230,8 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
         split: the task's split.
         device: where the encoder runs (the random-init ones too).
         controls: False: the trained encoder's `accuracy` alone.
+        parent: the module the run started from (same architecture as `encoder.module`,
+            not changed), probed with the same code: `accuracy_parent` (with `controls`).
 
     Reports stage `probe <task>` (rows encoded, of every encoder) to the active reporter
     (`progress.active`).
@@ -230,9 +240,11 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
                "test": encode_split(encoder, split.test, cfg)}
     # The stage's reporter (`progress.reporting`): rows of every encoder's two splits.
     stage, progress, done = f"probe {split.name}", active(), 0
-    encoders = 1 + cfg.random_init_seeds if controls else 1
+    parents = [parent] if controls and parent is not None else []
+    encoders = 1 + len(parents) + cfg.random_init_seeds if controls else 1
     progress.start(stage, float(encoders * sum(len(e.rows) for e in encoded.values())),
-                   "rows", f"the trained encoder and {encoders - 1} random inits")
+                   "rows", f"the trained encoder, {len(parents)} parent and "
+                   f"{cfg.random_init_seeds if controls else 0} random inits")
 
     def rows_done(n: int) -> None:
         nonlocal done
@@ -246,6 +258,8 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
         return probe_accuracy(features, split, cfg.C)
 
     metrics = {"accuracy": accuracy(encoder.module)}
+    for module in parents:
+        metrics["accuracy_parent"] = accuracy(module.to(device))
     random = [accuracy(encoder.random_init(seed).module.to(device))
               for seed in range(cfg.random_init_seeds if controls else 0)]
     progress.finish(stage)
@@ -258,7 +272,8 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
 
 
 def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
-              device: torch.device | str = "cpu", controls: bool = True) -> DownstreamResult:
+              device: torch.device | str = "cpu", controls: bool = True,
+              parent: torch.nn.Module | None = None) -> DownstreamResult:
     """The linear probe on every task of `cfg` (`enabled` is not consulted here).
 
     Args:
@@ -267,6 +282,7 @@ def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
         device: where it runs.
         controls: False: `probe/accuracy` of the trained encoder alone (periodic
             evaluations); no tags then.
+        parent: the module the run started from: `probe/accuracy_parent` (`probe_task`).
 
     Returns:
         Metrics (module docstring), tags and task records; a task whose data cannot be
@@ -277,13 +293,16 @@ def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
     """
     result = DownstreamResult()
     for key, split in load_tasks(cfg, "probe", result):
-        got = probe_task(cfg, encoder, split, device=device, controls=controls)
+        got = probe_task(cfg, encoder, split, device=device, controls=controls,
+                         parent=parent)
         result.metrics.update({key + k: v for k, v in got.items()})
         if controls:
             logger.info(
-                "linear probe %s: accuracy %.4f (random init %.4f +- %.4f over %d seeds; "
+                "linear probe %s: accuracy %.4f (%srandom init %.4f +- %.4f over %d seeds; "
                 "TF-IDF %.4f whole text, %.4f same input; majority %.4f) on %d test rows, "
-                "%d train rows", split.name, got["accuracy"], got["accuracy_random_init"],
+                "%d train rows", split.name, got["accuracy"],
+                f"parent {got['accuracy_parent']:.4f}; " if "accuracy_parent" in got else "",
+                got["accuracy_random_init"],
                 got["accuracy_random_init_sd"], cfg.random_init_seeds, got["tfidf_accuracy"],
                 got["tfidf_accuracy_same_input"], got["majority_accuracy"], len(split.test),
                 len(split.train))

@@ -3,25 +3,28 @@ sure is the answer?
 
 The linear probe (`downstream`) freezes the encoder; users of an MLM fine-tune it. Here the
 encoder plus a classification head is fine-tuned on each downstream task (`tasks`: its
-fixed train / dev / test split) in two arms that differ only in the encoder's starting
-weights: the trained encoder (`pretrained`), and the same architecture from random
-weights (`scratch`, `TextEncoder.random_init`: never the trained weights). The protocol,
-identical for both arms and for any encoder, ours or a Hugging Face one (`encoders`):
+fixed train / dev / test split) in arms that differ only in the encoder's starting
+weights: the trained encoder (`pretrained`), the same architecture from random
+weights (`scratch`, `TextEncoder.random_init`: never the trained weights) and, in a run
+with a parent (`train.init_from`), the weights it started from (`parent`,
+`evaluate.parent`). The protocol, identical for every arm and for any encoder, ours or a
+Hugging Face one (`encoders`):
 
 1. For every learning rate of the grid (`FinetuneConfig.lr_grid`: {1e-4, 3e-4, 1e-3} below
    hidden size 768, after Turc et al. 2019's grid for small BERTs; BERT's {2e-5, 3e-5,
    5e-5} for the base shapes, Devlin et al. 2019, appendix A.3) and every seed s (`seeds`
    of them from `seed`), fine-tune for `epochs` epochs on the train rows and score the dev
    rows after each epoch. Seed s draws the head, the row order and dropout (and the
-   scratch arm's encoder), the same for both arms.
+   scratch arm's encoder), the same for every arm.
 2. Per arm, choose the learning rate and epoch with the highest mean dev accuracy over the
    seeds (ties: lower mean dev loss, then the smaller learning rate, then the earlier
    epoch). Only dev rows enter the choice: test predictions are kept aside per epoch and
    read once the choice is made, for the chosen learning rate and epoch alone.
 3. Report per arm the mean and sample sd over the seeds of the test accuracy, and the
    paired difference pretrained - scratch (seed by seed) with its 95 % paired t interval
-   (`stats.paired_difference`), beside the majority class and TF-IDF on the whole text
-   and on the pieces the encoder sees (`downstream.baselines`, the probe's).
+   (`stats.paired_difference`), and adapted - parent likewise when there is a parent,
+   beside the majority class and TF-IDF on the whole text and on the pieces the encoder
+   sees (`downstream.baselines`, the probe's).
 
 The encoder sees the whole text by default (`input: windows`, states mean-pooled over
 windows of `seq_len`; `encoders`). The head is BERT's sequence classifier on the mean-pooled
@@ -36,19 +39,22 @@ cross-entropy. Everything runs in fp32; on CPU a seed gives the same weights and
 Keys (`finetune/` for the first task, `finetune/<name>/` for others): `accuracy`,
 `accuracy_sd` (pretrained), `scratch_accuracy`, `scratch_accuracy_sd`, `diff`, `diff_sd`,
 `diff_ci95_low`, `diff_ci95_high`, the chosen `lr`, `epoch` and `dev_accuracy` (and
-`scratch_lr`, `scratch_epoch`, `scratch_dev_accuracy`), `seeds`, `epochs`,
+`scratch_lr`, `scratch_epoch`, `scratch_dev_accuracy`); with a parent `parent_accuracy`,
+`parent_accuracy_sd`, `parent_lr`, `parent_epoch`, `parent_dev_accuracy` and the paired
+adapted - parent `diff_parent`, `diff_parent_sd`, `diff_parent_ci95_low`,
+`diff_parent_ci95_high`; `seeds`, `epochs`,
 `tfidf_accuracy`, `tfidf_accuracy_same_input`, `majority_accuracy`, the split's counts and
 `pieces_seen_share`, `wall_time_s`. With one seed the interval is not computed (tag
-`unavailable.finetune/diff_ci95`).
+`unavailable.finetune/diff_ci95`, and `.../diff_parent_ci95`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -69,7 +75,8 @@ from mlm_pipeline.evaluate.encoders import (
     pooled_states,
     text_batches,
 )
-from mlm_pipeline.evaluate.stats import mean_sd, paired_difference
+from mlm_pipeline.evaluate.selection import EpochScores, choose_on_dev, test_accuracies
+from mlm_pipeline.evaluate.stats import PairedDifference, mean_sd, paired_difference
 from mlm_pipeline.evaluate.tasks import Rows, TaskSplit
 from mlm_pipeline.progress import active
 from mlm_pipeline.tokenizer import Tokenizer
@@ -82,8 +89,10 @@ MAX_GRAD_NORM = 1.0
 ADAM_EPS = 1e-6
 #: Std of the head's truncated-normal initialisation (BERT's `initializer_range`).
 HEAD_STD = 0.02
-#: The two arms, in the order they run.
-ARMS = ("pretrained", "scratch")
+#: The arms, in the order they run (`parent` only in a run with a parent).
+ARMS = ("pretrained", "scratch", "parent")
+#: Metric-key prefix of each arm.
+ARM_KEYS = {"pretrained": "", "scratch": "scratch_", "parent": "parent_"}
 
 
 class SequenceClassifier(nn.Module):
@@ -113,31 +122,34 @@ class SequenceClassifier(nn.Module):
         return self.classifier(self.dropout(pooled))
 
 
-def build_classifiers(encoder: TextEncoder, cfg: FinetuneConfig, seed: int, num_classes: int
-                      ) -> tuple[SequenceClassifier, SequenceClassifier]:
-    """The pretrained and the from-scratch classifier of one seed, with equal heads.
+def build_classifiers(encoder: TextEncoder, cfg: FinetuneConfig, seed: int, num_classes: int,
+                      parent: nn.Module | None = None) -> list[SequenceClassifier]:
+    """The pretrained, the from-scratch and (given `parent`) the parent classifier of one
+    seed, with equal heads.
 
     The pretrained one holds a deep copy of `encoder.module` (which is left untouched); the
     scratch one `encoder.fresh(seed)`, a randomly initialised module of the same
-    architecture. Both heads are the same draw (truncated normal of std `HEAD_STD`, cut at
-    2 std, zero bias), seeded by `seed`; the global RNG state is restored.
+    architecture; the parent one a deep copy of `parent` (left untouched). Every head is
+    the same draw (truncated normal of std `HEAD_STD`, cut at 2 std, zero bias), seeded by
+    `seed`; the global RNG state is restored.
 
     Returns:
-        (pretrained, scratch), both in train mode on the CPU.
+        [pretrained, scratch(, parent)], in train mode on the CPU.
     """
-    pretrained = encoder.copy().module.cpu().float()
-    scratch = encoder.random_init(seed).module.cpu().float()
+    modules = [encoder.copy().module, encoder.random_init(seed).module]
+    if parent is not None:
+        modules.append(copy.deepcopy(parent))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = nn.Linear(encoder.hidden_size, num_classes)
         nn.init.trunc_normal_(head.weight, std=HEAD_STD, a=-2 * HEAD_STD, b=2 * HEAD_STD)
         nn.init.zeros_(head.bias)
     out = []
-    for module in (pretrained, scratch):
-        clf = SequenceClassifier(encoder, module, cfg.dropout, num_classes)
+    for module in modules:
+        clf = SequenceClassifier(encoder, module.cpu().float(), cfg.dropout, num_classes)
         clf.classifier.load_state_dict(head.state_dict())
         out.append(clf.train())
-    return out[0], out[1]
+    return out
 
 
 def _param_groups(clf: SequenceClassifier, weight_decay: float) -> list[dict]:
@@ -149,16 +161,6 @@ def _param_groups(clf: SequenceClassifier, weight_decay: float) -> list[dict]:
             (decay if param.dim() >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
-
-
-@dataclass
-class EpochScores:
-    """One fine-tuning run's scores after each epoch: dev accuracy and loss, and the test
-    predictions (kept aside: read only for the chosen learning rate and epoch)."""
-
-    dev_accuracy: list[float] = field(default_factory=list)
-    dev_loss: list[float] = field(default_factory=list)
-    test_predictions: list[list[int]] = field(default_factory=list)
 
 
 def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
@@ -234,47 +236,9 @@ def predict_logits(clf: SequenceClassifier, encoded: EncodedTexts, batch_size: i
     return torch.cat(out)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The learning rate and epoch chosen on dev for one arm, and the mean dev accuracy
-    and loss over the seeds there."""
-
-    lr: float
-    epoch: int
-    """1-based."""
-    dev_accuracy: float
-    dev_loss: float
-
-
-def choose_on_dev(runs: dict[float, list[EpochScores]]) -> Choice:
-    """The (lr, epoch) of the highest mean dev accuracy over the seeds; ties: lower mean
-    dev loss, then the smaller lr, then the earlier epoch. Reads dev scores only.
-
-    Args:
-        runs: per learning rate, one `EpochScores` per seed (same epochs each).
-    """
-    best: tuple[float, float, float, int] | None = None
-    for lr in sorted(runs):
-        seeds = runs[lr]
-        for e in range(len(seeds[0].dev_accuracy)):
-            acc = sum(s.dev_accuracy[e] for s in seeds) / len(seeds)
-            loss = sum(s.dev_loss[e] for s in seeds) / len(seeds)
-            key = (-acc, loss, lr, e)
-            if best is None or key < best:
-                best = key
-    assert best is not None
-    return Choice(lr=best[2], epoch=best[3] + 1, dev_accuracy=-best[0], dev_loss=best[1])
-
-
-def test_accuracies(runs: dict[float, list[EpochScores]], choice: Choice,
-                    test_labels: tuple[int, ...]) -> list[float]:
-    """Per seed, the test accuracy at the chosen learning rate and epoch."""
-    return [sum(p == y for p, y in zip(s.test_predictions[choice.epoch - 1], test_labels))
-            / len(test_labels) for s in runs[choice.lr]]
-
-
 def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder,
-                  split: TaskSplit, *, device: torch.device | str = "cpu"
+                  split: TaskSplit, *, device: torch.device | str = "cpu",
+                  parent: nn.Module | None = None
                   ) -> tuple[dict[str, float], dict[str, object]]:
     """The protocol (module docstring) on one task.
 
@@ -284,6 +248,8 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
         encoder: the trained encoder (copied, never changed).
         split: the task's split.
         device: where to fine-tune.
+        parent: the module the run started from (copied, never changed): the `parent`
+            arm and the paired `diff_parent`.
 
     Returns:
         The metrics without their prefix, and the per-seed record (test accuracies of each
@@ -296,15 +262,17 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
     labels = {name: rows.labels for name, rows in _splits(split)}
     grid = cfg.lr_grid(encoder.hidden_size)
     seeds = [cfg.seed + k for k in range(cfg.seeds)]
+    arms = ARMS if parent is not None else ARMS[:2]
     runs: dict[str, dict[float, list[EpochScores]]] = {arm: {lr: [] for lr in grid}
-                                                       for arm in ARMS}
+                                                       for arm in arms}
     # The stage's reporter (`progress.reporting`): epochs of every arm, rate and seed.
     stage, progress, done = f"finetune {split.name}", active(), 0
-    progress.start(stage, float(len(seeds) * len(grid) * len(ARMS) * cfg.epochs), "epochs",
-                   f"{len(ARMS)} arms x {len(grid)} learning rates x {len(seeds)} seeds")
+    progress.start(stage, float(len(seeds) * len(grid) * len(arms) * cfg.epochs), "epochs",
+                   f"{len(arms)} arms x {len(grid)} learning rates x {len(seeds)} seeds")
     for seed in seeds:
         for lr in grid:
-            for arm, clf in zip(ARMS, build_classifiers(encoder, cfg, seed, split.num_classes)):
+            for arm, clf in zip(arms, build_classifiers(encoder, cfg, seed, split.num_classes,
+                                                        parent)):
 
                 def epoch_done(dev_accuracy: float, arm: str = arm, lr: float = lr,
                                seed: int = seed) -> None:
@@ -317,27 +285,35 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
                                                   on_epoch=epoch_done))
                 del clf
     progress.finish(stage)
-    choice = {arm: choose_on_dev(runs[arm]) for arm in ARMS}
-    acc = {arm: test_accuracies(runs[arm], choice[arm], split.test.labels) for arm in ARMS}
-    diff = paired_difference(acc["pretrained"], acc["scratch"])
+    choice = {arm: choose_on_dev(runs[arm]) for arm in arms}
+    acc = {arm: test_accuracies(runs[arm], choice[arm], split.test.labels) for arm in arms}
     metrics: dict[str, float] = {}
-    for arm, name in (("pretrained", ""), ("scratch", "scratch_")):
+    for arm in arms:
+        name = ARM_KEYS[arm]
         metrics[f"{name}accuracy"], metrics[f"{name}accuracy_sd"] = mean_sd(acc[arm])
         metrics[f"{name}lr"] = choice[arm].lr
         metrics[f"{name}epoch"] = float(choice[arm].epoch)
         metrics[f"{name}dev_accuracy"] = choice[arm].dev_accuracy
-    metrics.update({"diff": diff.mean, "diff_sd": diff.sd})
-    if diff.n >= 2:
-        metrics.update({"diff_ci95_low": diff.low, "diff_ci95_high": diff.high})
+    for other, key in (("scratch", "diff"), ("parent", "diff_parent")):
+        if other in acc:
+            metrics.update(_paired(key, paired_difference(acc["pretrained"], acc[other])))
     metrics.update({"seeds": float(len(seeds)), "epochs": float(cfg.epochs)})
     metrics.update(baselines(encoder, split, {"train": encoded["train"],
                                               "test": encoded["test"]}, data.tfidf_C))
     metrics.update(split_counts(split, list(encoded.values())))
     metrics["wall_time_s"] = time.perf_counter() - start
     record = {"seeds": seeds, "lr_grid": list(grid), "epochs": cfg.epochs,
-              "test_accuracy": acc, "lr": {a: choice[a].lr for a in ARMS},
-              "epoch": {a: choice[a].epoch for a in ARMS}}
+              "test_accuracy": acc, "lr": {a: choice[a].lr for a in arms},
+              "epoch": {a: choice[a].epoch for a in arms}}
     return metrics, record
+
+
+def _paired(key: str, diff: PairedDifference) -> dict[str, float]:
+    """`key`, `key_sd` and, with 2 seeds or more, `key_ci95_low` / `key_ci95_high`."""
+    out = {key: diff.mean, f"{key}_sd": diff.sd}
+    if diff.n >= 2:
+        out.update({f"{key}_ci95_low": diff.low, f"{key}_ci95_high": diff.high})
+    return out
 
 
 def _splits(split: TaskSplit) -> Iterator[tuple[str, Rows]]:
@@ -345,9 +321,10 @@ def _splits(split: TaskSplit) -> Iterator[tuple[str, Rows]]:
 
 
 def run_finetune(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder, *,
-                 device: torch.device | str = "cpu") -> DownstreamResult:
+                 device: torch.device | str = "cpu", parent: nn.Module | None = None
+                 ) -> DownstreamResult:
     """The fine-tuning protocol on every task of the `linear_probe` section `data`
-    (`cfg.enabled` is not consulted here).
+    (`cfg.enabled` is not consulted here); with a `parent` arm (`finetune_task`).
 
     Returns:
         Metrics (module docstring), tags (`unavailable.*`, `digest.task.*`) and task
@@ -358,12 +335,13 @@ def run_finetune(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnco
     """
     result = DownstreamResult()
     for key, split in load_tasks(data, "finetune", result):
-        got, record = finetune_task(cfg, data, encoder, split, device=device)
+        got, record = finetune_task(cfg, data, encoder, split, device=device, parent=parent)
         result.metrics.update({key + k: v for k, v in got.items()})
         next(t for t in result.tasks if t["name"] == split.name)["finetune"] = record
-        if len(record["seeds"]) < 2:
-            result.tags[unavailable_tag(key + "diff_ci95")] = (
-                "one seed (finetune.seeds: 1): no interval")
+        for diff in ("diff", "diff_parent") if parent is not None else ("diff",):
+            if len(record["seeds"]) < 2:
+                result.tags[unavailable_tag(key + diff + "_ci95")] = (
+                    "one seed (finetune.seeds: 1): no interval")
         logger.info(
             "fine-tuning %s (%d seeds, lr grid %s, %d epochs, dev %d rows): test accuracy "
             "%.4f +- %.4f pretrained (lr %g, epoch %d), %.4f +- %.4f from scratch (lr %g, "
@@ -376,6 +354,13 @@ def run_finetune(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnco
             got.get("diff_ci95_high", math.nan), got["tfidf_accuracy"],
             got["tfidf_accuracy_same_input"], got["majority_accuracy"], len(split.test),
             got["wall_time_s"])
+        if parent is not None:
+            logger.info(
+                "fine-tuning %s: the parent %.4f +- %.4f (lr %g, epoch %d); adapted - parent "
+                "%+.4f, 95 %% interval [%.4f, %.4f]", split.name, got["parent_accuracy"],
+                got["parent_accuracy_sd"], got["parent_lr"], got["parent_epoch"],
+                got["diff_parent"], got.get("diff_parent_ci95_low", math.nan),
+                got.get("diff_parent_ci95_high", math.nan))
     return result
 
 

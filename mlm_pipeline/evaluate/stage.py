@@ -20,7 +20,9 @@ that has learned anything beats it.
 
 The downstream figures (`downstream`: linear probe; `finetune`: fine-tuning) come with
 their controls; a figure that is not computed (disabled, no data, too few seeds) is named,
-with the reason, in a run tag `unavailable.<figure>` (`EvalManifest.tags`).
+with the reason, in a run tag `unavailable.<figure>` (`EvalManifest.tags`). A run with a
+parent (`train.init_from`) is evaluated beside the weights it started from, on the same
+rows, masks, splits and seeds (`evaluate.parent`: `eval/parent_loss`, ...).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from mlm_pipeline.evaluate.downstream import DownstreamResult, run_probe
 from mlm_pipeline.evaluate.encoders import ours
 from mlm_pipeline.evaluate.finetune import run_finetune
 from mlm_pipeline.evaluate.bpc import holdout_metrics, write_holdout_text
+from mlm_pipeline.evaluate.parent import PARENT_MLM_KEYS, parent_model, parent_tags
 from mlm_pipeline.evaluate.probes import probe_metrics, warn_answer_problems
 from mlm_pipeline.manifest import (
     EvalManifest,
@@ -330,7 +333,9 @@ def evaluate(
          **({"holdout": holdout.digest} if holdout is not None else {}),
          **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
          **({"finetune": finetune, "finetune_data": data}
-            if finetune is not None and finetune.enabled else {})},
+            if finetune is not None and finetune.enabled else {}),
+         # A run with a parent is evaluated beside it (`evaluate.parent`).
+         **({"parent_arm": trained.init["digest"]} if trained.init else {})},
         {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
     )
     out = stage_dir(work_dir, "evaluate", digest)
@@ -342,9 +347,18 @@ def evaluate(
     mlm = dict(batch_size=cfg.batch_size, max_rows=cfg.max_rows,
                baseline_token=most_frequent_token(shards), device=device,
                precision=trained.precision, document_attention=document_attention)
-    metrics = masked_lm_metrics(model, validation, masking=eval_masking(cfg, mc, shards, tok),
-                                progress=progress, **mlm)
+    fixed = eval_masking(cfg, mc, shards, tok)
+    metrics = masked_lm_metrics(model, validation, masking=fixed, progress=progress, **mlm)
     metrics["eval/mlm_probability"] = float(masks.mlm_probability)
+    parent, parent_reason = parent_model(
+        trained.init, model, bool(trained.config["train"].get("trust_unverified_checkpoint")))
+    if parent is not None:  # before adaptation: the same rows, the same fixed masks
+        before = masked_lm_metrics(parent, validation, masking=fixed, **mlm)
+        metrics.update({name: before[key] for key, name in PARENT_MLM_KEYS.items()})
+        logger.info("the parent (before adaptation) on the same %d rows and masks: loss %.4f, "
+                    "mlm_accuracy %.4f; after: loss %.4f, mlm_accuracy %.4f",
+                    int(before["eval/rows"]), before["eval/loss"], before["eval/mlm_accuracy"],
+                    metrics["eval/loss"], metrics["eval/mlm_accuracy"])
     if cfg.train_rate_metrics and not math.isclose(mc.eval_probability, masks.mlm_probability):
         at_train = masked_lm_metrics(
             model, validation, masking=eval_masking(cfg, mc, shards, tok, mc.eval_probability),
@@ -359,8 +373,11 @@ def evaluate(
         held = write_holdout_text(holdout, out)
         metrics.update(holdout_metrics(model, tok, holdout.documents, cfg, device))
     with reporting(progress):  # the probe reports its encoders' rows to the same reporter
-        downstream = downstream_results(probe, finetune, model, tok, device)
+        downstream = downstream_results(probe, finetune, model, tok, device, parent)
     metrics.update(downstream.metrics)
+    if parent_reason is not None:
+        downstream.tags.update(parent_tags(parent_reason, probe is not None and probe.enabled,
+                                           finetune is not None and finetune.enabled))
     for result in probes:
         if "error" in result:
             logger.warning("fill-mask probe skipped: %s", result["error"])
@@ -397,19 +414,21 @@ def evaluate(
 
 
 def downstream_results(probe: LinearProbeConfig | None, finetune: FinetuneConfig | None,
-                       model: torch.nn.Module, tok: Tokenizer, device: torch.device
-                       ) -> DownstreamResult:
-    """The linear probe and fine-tuning of `model` on `probe`'s tasks, when enabled; a
-    disabled one is the tag `unavailable.probe` / `unavailable.finetune` with the reason."""
+                       model: torch.nn.Module, tok: Tokenizer, device: torch.device,
+                       parent: torch.nn.Module | None = None) -> DownstreamResult:
+    """The linear probe and fine-tuning of `model` on `probe`'s tasks, when enabled, with a
+    parent arm when `parent` (the weights the run started from, `evaluate.parent`) is
+    given; a disabled one is the tag `unavailable.probe` / `unavailable.finetune` with the
+    reason."""
     result = DownstreamResult()
     encoder = ours(model, tok)
     if probe is not None and probe.enabled:
-        result.update(run_probe(probe, encoder, device=device))
+        result.update(run_probe(probe, encoder, device=device, parent=parent))
     else:
         result.tags["unavailable.probe"] = "disabled (linear_probe.enabled: false)"
     if finetune is not None and finetune.enabled:
         result.update(run_finetune(finetune, probe or LinearProbeConfig(), encoder,
-                                   device=device))
+                                   device=device, parent=parent))
     else:
         result.tags["unavailable.finetune"] = "disabled (finetune.enabled: false)"
     return result

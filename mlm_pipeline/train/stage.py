@@ -102,9 +102,10 @@ def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
     unset `init_from` is left out, and the model is hashed as `ModelConfig.digest_record`
     gives it, so digests made before those fields existed still hold."""
     unset = {"init_from"} if cfg.init_from is None else set()
-    # `phase_of` names the chain a run belongs to, not what it trains
+    # `phase_of` names the chain a run belongs to, `init_required` guards a config's
+    # use: neither is what the run trains
     train = cfg.model_dump(mode="json", exclude={"trust_unverified_checkpoint", "phase_of",
-                                                   *unset})
+                                                   "init_required", *unset})
     inputs = {"shards": shards.digest, "tokenizer": tokenizer.digest, "run": run_key}
     if init is not None:
         inputs["init"] = init["digest"]

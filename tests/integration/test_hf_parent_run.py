@@ -139,6 +139,24 @@ def test_run_continues_a_published_bert(tmp_path, prefect_api_url):
           f"the run's first step {first['train/loss']:.6f}")
     assert first["step"] == 1 and first["train/loss"] == pytest.approx(want, rel=1e-5)
 
+    # Before vs after: the final evaluation scored the parent on its own rows and fixed
+    # masks; transformers' own loss of the parent on those rows is the same figure.
+    from mlm_pipeline.evaluate.stage import eval_masking
+    from mlm_pipeline.tokenizer import Tokenizer
+
+    validation = ShardDataset(shards, "validation")
+    index = torch.arange(min(cfg.eval.max_rows, len(validation)))
+    masks = eval_masking(cfg.eval, cfg.masking, shards, Tokenizer.load(tokenizer))
+    input_ids, labels = masks(validation.get(index.numpy()), index, 0)
+    with torch.no_grad():
+        before = float(hf(input_ids=input_ids, labels=labels).loss)
+    metrics = result["metrics"]
+    print(f"transformers' loss of the parent on the eval rows {before:.6f}, the run's "
+          f"eval/parent_loss {metrics['eval/parent_loss']:.6f}, eval/loss "
+          f"{metrics['eval/loss']:.6f}")
+    assert metrics["eval/parent_loss"] == pytest.approx(before, rel=1e-5)
+    assert metrics["eval/parent_loss"] != metrics["eval/loss"]
+
     # Exported back as a BertForMaskedLM that fill-mask loads.
     from mlm_pipeline.train.export import export_checkpoint
 

@@ -50,6 +50,11 @@ RUNS = {
 }
 CONTROLS = ("probe/accuracy_random_init", "probe/tfidf_accuracy_same_input",
             "probe/majority_accuracy")
+#: An adapted run's parent figures (run-a has a parent, run-b not), each a column.
+PARENT = {"eval/parent_loss": 7.25, "eval/parent_mlm_accuracy": 0.0625,
+          "probe/accuracy_parent": 0.6875, "finetune/parent_accuracy": 0.75,
+          "finetune/diff_parent": 0.0625, "finetune/diff_parent_ci95_low": -0.125,
+          "finetune/diff_parent_ci95_high": 0.25}
 WIDTH_PX, HEIGHT_PX = 800, 500
 COMPARE_WIDTH_PX = 1200  # two panels side by side
 
@@ -77,6 +82,8 @@ def _log_run(tracker: MlflowTracker, name: str, spec: dict, with_eval: bool = Tr
             final["finetune/accuracy"], final["finetune/scratch_accuracy"] = spec["finetune"]
         if spec["controls"] is not None:
             final.update(zip(CONTROLS, spec["controls"]))
+        if name == "run-a":
+            final.update(PARENT)
         tracker.log_metrics(run_id, final, step=STEPS[-1])
     tracker.end_run(run_id)
     return run_id
@@ -147,6 +154,9 @@ def test_runs_lists_both_runs_with_the_differing_param(tmp_path, logged, run_cli
             spec["finetune"] or (None, None))
         # the controls side by side with the figure, and what was not computed, by name
         assert tuple(row[k] for k in CONTROLS) == (spec["controls"] or (None,) * 3)
+        # an adapted run's parent figures beside its own; blank for a run without one
+        assert {k: row[k] for k in PARENT} == (
+            PARENT if name == "run-a" else dict.fromkeys(PARENT))
         assert row["not computed"] == (", ".join(sorted(
             k.removeprefix("unavailable.") for k in spec["unavailable"])) or None)
         assert row["data (digest.shards)"] == spec["digest"]

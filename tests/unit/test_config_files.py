@@ -8,6 +8,7 @@ import yaml
 
 from mlm_pipeline import cli
 from mlm_pipeline.config import DEFAULT_WARMUP_STEPS, TrainConfig
+from mlm_pipeline.config.lr_auto import AUTO_LR
 from mlm_pipeline.config_files import (
     ConfigError,
     dump_config,
@@ -24,10 +25,16 @@ def test_every_yaml_in_configs_is_shipped():
     assert SHIPPED and sorted(shipped_configs()) == SHIPPED
 
 
+#: Shipped configs that need `train.init_from` (`train.init_required`), and a parent
+#: path for them: not read at load time (only a Hugging Face directory would be).
+NEEDS_PARENT = {"adapt": ["train.init_from=/models/parent-checkpoint"]}
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("overrides", [[], ["train.max_steps=200"], ["train.warmup_steps=7"]])
 def test_printed_config_round_trips(name, overrides, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the shipped config, not a ./configs folder
+    overrides = NEEDS_PARENT.get(name, []) + overrides
     original = load_config(name, overrides)
     assert cli.main(["config", name, *[f"--set={o}" for o in overrides]]) == 0
     printed = tmp_path / "my.yaml"
@@ -37,6 +44,23 @@ def test_printed_config_round_trips(name, overrides, tmp_path, capsys, monkeypat
     assert reloaded.model_dump() == original.model_dump()
     assert reloaded.train.warmup == original.train.warmup
     assert dump_config(reloaded) == printed.read_text(encoding="utf-8")
+
+
+def test_adapt_without_a_parent_fails_at_load_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    needing = [n for n in SHIPPED if (yaml.safe_load((CONFIGS / f"{n}.yaml").read_text(
+        encoding="utf-8")).get("train") or {}).get("init_required")]
+    assert needing == sorted(NEEDS_PARENT)
+    with pytest.raises(ConfigError, match=r"train\.init_from is required.*--set "
+                       r"train\.init_from=DIR.*save_pretrained"):
+        load_config("adapt")
+    cfg = load_config("adapt", NEEDS_PARENT["adapt"])
+    assert cfg.train.init_from == "/models/parent-checkpoint" and cfg.train.init_required
+    # adaptation defaults: a lower peak lr than from scratch, a short warm-up, evaluation on
+    assert cfg.train.lr == 1e-4 < min(AUTO_LR.values())  # the from-scratch `lr: auto`
+    assert cfg.train.warmup == 48 and cfg.masking.mlm_probability == 0.15
+    assert cfg.linear_probe.enabled and cfg.finetune.enabled and cfg.tokenizer.from_init
+    assert cfg.ingest.sources == ["debian:fr"]
 
 
 def test_tiny_warmup_survives_printing(tmp_path, monkeypatch):

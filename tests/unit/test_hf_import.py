@@ -407,3 +407,53 @@ def test_export_gives_the_original_state_dict_back(hf_models, kind):
     for key, value in original.items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0 if kind == "modern"
                                    or "position" not in key else 1e-6, msg=key)
+
+
+#: bf16's unit roundoff: an 8-bit significand (7 stored bits and the implicit one) rounds
+#: to within 2^-8 of a value's magnitude (IEEE 754-2008 binary16 aside, the bfloat16
+#: format of Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training").
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+#: Roundings a logit's bf16 error may accumulate, in units of the roundoff times the
+#: largest fp32 logit: under autocast the inputs of every matmul (attention, feed-forward,
+#: head; accumulation stays fp32, norms and softmax run in fp32) are cast to bf16, each
+#: cast an error of at most u of its input, and the 2 to 4 layers here compound a few of
+#: them. Measured: 1.4 to 1.7 units from fp32, 0 to 0.7 apart (the docstring's figures);
+#: 4 units leaves room for another CPU's kernels and is still far below what a mapping
+#: error does (a wrong or missing tensor moves logits by their whole scale, 256 units).
+BF16_ROUNDINGS = 4
+
+
+def bf16_logits(model, input_ids, attention_mask):
+    """Logits (rows, L, V) float32 of `model` under CPU bf16 autocast."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return out.float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bert", "modern"])
+def test_bf16_logits_agree_with_transformers_within_bf16_rounding(hf_models, kind):
+    """Ours and transformers, both in bf16 autocast on the same inputs (ModernBERT's 40
+    tokens beyond its 8-token window), differ by no more than bf16 rounding of the logits'
+    scale allows, and each stays that close to transformers' fp32 logits. Max abs logit
+    differences measured (torch 2.13 CPU, AVX-512 BF16): BERT 0 apart in bf16 (the same
+    roundings), 2.2e-3 from fp32 for both (max |logit| 0.33; fp32 parity 8.9e-8);
+    ModernBERT 9.8e-4 apart in bf16, 1.9e-3 from fp32 for both (max |logit| 0.36; fp32
+    parity 6.0e-8)."""
+    hf, path = hf_models[kind]
+    ours, _, _ = load_hf_model(path)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(5, VOCAB, (3, SEQ), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 30:] = 0
+    real = attention_mask.bool()
+    with torch.no_grad():
+        reference = hf(input_ids=input_ids, attention_mask=attention_mask).logits[real]
+    mine = bf16_logits(ours, input_ids, attention_mask)[real]
+    theirs = bf16_logits(hf, input_ids, attention_mask)[real]
+    bound = BF16_ROUNDINGS * BF16_UNIT_ROUNDOFF * reference.abs().max().item()
+    apart = (mine - theirs).abs().max().item()
+    assert not torch.equal(mine, reference)  # bf16 really ran: the logits moved
+    assert apart <= bound, (apart, bound)
+    assert (mine - reference).abs().max().item() <= bound
+    assert (theirs - reference).abs().max().item() <= bound

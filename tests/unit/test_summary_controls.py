@@ -47,3 +47,37 @@ def test_a_figure_not_computed_is_named_with_its_reason():
     assert "random init 0.6150 |" in probe  # the mean without an invented spread
     assert [line for line in lines if line.startswith("Not computed")] == [
         f"Not computed: {k}: {v}" for k, v in sorted(reasons.items())]
+
+
+PARENT = {
+    "eval/parent_loss": 5.25, "eval/parent_mlm_accuracy": 0.1234,
+    "probe/accuracy_parent": 0.6421,
+    "finetune/parent_accuracy": 0.6902, "finetune/parent_accuracy_sd": 0.0111,
+    "finetune/parent_lr": 3e-4, "finetune/parent_epoch": 2,
+    "finetune/diff_parent": 0.0163, "finetune/diff_parent_ci95_low": -0.0042,
+    "finetune/diff_parent_ci95_high": 0.0368,
+}
+
+
+def test_an_adapted_run_shows_its_parent_beside_each_figure():
+    lines = evaluation_lines({"metrics": {**METRICS, **PARENT}, "unavailable": {}})
+    held_out = next(line for line in lines if line.startswith("Held-out"))
+    assert "the parent (before adaptation)" in held_out
+    assert "accuracy 0.1234, loss 5.2500" in held_out
+    probe = next(line for line in lines if line.startswith("Linear probe"))
+    assert probe.index("0.6612") < probe.index("parent 0.6421") < probe.index("0.6150")
+    tuned = next(line for line in lines if line.startswith("Fine-tuning (3 seeds"))
+    for value in ("parent 0.6902 +- 0.0111 (lr 0.0003, epoch 2)",
+                  "adapted - parent +0.0163 [-0.0042, +0.0368]", "+0.0078"):
+        assert value in tuned, value
+    # without a parent, no parent words at all
+    plain = evaluation_lines({"metrics": METRICS, "unavailable": {}})
+    assert not any("parent" in line for line in plain)
+
+
+def test_a_parent_figure_not_computed_is_named_with_its_reason():
+    why = "parent '/gone' not readable: /gone: no such directory"
+    lines = evaluation_lines({"metrics": METRICS, "unavailable": {
+        "eval/parent_loss": why, "probe/accuracy_parent": why}})
+    assert f"Not computed: eval/parent_loss: {why}" in lines
+    assert f"Not computed: probe/accuracy_parent: {why}" in lines
