@@ -273,6 +273,65 @@ def check_evaluable(shards: ShardManifest) -> None:
         )
 
 
+def evaluation_digest(cfg: EvalConfig, trained: TrainManifest, shards: ShardManifest,
+                      tokenizer: TokenizerManifest, holdout: Holdout | None,
+                      probe: LinearProbeConfig | None, finetune: FinetuneConfig | None) -> str:
+    """The digest of `evaluate`'s output (its arguments of the same names): what decides
+    the figures, keyed by the training run, the shards and the tokenizer."""
+    mc = MaskingConfig(**trained.config["masking"])
+    masks = eval_masking_config(cfg, mc)
+    document_attention = bool(trained.config["train"].get("document_attention", False))
+    data = probe or LinearProbeConfig()
+    return compute_digest(
+        "evaluate",
+        # The key is added only when set, so digests of earlier evaluations still match.
+        # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
+        # The periodic settings shape the curve during training, not this evaluation.
+        {"eval": cfg.model_dump(mode="json", exclude={
+            "every_steps", "periodic_rows", "holdout_sources", "holdout_digest"}),
+         "masking": masks.masks_record(),
+         **({"train_masking": mc.masks_record()} if cfg.train_rate_metrics else {}),
+         **({"document_attention": True} if document_attention else {}),
+         **({"holdout": holdout.digest} if holdout is not None else {}),
+         **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
+         **({"finetune": finetune, "finetune_data": data}
+            if finetune is not None and finetune.enabled else {}),
+         # A run with a parent is evaluated beside it (`evaluate.parent`).
+         **({"parent_arm": trained.init["digest"]} if trained.init else {})},
+        {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
+    )
+
+
+def parent_mlm_metrics(parent: torch.nn.Module, validation: ShardDataset, fixed: KeyedMasking,
+                       mlm: dict[str, Any], after: dict[str, float]) -> dict[str, float]:
+    """The parent's masked-LM figures (`PARENT_MLM_KEYS`: `eval/parent_*`) on the same
+    validation rows and fixed masks as the adapted model's (`after`, logged beside them);
+    `mlm` = `masked_lm_metrics`' keyword arguments."""
+    before = masked_lm_metrics(parent, validation, masking=fixed, **mlm)
+    logger.info("the parent (before adaptation) on the same %d rows and masks: loss %.4f, "
+                "mlm_accuracy %.4f; after: loss %.4f, mlm_accuracy %.4f",
+                int(before["eval/rows"]), before["eval/loss"], before["eval/mlm_accuracy"],
+                after["eval/loss"], after["eval/mlm_accuracy"])
+    return {name: before[key] for key, name in PARENT_MLM_KEYS.items()}
+
+
+def log_results(probes: list[dict[str, Any]], metrics: dict[str, float]) -> None:
+    """Log the fill-mask probes' top 3 per mask (or why one was skipped) and the masked-LM
+    figures of `metrics` at its masking rate (`eval/mlm_probability`)."""
+    for result in probes:
+        if "error" in result:
+            logger.warning("fill-mask probe skipped: %s", result["error"])
+            continue
+        tops = [" / ".join(c["token"] for c in mask[:3]) for mask in result["predictions"]]
+        logger.info("fill-mask %r -> %s", result["text"], "; ".join(tops))
+    logger.info(
+        "eval at %.0f %% masking: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline "
+        "%.4f), perplexity %.1f over %d masked tokens", 100 * metrics["eval/mlm_probability"],
+        metrics["eval/loss"], metrics["eval/mlm_accuracy"], metrics["eval/baseline_accuracy"],
+        metrics["eval/perplexity"], int(metrics["eval/masked_tokens"]),
+    )
+
+
 def evaluate(
     cfg: EvalConfig,
     trained: TrainManifest,
@@ -319,25 +378,7 @@ def evaluate(
     mc = MaskingConfig(**trained.config["masking"])
     masks = eval_masking_config(cfg, mc)
     document_attention = bool(trained.config["train"].get("document_attention", False))
-    data = probe or LinearProbeConfig()
-    digest = compute_digest(
-        "evaluate",
-        # The key is added only when set, so digests of earlier evaluations still match.
-        # The training masks' seed does not change evaluation masks (`cfg.seed` keys them).
-        # The periodic settings shape the curve during training, not this evaluation.
-        {"eval": cfg.model_dump(mode="json", exclude={
-            "every_steps", "periodic_rows", "holdout_sources", "holdout_digest"}),
-         "masking": masks.masks_record(),
-         **({"train_masking": mc.masks_record()} if cfg.train_rate_metrics else {}),
-         **({"document_attention": True} if document_attention else {}),
-         **({"holdout": holdout.digest} if holdout is not None else {}),
-         **({"linear_probe": probe} if probe is not None and probe.enabled else {}),
-         **({"finetune": finetune, "finetune_data": data}
-            if finetune is not None and finetune.enabled else {}),
-         # A run with a parent is evaluated beside it (`evaluate.parent`).
-         **({"parent_arm": trained.init["digest"]} if trained.init else {})},
-        {"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
-    )
+    digest = evaluation_digest(cfg, trained, shards, tokenizer, holdout, probe, finetune)
     out = stage_dir(work_dir, "evaluate", digest)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(trained.device)
@@ -353,12 +394,7 @@ def evaluate(
     parent, parent_reason = parent_model(
         trained.init, model, bool(trained.config["train"].get("trust_unverified_checkpoint")))
     if parent is not None:  # before adaptation: the same rows, the same fixed masks
-        before = masked_lm_metrics(parent, validation, masking=fixed, **mlm)
-        metrics.update({name: before[key] for key, name in PARENT_MLM_KEYS.items()})
-        logger.info("the parent (before adaptation) on the same %d rows and masks: loss %.4f, "
-                    "mlm_accuracy %.4f; after: loss %.4f, mlm_accuracy %.4f",
-                    int(before["eval/rows"]), before["eval/loss"], before["eval/mlm_accuracy"],
-                    metrics["eval/loss"], metrics["eval/mlm_accuracy"])
+        metrics.update(parent_mlm_metrics(parent, validation, fixed, mlm, metrics))
     if cfg.train_rate_metrics and not math.isclose(mc.eval_probability, masks.mlm_probability):
         at_train = masked_lm_metrics(
             model, validation, masking=eval_masking(cfg, mc, shards, tok, mc.eval_probability),
@@ -378,18 +414,7 @@ def evaluate(
     if parent_reason is not None:
         downstream.tags.update(parent_tags(parent_reason, probe is not None and probe.enabled,
                                            finetune is not None and finetune.enabled))
-    for result in probes:
-        if "error" in result:
-            logger.warning("fill-mask probe skipped: %s", result["error"])
-            continue
-        tops = [" / ".join(c["token"] for c in mask[:3]) for mask in result["predictions"]]
-        logger.info("fill-mask %r -> %s", result["text"], "; ".join(tops))
-    logger.info(
-        "eval at %.0f %% masking: loss %.4f, mlm_accuracy %.4f (most-frequent-token baseline "
-        "%.4f), perplexity %.1f over %d masked tokens", 100 * masks.mlm_probability,
-        metrics["eval/loss"], metrics["eval/mlm_accuracy"], metrics["eval/baseline_accuracy"],
-        metrics["eval/perplexity"], int(metrics["eval/masked_tokens"]),
-    )
+    log_results(probes, metrics)
     manifest = EvalManifest(
         stage="evaluate",
         digest=digest,
