@@ -1,27 +1,16 @@
 """`mlm-pipeline alerts install|remove`: the Prefect automations an operator needs, created
-on the server `PREFECT_API_URL` names by one command, idempotently.
+idempotently on the server `PREFECT_API_URL` names (each looked up by name, updated in place).
 
-Two automations, each looked up by its name and updated in place (a second `install`
-leaves one of each, with the new definition):
+- `FAILURE_AUTOMATION`: a flow run of `FLOW_NAMES` entering Failed, Crashed or TimedOut
+  (events `prefect.flow-run.<state name>`) sends a notification naming the flow, flow run,
+  deployment, state and message: through a webhook (`--webhook-url`: a
+  `CustomWebhookNotificationBlock` saved as `WEBHOOK_BLOCK`, POSTing `WEBHOOK_JSON`, the URL
+  kept in its secrets so the UI shows it obscured) or an existing block (`--block TYPE/NAME`).
+- The zombie-run automation of `flows/automations/crash-zombie-flows.yaml`: a running flow
+  run that stops sending heartbeats is marked Crashed, which in turn notifies.
 
-- `FAILURE_AUTOMATION`: a flow run of one of the project's flows (`FLOW_NAMES`) that
-  enters Failed, Crashed or TimedOut (the events `prefect.flow-run.<state name>`) sends a
-  notification naming the flow, the flow run (name and id), its deployment, its state and
-  the state's message. Through a webhook (`--webhook-url`: a Prefect
-  `CustomWebhookNotificationBlock` saved as `WEBHOOK_BLOCK`, which POSTs the JSON object
-  `WEBHOOK_JSON`; the URL is kept in the block's secrets, so the UI and API show it
-  obscured) or through any notification block already saved on the server (`--block
-  TYPE/NAME`: e.g. an email block such as `sendgrid-email/ops`).
-- The zombie-run automation of `flows/automations/crash-zombie-flows.yaml` (its one
-  definition): a running flow run that stops sending heartbeats is marked Crashed, which
-  in turn notifies.
-
-A failing stage flow (`prepare-data`, `train-evaluate`) run inside `mlm-pretraining` fails
-its parent too: one message for each.
-
-Only Prefect's public Python API: `prefect.automations.Automation` (create, read, update,
-delete), `prefect.events` triggers and actions, notification blocks, and the client's
-`read_automations_by_name` / `read_block_document_by_name`.
+A failing stage flow inside `mlm-pretraining` fails its parent too: one message for each.
+Only Prefect's public Python API is used.
 Prefect's guide: https://docs.prefect.io/v3/concepts/automations (triggers, actions, Python SDK).
 """
 
@@ -61,12 +50,8 @@ WEBHOOK_JSON = {"text": "{{subject}}\n{{body}}", "subject": "{{subject}}", "body
 
 
 def _api_url() -> str:
-    """The Prefect API the command acts on.
-
-    Raises:
-        RuntimeError: no `PREFECT_API_URL` (nor profile setting): automations on a
-            temporary server would vanish with it.
-    """
+    """The Prefect API the command acts on; RuntimeError without one (automations on a
+    temporary server would vanish with it)."""
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
@@ -130,27 +115,21 @@ def _check_webhook_url(url: str) -> None:
 
 
 def _webhook_block(url: str) -> tuple[Any, str]:
-    """Save (or overwrite) the webhook block `WEBHOOK_BLOCK` for `url`; returns (its block
-    document id, a line saying what was saved, without the URL's path or query, which
-    often hold a token)."""
+    """Save the webhook block `WEBHOOK_BLOCK` for `url`; (its id, a line without the URL's
+    path or query, which often hold a token)."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
-    _check_webhook_url(url)
     block = CustomWebhookNotificationBlock(
         name=WEBHOOK_BLOCK, url="{{webhook_url}}", method="POST", json_data=WEBHOOK_JSON,
         secrets={"webhook_url": url})
-    block_id = block.save(WEBHOOK_BLOCK, overwrite=True)
     host = urllib.parse.urlsplit(url)
-    return block_id, (f"block custom-webhook/{WEBHOOK_BLOCK}: POST JSON to "
-                      f"{host.scheme}://{host.netloc}/... (saved)")
+    return block.save(WEBHOOK_BLOCK, overwrite=True), (
+        f"block custom-webhook/{WEBHOOK_BLOCK}: POST JSON to {host.scheme}://{host.netloc}/... "
+        "(saved)")
 
 
 def _existing_block(client: Any, slug_name: str) -> tuple[Any, str]:
-    """(block document id, a line) of the saved notification block `TYPE/NAME`.
-
-    Raises:
-        ValueError: `slug_name` is not `TYPE/NAME`, or no such block document exists.
-    """
+    """(block document id, a line) of the saved block `TYPE/NAME`; ValueError if none."""
     from prefect.exceptions import ObjectNotFound
 
     slug, _, name = slug_name.partition("/")
@@ -166,8 +145,8 @@ def _existing_block(client: Any, slug_name: str) -> tuple[Any, str]:
 
 
 def _put(client: Any, automation: Any) -> str:
-    """Create `automation`, or update the one of its name (deleting any further copies a
-    hand-made `prefect automation create` left); returns a line saying which."""
+    """Create `automation`, or update the one of its name (deleting further copies);
+    returns a line saying which."""
     existing = client.read_automations_by_name(name=automation.name)
     for extra in existing[1:]:
         client.delete_automation(extra.id)
@@ -212,13 +191,10 @@ def install(webhook_url: str | None = None, block: str | None = None,
         _check_webhook_url(webhook_url)
     lines = [f"Prefect API: {_api_url()}"]
     with get_client(sync_client=True) as client:
-        if webhook_url is not None:
-            block_id, line = _webhook_block(webhook_url)
-        else:
-            block_id, line = _existing_block(client, block)
+        block_id, line = (_webhook_block(webhook_url) if webhook_url is not None
+                          else _existing_block(client, block))
         lines.append(line)
-        for automation in (failure_automation(block_id), zombie):
-            lines.append(_put(client, automation))
+        lines += [_put(client, a) for a in (failure_automation(block_id), zombie)]
     return lines
 
 

@@ -1,24 +1,16 @@
 """The stage outputs as Prefect assets: corpus -> tokenizer -> shards -> model.
 
 Each output is an asset keyed by its digest (`mlm_pipeline.tracking.version_lineage.
-asset_key`: `mlm://corpus/<digest[:16]>`, `.../tokenizer/...`,
-`.../shards/...`, `.../model/<checkpoint state_sha256[:16]>`). A stage's key is known
-only once the stage has computed its digest, and `materialize` fixes a task's assets
-when the task is built, so the stage tasks stay as they are and a small task built per
-output (`materialize(asset, asset_deps=...)`) reports it right after: Prefect emits
-`prefect.asset.materialization.succeeded` for the output with its inputs as related
-assets (and `prefect.asset.referenced` for each input), and the UI's asset graph draws
-the edges. A reused stage is reported too (metadata `reused`: its manifest was made
-before this flow run started): the reporting task is not cached (a `Cached` task run
-emits no asset event).
+asset_key`: `mlm://corpus/<digest[:16]>`, ..., `.../model/<checkpoint state_sha256[:16]>`).
+A stage's key is known only once it has computed its digest, while `materialize` fixes a
+task's assets when the task is built; so a small task built per output reports it right
+after the stage (`prefect.asset.materialization.succeeded`, its inputs as related assets),
+and the UI's asset graph draws the edges. A reused stage is reported too (metadata
+`reused`); the reporting task is not cached (a `Cached` task run emits no asset event).
 
-Dependencies: tokenizer <- corpus (also with `tokenizer.from_init`, whose tokenizer was
-trained on the parent's corpus: the edge says which corpus it served), shards <- corpus +
-tokenizer, model <- shards + tokenizer (+ the parent model when warm-started: its
-checkpoint digest, `TrainManifest.init`).
-
-Imported by the flow modules next to it, as `mlm_pipeline_flows.assets` (see
-`flows/__init__.py`).
+Dependencies: tokenizer <- corpus (with `tokenizer.from_init` too: the corpus it served),
+shards <- corpus + tokenizer, model <- shards + tokenizer (+ the parent model when
+warm-started: its checkpoint digest, `TrainManifest.init`).
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ def _report(asset: Asset, deps: list[Asset], metadata: dict[str, Any]) -> None:
     """Run a task that materializes `asset` from `deps` with `metadata` in this flow run."""
 
     def report() -> None:
-        """Nothing to compute: the stage wrote the output; the event reports it."""
+        """Nothing to compute: the event reports the stage's output."""
         asset.add_metadata(metadata)
 
     materialize(asset, asset_deps=deps, name=f"asset-{asset.key.split('/')[2]}",
@@ -60,12 +52,10 @@ def report_data_assets(corpus: CorpusManifest, tokenizer: TokenizerManifest,
                        ) -> dict[str, Asset]:
     """Report the three data outputs as assets (see the module docstring); returns them
     by stage. `started_at` (Unix time, s): outputs made before it are marked reused."""
-    assets = {
-        "corpus": stage_asset("corpus", corpus.digest, "cleaned, deduplicated documents "
-                              "split into train and validation (ingest)"),
-        "tokenizer": stage_asset("tokenizer", tokenizer.digest, "SentencePiece model"),
-        "shards": stage_asset("shards", shards.digest, "packed Arrow token shards"),
-    }
+    assets = {"corpus": stage_asset("corpus", corpus.digest, "cleaned, deduplicated "
+                                    "documents split into train and validation (ingest)"),
+              "tokenizer": stage_asset("tokenizer", tokenizer.digest, "SentencePiece model"),
+              "shards": stage_asset("shards", shards.digest, "packed Arrow token shards")}
     _report(assets["corpus"], [], _metadata(
         corpus, started_at, documents_train=corpus.documents_train,
         documents_validation=corpus.documents_validation))
@@ -93,7 +83,7 @@ def report_model_asset(trained: TrainManifest, tokenizer: TokenizerManifest,
     metadata: dict[str, Any] = {"digest": digest, "steps": trained.steps,
                                 "checkpoint": str(trained.file(trained.checkpoint_dir))}
     if registered:
-        metadata.update({k: registered.get(k) for k in ("model_uri", "name", "version",
-                                                         "decision")})
+        metadata.update({k: registered.get(k)
+                         for k in ("model_uri", "name", "version", "decision")})
     _report(asset, deps, metadata)
     return asset

@@ -1,31 +1,22 @@
 """The `mlm-pipeline` console script: `run` gets the `mlm-pretraining` flow, `alerts` its
 Prefect automations (`mlm_pipeline_flows.alerts`), every other command goes to
-`mlm_pipeline.cli.main` as it is.
+`mlm_pipeline.cli.main` as it is (the library never imports the flows, so they are handed in
+here). Prefect is imported only when `run` starts the flow, so the other commands start as
+fast as the library does.
 
-The library never imports the flows, so the flow is handed to it here
-(`mlm_pipeline.cli.main(argv, run_flow=run_pretraining)`). Installed, this module is
-`mlm_pipeline_flows.console` (the console script's target, also `python -m
-mlm_pipeline_flows.console`). Prefect is imported only when `run` starts the flow, so the other
-commands start as fast as the library does.
+`run` executes the flow in this process, recorded on `PREFECT_API_URL` when set. Without
+it, `run` starts a local Prefect API itself (`LocalPrefectApi`) rather than leaving it to
+Prefect's ephemeral server: in its own session, so the terminal's Ctrl-C reaches only this
+process (the flow can then checkpoint and close its MLflow run while the API is still
+there), with a parent-death signal, so it never outlives this process (not even a SIGKILL),
+and with a start-up wait that tolerates a busy machine
+(`PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`, default 180 s). What of Prefect it
+relies on beyond the public API: `mlm_pipeline_flows.prefect_private`.
 
-`run` executes the flow in this process. With `PREFECT_API_URL` set, the run is recorded
-on that server. Without it, `run` starts a local Prefect API itself (`LocalPrefectApi`)
-rather than leaving it to Prefect's ephemeral server: in its own session, so the terminal's
-Ctrl-C reaches only this process (the flow can then checkpoint and close its MLflow run
-while the API is still there), with a parent-death signal, so it never outlives this process
-(not even a SIGKILL of it), and with a start-up wait that tolerates a busy machine
-(`PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`, default 180 s). How, and what of
-Prefect it relies on beyond the public API: `mlm_pipeline_flows.prefect_private`.
-
-Progress: in a terminal, one live `rich` line per stage
-(`mlm_pipeline_flows.progress_display.display`); otherwise log lines at a bounded rate
-(`mlm_pipeline.progress.LogProgress`).
-
-Ctrl-C or SIGTERM during training: the loop checkpoints the step it reached, the MLflow run
-is closed KILLED, and `run` prints how to continue (the command line as typed) and exits 130
-(`mlm_pipeline.cli.run`; the handler is the tracked training run's,
-`mlm_pipeline.app.training_run.stop_on_signals`). A second signal, or one outside training,
-stops at once.
+Progress: in a terminal, one live `rich` line per stage (`progress_display.display`);
+otherwise log lines at a bounded rate. Ctrl-C or SIGTERM during training checkpoints the
+step reached, closes the MLflow run KILLED, and `run` prints how to continue and exits 130
+(`mlm_pipeline.app.training_run.stop_on_signals`); a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -49,12 +40,9 @@ from mlm_pipeline_flows.prefect_private import start_server, startup_timeout_s
 
 
 class LocalPrefectApi:
-    """A Prefect API server on a free loopback port for the lifetime of one `run`.
-
-    Started by `mlm_pipeline_flows.prefect_private.start_server`: Prefect's temporary
-    server app under uvicorn, in its own session, with a parent-death signal (Linux;
-    elsewhere it is only stopped by `stop`).
-    """
+    """A Prefect API server on a free loopback port for the lifetime of one `run`
+    (`prefect_private.start_server`: its own session, a parent-death signal on Linux;
+    elsewhere only `stop` ends it)."""
 
     def __init__(self) -> None:
         with socket.socket() as sock:
@@ -84,6 +72,7 @@ class LocalPrefectApi:
             self._start(timeout_s)
 
     def _start(self, timeout_s: float) -> None:
+        """Start the server and wait for its health check (`start`)."""
         self.process = start_server(self.port)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -131,8 +120,8 @@ def _config_param(config: str) -> dict[str, str]:
 
 
 def _max_steps(params: Any) -> int | None:
-    """`train.max_steps` of the run (the `train` progress line's total); None when the
-    config does not load (the flow then fails on it, with the error)."""
+    """`train.max_steps` of the run (the `train` line's total); None when the config does
+    not load (the flow then fails on it)."""
     from mlm_pipeline.config_files import load_config
 
     try:
@@ -184,11 +173,10 @@ def run_pretraining(config: str, overrides: list[str],
     if _no_view_links in logging.getLogger("prefect.flow_runs").filters:
         log = logging.getLogger(__name__)  # not a flow-run logger: terminal and log file
         log.setLevel(logging.INFO)
-        log.info(
-            "Prefect: a temporary local server for this command only (its UI ends with "
-            "it); for a lasting UI, run `prefect server start` and set PREFECT_API_URL")
-    params = PretrainParams.model_validate(
-        {**_config_param(config), "overrides": list(overrides)})
+        log.info("Prefect: a temporary local server for this command only (its UI ends with "
+                 "it); for a lasting UI, run `prefect server start` and set PREFECT_API_URL")
+    params = PretrainParams.model_validate({**_config_param(config),
+                                            "overrides": list(overrides)})
     with display(_max_steps(params)):
         if sweep:
             from mlm_pipeline_flows.sweep import mlm_sweep
@@ -198,16 +186,14 @@ def run_pretraining(config: str, overrides: list[str],
 
 
 def alerts(**kwargs: Any) -> list[str]:
-    """`mlm-pipeline alerts`: `mlm_pipeline_flows.alerts.alerts`, imported (with Prefect)
-    only when the command runs."""
+    """`mlm-pipeline alerts`: `mlm_pipeline_flows.alerts.alerts`, imported when it runs."""
     from mlm_pipeline_flows.alerts import alerts as install_or_remove
 
     return install_or_remove(**kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `mlm-pipeline` console script; returns the exit status
-    (`mlm_pipeline.cli.main`)."""
+    """Entry point of the `mlm-pipeline` console script; returns the exit status."""
     return cli.main(argv, run_flow=run_pretraining, flow_verbs={"alerts": alerts})
 
 

@@ -1,25 +1,18 @@
 """Data preparation on a Dask cluster (`data.executor: dask`): ingestion and shard encoding
 fan out over input partitions as Prefect tasks on `prefect_dask.DaskTaskRunner`.
 
-`prepare_partitioned(cfg)` runs the subflow `prepare-data-dask` with a Dask task runner: a
-local cluster of `data.workers` worker processes when `data.dask_address` is None, else the
-existing cluster at that address (its workers must read the sources and the work directory
-at the same paths: a shared file system, or a URL work directory with the same cache
-directory and credentials on every worker, `mlm_pipeline.store`). In it:
-
-* ingestion: `read-partition` tasks read and clean the input partitions (files, byte ranges
-  of large `.jsonl` / `.txt` files: `mlm_pipeline.ingest.partitions`); the merge
-  (`max_documents`, bad files, counts, deduplication, the split, the Parquet files) runs in
-  this process, in input order;
-* the tokenizer is trained in this process (one SentencePiece trainer);
-* shards: `encode-partition` tasks encode row ranges of the splits to token streams
-  (`mlm_pipeline.shards.parallel`); packing and writing the Arrow shards runs here, in order.
+`prepare_partitioned(cfg)` runs the subflow `prepare-data-dask` on a local cluster of
+`data.workers` processes, or on the cluster at `data.dask_address` (whose workers must see
+the sources and the work directory at the same paths: a shared file system, or a URL work
+directory with the same cache directory and credentials, `mlm_pipeline.store`). In it,
+`read-partition` tasks read and clean input partitions (`mlm_pipeline.ingest.partitions`)
+and `encode-partition` tasks encode row ranges of the splits (`mlm_pipeline.shards.parallel`);
+the merge, the tokenizer training and the packing run in this process, in input order.
 
 The outputs are those of the single-process stages, byte for byte, under the same digests
-(tests/integration/test_partitioned_prep.py, tests/flows/test_dask_prep.py), so a stage
-already made by either path is reused by the other. Partition results travel back through
-Dask: the calling process needs memory for the partitions in flight (all of a stage's are
-submitted at once; size `data.partitions` so that a partition's text fits comfortably).
+(tests/integration/test_partitioned_prep.py, tests/flows/test_dask_prep.py), so either path
+reuses the other's. Partition results travel back through Dask, all of a stage's submitted
+at once: size `data.partitions` so that a partition's text fits comfortably in memory.
 
 Needs the `dask` extra (`pip install -e ".[dask]"`).
 """
@@ -41,10 +34,9 @@ PARTITIONS_PER_WORKER = 4
 
 @task(name="partition", cache_policy=NO_CACHE, persist_result=False)
 def partition_task(fn: Callable[[Any], Any], item: Any, work_dir: str) -> Any:
-    """`fn(item)` on a Dask worker: `read_partition` or `encode_partition` bound to its
-    config (`functools.partial`), `item` the partition. Not cached: the stage around it is.
-    A URL `work_dir` gets its local mirror on the worker first (`store.work_root`), so the
-    documents a partition reads through its manifest are fetched from the store."""
+    """`fn(item)` on a Dask worker (`fn`: `read_partition` or `encode_partition` bound to its
+    config); not cached: the stage around it is. A URL `work_dir` gets its local mirror on
+    the worker first (`store.work_root`), so a partition's documents come from the store."""
     from mlm_pipeline.store import work_root
 
     work_root(work_dir)
@@ -62,8 +54,7 @@ def task_mapper(name: str, work_dir: str
     named = partition_task.with_options(name=name)
 
     def mapper(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
-        futures = named.map(unmapped(fn), items, unmapped(work_dir))
-        for future in futures:
+        for future in named.map(unmapped(fn), items, unmapped(work_dir)):
             yield future.result()
 
     return mapper
@@ -116,9 +107,8 @@ def dask_prep_flow(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManife
 
 def prepare_partitioned(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest,
                                                       ShardManifest]:
-    """Run `dask_prep_flow` on `dask_task_runner(cfg)`: what the `prepare-data` flow calls
-    when `cfg.data.executor == "dask"`. Same manifests and files as the single-process
-    stages.
+    """Run `dask_prep_flow` on `dask_task_runner(cfg)` (the `prepare-data` flow's path for
+    `data.executor: dask`): the same manifests and files as the single-process stages.
 
     Raises:
         ImportError: the `dask` extra is not installed.

@@ -2,21 +2,13 @@
 that starts from the previous phase's weights (BERT's 128 then 512, ModernBERT's context
 extension: `configs/bert-base-512.yaml`, `configs/modern-base-8k.yaml`).
 
-The chain is derived from the last phase's config: its `train.phase_of` names its parent
-phase, whose own `phase_of` names the one before, and so on
-(`mlm_pipeline.app.phases.phase_chain`); or it is given in full (`phases`). Each phase
-after the first runs with `train.init_from` set to the previous phase's MLflow run id
+The chain is derived from the last phase's config through each `train.phase_of`
+(`mlm_pipeline.app.phases.phase_chain`), or given in full (`phases`). Each phase after the
+first runs with `train.init_from` set to the previous phase's MLflow run id
 (`app.phases.child_overrides`), so its training fetches and verifies that run's final
-checkpoint and records it, and what the phase changes (`seq_len`, a RoPE base, the rule
-that fitted a learned position table), as its lineage (`mlm.init_*` tags). A phase fails
-the chain: the phases after it do not start.
-
-Each phase is an `mlm-pretraining` subflow of this flow run, named as a run of its config
-would be, with the same `stages` (None: in this process; set: its two halves as
-deployments on their pools, as prefect.yaml's `gpu` deployment does).
-
-This module imports its neighbours in `flows/` absolutely, as `mlm_pipeline_flows.*`
-(see `flows/__init__.py`).
+checkpoint and records what the phase changes as its lineage (`mlm.init_*` tags). A failed
+phase stops the chain. Each phase is an `mlm-pretraining` subflow of this flow run, named
+as a run of its config would be, with the same `stages`.
 """
 
 from __future__ import annotations

@@ -96,8 +96,7 @@ def server_command(port: int) -> list[str]:
     site = Path(importlib.util.find_spec("prefect").origin).parent.parent
     return [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory",
             f"{__name__}:server_app", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "error",
-            "--lifespan", "on"]
+            "--log-level", "error", "--lifespan", "on"]
 
 
 def start_server(port: int) -> subprocess.Popen:
@@ -108,9 +107,9 @@ def start_server(port: int) -> subprocess.Popen:
     Raises:
         OSError: the interpreter cannot be started.
     """
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0"}
     return subprocess.Popen(
-        server_command(port), env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+        server_command(port), env={**os.environ, "PREFECT_UI_ENABLED": "0"},
+        start_new_session=True, stdout=subprocess.DEVNULL,
         preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
 
 

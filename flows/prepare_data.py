@@ -1,22 +1,19 @@
 """The `prepare-data` flow: ingest -> tokenizer -> shards (CPU work; the CPU work pool).
 
-Each stage is a Prefect task around one library function; tasks exchange manifests. The
-flow returns `PreparedData` (the three manifests by path and digest in the work directory),
-what the `train-evaluate` flow takes: data prepared once serves any number of training
-runs (a sweep over `train.*`, `model.*`), none of which runs a data stage again.
+The flow returns `PreparedData` (the three manifests by path and digest in the work
+directory), what the `train-evaluate` flow takes: data prepared once serves any number of
+training runs (a sweep over `train.*`, `model.*`), none of which runs a data stage again.
 
 Reuse: no Prefect result is persisted or cached (a result record would be one more thing
-to trust). Each stage finds its own complete output in the work directory by its digest,
-computed by the library from the content of its inputs and its config (never from paths
-or modification times), verifies it (every file's size and sha256) and returns its
-manifest without recomputing; so a rerun of the same config skips the work (the tasks
-show as Completed, and the run summary lists them as reused), and a
-change reruns exactly the stages downstream of it. Outputs are per work directory
-(`work_dir`): another checkout or work directory builds its own. A stage whose files were
-deleted or changed is recomputed.
+to trust). Each stage finds its own complete output in the work directory by its digest
+(computed from the content of its inputs and its config, never from paths or modification
+times), verifies every file's size and sha256 and returns its manifest without recomputing;
+so a rerun of the same config skips the work (the summary lists the stages as reused), and
+a change reruns exactly the stages downstream of it. A stage whose files were deleted or
+changed is recomputed.
 
-No MLflow run here: the data's lineage (digests, accounting, tokenizer) is recorded by the
-training run that uses it (`train-evaluate`'s record-data task).
+No MLflow run here: the training run that uses the data records its lineage
+(`train-evaluate`'s record-data task).
 """
 
 from __future__ import annotations
@@ -28,13 +25,8 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    ShardManifest,
-    TokenizerManifest,
-    find_manifest,
-    stage_dir,
-)
+from mlm_pipeline.manifest import (CorpusManifest, ShardManifest, TokenizerManifest,
+                                   find_manifest, stage_dir)
 
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
 # this file as the script of prefect.yaml's entry point.
@@ -76,12 +68,10 @@ def shards_task(
 
 
 def prepare(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest, ShardManifest]:
-    """Run the three data stages in the current flow run (each reuses its complete output
-    from an earlier run, found by digest); returns their manifests.
-    With `data.executor: dask` the partition work (reading and cleaning input partitions,
-    encoding documents) fans out on a Dask cluster (`dask_prep.prepare_partitioned`): the
-    same digests and byte-identical files. The three outputs are then reported as Prefect
-    assets (`assets.report_data_assets`; those made before this call as reused)."""
+    """Run the three data stages in the current flow run (each reuses its complete output,
+    found by digest); returns their manifests. With `data.executor: dask` the partition
+    work fans out on a Dask cluster (`dask_prep.prepare_partitioned`: the same digests and
+    files). The outputs are then reported as Prefect assets (`assets.report_data_assets`)."""
     started_at = time.time()
     if cfg.data.executor == "dask":
         from mlm_pipeline_flows.dask_prep import prepare_partitioned
@@ -95,10 +85,10 @@ def prepare(cfg: PipelineConfig) -> tuple[CorpusManifest, TokenizerManifest, Sha
 
 
 def locate_prepared(cfg: PipelineConfig) -> PreparedData:
-    """The data `prepare-data` made for `cfg` in `cfg.work_dir`, found by the stages'
-    digests (as the stages find their own: the corpus is hashed through the work directory's hash memo,
-    nothing else is read). How the `mlm-pretraining` flow finds what a `prepare-data`
-    deployment run made, whatever machine ran it, when the work directory is shared.
+    """The data `prepare-data` made for `cfg` in `cfg.work_dir`, found by the stages' digests
+    as the stages find their own (the corpus hashed through the work directory's hash memo,
+    nothing else read): how `mlm-pretraining` finds what a `prepare-data` deployment run
+    made on whatever machine, when the work directory is shared.
 
     Raises:
         FileNotFoundError: a stage's manifest is not in the work directory (the data was

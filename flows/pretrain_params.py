@@ -5,9 +5,6 @@
   paths of the three stage manifests in the shared work directory, each with its digest.
 - `StageDeployments`: the deployments (`flow-name/deployment-name`) the `mlm-pretraining`
   flow starts with `run_deployment`; unset, it runs both halves as subflows in its process.
-
-Imported by the flow modules next to it (relatively, or as a top-level module when Prefect
-loads a flow file as a script; see `flows/__init__.py`).
 """
 
 from __future__ import annotations
@@ -103,11 +100,10 @@ class PretrainParams(BaseModel):
     @classmethod
     def _no_empty_sources(cls, value: Any) -> Any:
         """An event without a corpus renders `["{{ event.payload.corpus }}"]` as `[""]`."""
-        if isinstance(value, list) and all(v == "" for v in value):
-            return None
-        return value
+        return None if isinstance(value, list) and all(v == "" for v in value) else value
 
     def _typed_overrides(self) -> list[str]:
+        """The typed fields that are set, as overrides."""
         typed = {"train.max_steps": self.max_steps, "train.lr": self.lr,
                  "model.preset": self.preset, "tokenizer.vocab_size": self.vocab_size,
                  "shards.seq_len": self.seq_len}
@@ -147,8 +143,7 @@ class PretrainParams(BaseModel):
             ValueError: the event's config file is refused (`event_file`).
         """
         extra = self._typed_overrides() + list(self.overrides)
-        event_file = self.event_file()
-        if event_file is not None:
+        if (event_file := self.event_file()) is not None:
             return str(event_file), extra
         return self.event_config or self.config_file or self.config, extra
 
@@ -178,7 +173,6 @@ class PretrainParams(BaseModel):
         if self.event_sources is not None:
             cfg = with_event_sources(cfg, self.event_sources)
         return cfg
-
 
     def resolve_retrain(self) -> tuple[PretrainParams, dict[str, str]]:
         """These parameters with the retraining mode resolved against the MLflow registry of
@@ -216,10 +210,8 @@ class ManifestRef(BaseModel):
                    url=remote_url(manifest.path))
 
     def read(self, cls: type[M], work_dir: str | None = None) -> M:
-        """Load the manifest as `cls` and check it is the one referenced, with its files.
-        With a `url` inside the URL work directory `work_dir`, it is read in this
-        machine's mirror of it, or from the store (the machine that prepared the data
-        had its own mirror).
+        """Load the manifest as `cls` and check it is the one referenced, with its files
+        (`app.prepared.read_prepared`: a URL work directory's is read in its mirror here).
 
         Raises:
             FileNotFoundError: the manifest, or a file it lists, is missing or changed
@@ -251,10 +243,8 @@ class PreparedData(BaseModel):
 
     def load(self, cfg: PipelineConfig
              ) -> tuple[CorpusManifest, TokenizerManifest, ShardManifest]:
-        """The three manifests, checked (`ManifestRef.read`) and matched to `cfg`: the
-        tokenizer and shards must be what `cfg.tokenizer`, `cfg.shards` and `cfg.masking`
-        make from this corpus (their digests, computed without reading any data). Settings
-        outside the data sections (`train.*`, `model.*`, `eval.*`) are free: a sweep.
+        """The three manifests, checked (`ManifestRef.read`) and matched to `cfg`'s data
+        sections by digest (`app.prepared.check_prepared`; `train.*` etc. are free).
 
         Raises:
             ValueError: a digest differs (the data was prepared with other tokenizer,
@@ -278,15 +268,12 @@ class StageDeployments(BaseModel):
 
 
 def flow_run_name() -> str:
-    """A flow run's name, shared with its MLflow run: a child flow run's (a subflow, or a
-    deployment run started by `mlm-pretraining`) is its parent's, so that the whole tree
-    carries the MLflow run's name; else `tracking.run_name` when the config sets it, else
-    `records.run_name` (config name, model preset, steps and a short random suffix), e.g.
-    `tiny-modern-1000-3fa2c1`; `mlm-pretraining-<suffix>` when the parameters do not load
-    (the flow run then fails on them, with the error)."""
+    """A flow run's name, shared with its MLflow run: a child flow run's is its parent's (the
+    whole tree carries one name); else `tracking.run_name`, else `records.run_name` (e.g.
+    `tiny-modern-1000-3fa2c1`); `mlm-pretraining-<suffix>` when the parameters do not load
+    (the flow run then fails on them)."""
     try:
-        parent = flow_run.parent_flow_run_id
-        if parent:
+        if parent := flow_run.parent_flow_run_id:
             from prefect.client.orchestration import get_client
 
             with get_client(sync_client=True) as client:
@@ -294,8 +281,7 @@ def flow_run_name() -> str:
     except Exception:  # noqa: BLE001 - no parent to read: name it from the config
         pass
     try:
-        params = PretrainParams.model_validate(flow_run.parameters.get("params") or {})
-        cfg = params.load()
+        cfg = PretrainParams.model_validate(flow_run.parameters.get("params") or {}).load()
     except Exception:  # noqa: BLE001 - the flow itself reports bad parameters
         return pipeline.run_name(None)
     return cfg.tracking.run_name or pipeline.run_name(cfg)

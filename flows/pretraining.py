@@ -17,11 +17,6 @@ so nothing but the shared directory carries data between machines.
 The MLflow run is opened here first (a failure in a data stage leaves a FAILED run with the
 config) and handed to `train-evaluate` by id, which records the data, trains, evaluates,
 registers and closes it; if the child could not close it (it never started), this flow does.
-
-This module imports its neighbours in `flows/` absolutely, as `mlm_pipeline_flows.*` (the
-one name the folder is installed under), so that when Prefect runs this file as the script
-of the entry point `flows/pretraining.py:mlm_pretraining` the process still holds one copy
-of each neighbour (one `PretrainParams` class).
 """
 
 from __future__ import annotations
@@ -70,11 +65,10 @@ def run_stage_deployment(name: str, parameters: dict[str, Any]) -> Any:
     from prefect.deployments import run_deployment
 
     child = run_deployment(name, parameters=parameters, timeout=None)
-    if child.state is None or not child.state.is_completed():
-        state = child.state.name if child.state else "no state"
-        message = child.state.message if child.state else ""
+    if (state := child.state) is None or not state.is_completed():
         raise RuntimeError(f"deployment {name}: flow run {child.name} ({child.id}) ended "
-                           f"{state}: {message}")
+                           f"{state.name if state else 'no state'}: "
+                           f"{state.message if state else ''}")
     return child
 
 
@@ -115,12 +109,11 @@ def mlm_pretraining(
             return train_evaluate_flow(params, data, **passed)
         json_params = params.model_dump(mode="json")
         prepared = run_stage_deployment(stages.prepare_data, {"params": json_params})
-        data = locate_prepared(cfg)
-        trained = run_stage_deployment(stages.train_evaluate, {
-            "params": json_params, "data": data.model_dump(mode="json"), **passed})
+        data = locate_prepared(cfg).model_dump(mode="json")
+        trained = run_stage_deployment(stages.train_evaluate,
+                                       {"params": json_params, "data": data, **passed})
         return {"mlflow_run_id": run_id, "prepare_data_flow_run_id": str(prepared.id),
-                "train_evaluate_flow_run_id": str(trained.id),
-                "data": data.model_dump(mode="json")}
+                "train_evaluate_flow_run_id": str(trained.id), "data": data}
     except BaseException as exc:
         end_tracking(cfg, run_id, *resume.failure_tags(exc), if_running=True)
         raise

@@ -1,19 +1,13 @@
 """Where the flow's stages report progress, and the terminal's live display of it.
 
 The library reports through `mlm_pipeline.progress.Progress`; the flow's data tasks take the
-reporter `current()` returns (with the Prefect progress artifacts beside it,
-`mlm_pipeline_flows.task_support.PrefectProgressArtifacts`). `mlm-pipeline run` sets it for
-its run (`display`): in a terminal, `RichProgress`, one live `rich` line per stage (description,
-bar, count in its units, ETA) with the log lines printed above the bars (the training step
-lines left out: the `train` line shows them); otherwise nothing
-is set and the tasks use `LogProgress` (log lines at a bounded rate), as under a deployment.
-
-Training reports through its metrics sink, not through this callback: `SinkRecordHandler`
-reads the `step N | key value | ...` records of `mlm_pipeline.sinks.StdoutSink` and turns
-them into a `train` line (steps of `max_steps`, loss, tokens/s).
-
-Tasks of a local run execute in the CLI's process, so a module-level value reaches them.
-This module imports neither prefect nor torch.
+reporter `current()` returns (beside the Prefect progress artifacts). `mlm-pipeline run`
+sets it for its run (`display`): in a terminal, `RichProgress`, one live `rich` line per
+stage with the log lines printed above the bars; otherwise nothing is set and the tasks use
+`LogProgress` (log lines at a bounded rate), as under a deployment. Training reports through
+its metrics sink instead: `SinkRecordHandler` turns the `StdoutSink` records into a `train`
+line. Tasks of a local run execute in the CLI's process, so a module-level value reaches
+them. This module imports neither prefect nor torch.
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ class RichProgress:
         self._tasks: dict[str, tuple[int, str, dict]] = {}
 
     def _status(self, completed: float, total: float | None, unit: str, fields: dict) -> str:
-        """The count and fields, cut to what the terminal leaves beside the other columns
-        (a line too wide for it would make rich squeeze the bar and the ETA away)."""
+        """The count and fields, cut to the terminal's room (else rich squeezes the bar)."""
         text = describe(completed, total, unit, fields, percent=False)
         room = max(16, self.bars.console.width - _FIXED_COLUMNS)
         return text if len(text) <= room else text[: room - 1] + "…"
@@ -109,13 +102,13 @@ class RichProgress:
         self.bars.stop_task(task)
 
     def _index(self, task: int) -> int:
+        """The position of task id `task` in `bars.tasks`."""
         return next(i for i, t in enumerate(self.bars.tasks) if t.id == task)
 
 
 class SinkRecordHandler(logging.Handler):
     """Turns `StdoutSink` records (`step %d | key value | ...`) into stage `train` of a
-    `Progress`: steps of `max_steps`, with `loss` (`train/loss`) and `tokens/s`
-    (`train/tokens_per_s`).
+    `Progress`: steps of `max_steps`, with `loss` and `tokens/s` (`_TRAIN_FIELDS`).
 
     Args:
         progress: where to report.
@@ -153,9 +146,8 @@ class _HideSinkLines(logging.Filter):
 
 
 def _terminal_handlers() -> list[logging.Handler]:
-    """The handlers that write log records to the terminal: stream handlers other than
-    files (`mlm-pipeline run`'s `RunConsole`) and those drawing through a `rich` console
-    (Prefect's `PrefectConsoleHandler`)."""
+    """The handlers that write to the terminal: non-file stream handlers (`RunConsole`) and
+    those drawing through a `rich` console (Prefect's `PrefectConsoleHandler`)."""
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]
     return [h for lg in loggers for h in lg.handlers
@@ -172,9 +164,7 @@ def display(max_steps: int | None, terminal: bool | None = None) -> Iterator[Pro
     handlers are printed above the bars (their step lines left out). Otherwise nothing is
     changed (the tasks use `LogProgress`). Yields the reporter set, or None.
     """
-    if terminal is None:
-        terminal = sys.stdout.isatty()
-    if not terminal:
+    if not (sys.stdout.isatty() if terminal is None else terminal):
         yield None
         return
     rich_progress = RichProgress()

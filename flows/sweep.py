@@ -2,12 +2,11 @@
 data prepared once, as one MLflow parent run with a nested run per child
 (`mlm_pipeline.app.sweep`).
 
-`prepare-data` runs once; then each child runs `train-evaluate` in this process with its
-overrides, in an MLflow run of its own nested under the parent. A failed child is recorded
-and the others still run; the parent ends FAILED then (with the failed combinations) and
-the flow fails after the last child. Run it with `mlm-pipeline run CONFIG --sweep
-train.lr=1e-4,3e-4`, or through the `sweep` deployment
-(`--param 'sweep={"train.lr": ["1e-4", "3e-4"]}'`).
+`prepare-data` runs once; then each child runs `train-evaluate` in this process in a run
+nested under the parent. A failed child is recorded and the others still run; the parent
+then ends FAILED (with the failed combinations) and the flow fails after the last child.
+Run it with `mlm-pipeline run CONFIG --sweep train.lr=1e-4,3e-4`, or through the `sweep`
+deployment (`--param 'sweep={"train.lr": ["1e-4", "3e-4"]}'`).
 """
 
 from __future__ import annotations

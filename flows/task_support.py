@@ -1,9 +1,6 @@
 """What the flows' tasks share: Prefect progress artifacts, the data tasks' progress
 reporter, and the task options for retries (`IO_RETRIES`, `retry_condition`) and no
 caching (`NOT_CACHED`).
-
-Imported by the flow modules next to it, as `mlm_pipeline_flows.task_support` (see
-`flows/__init__.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ class PrefectProgressSink:
     def __init__(self, max_steps: int, key: str = "training-progress") -> None:
         self.max_steps = max_steps
         self.artifact_id = create_progress_artifact(
-            progress=0.0, key=key, description=f"training progress (% of {max_steps} steps)"
-        )
+            progress=0.0, key=key, description=f"training progress (% of {max_steps} steps)")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Set the progress to `step / max_steps` (in %)."""
@@ -100,7 +96,5 @@ def retry_condition(task, task_run, state) -> bool:
 
 #: Options of a task that talks to a server or a disk: two retries for transient errors.
 IO_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_condition}
-
-
 #: Options of a task whose result is neither cached nor persisted.
 NOT_CACHED = {"cache_policy": NO_CACHE, "persist_result": False}

@@ -6,9 +6,6 @@ Where the run opens: in the flow the user started. `mlm-pretraining` opens it fi
 failure in a data stage leaves a FAILED run with the config) and hands its id to
 `train-evaluate`; `train-evaluate` started alone opens its own. `train-evaluate` records the
 data (lineage belongs to the training run), trains, evaluates, registers and closes it.
-
-Imported by the flow modules next to it (relatively, or as a top-level module when Prefect
-loads a flow file as a script; see `flows/__init__.py`).
 """
 
 from __future__ import annotations
@@ -31,10 +28,9 @@ from mlm_pipeline_flows.task_support import IO_RETRIES, NOT_CACHED
 
 
 def keep_name(tracker: MlflowTracker, run_id: str) -> str:
-    """The current flow run takes the MLflow run's name (one name for both: a continued
-    run keeps its own, a child flow run its parent's), on the server and in this
-    process's flow-run context (what `prefect.runtime.flow_run.name` reads later), and the
-    run's tag `prefect.flow_run_name` says so; returns `run_id`."""
+    """The current flow run takes the MLflow run's name (a continued run keeps its own, a
+    child flow run its parent's), on the server and in this process's flow-run context
+    (`prefect.runtime.flow_run.name`), and tag `prefect.flow_run_name`; returns `run_id`."""
     if flow_run.id:
         from prefect.client.orchestration import get_client
         from prefect.context import FlowRunContext
@@ -50,11 +46,9 @@ def keep_name(tracker: MlflowTracker, run_id: str) -> str:
 
 @task(name="start-tracking", **NOT_CACHED, **IO_RETRIES)
 def start_tracking(cfg: PipelineConfig, entrypoint: str, fresh: bool = False) -> str:
-    """Open the MLflow run, or continue this job's unfinished one
-    (`mlm_pipeline.app.open_run.open_or_continue`); returns its id.
-    A `train.max_steps` at or below the step it would continue from is refused
-    (`ResumeRefusedError`, before any data stage).
-    `entrypoint` (the flow's, e.g. `flows/pretraining.py:mlm_pretraining`) is recorded as
+    """Open the MLflow run, or continue this job's unfinished one (`app.open_run.
+    open_or_continue`; `ResumeRefusedError` before any data stage); returns its id.
+    `entrypoint` (e.g. `flows/pretraining.py:mlm_pretraining`) is recorded as
     `mlflow.source.name`; the current flow run's id, name, page and deployment as tags."""
     extra = {}
     if flow_run.id:
@@ -84,10 +78,8 @@ def record_data_task(
     run already has them) and the accounting table to Prefect. A continued run whose data
     changed since (a corpus update) is closed KILLED and a new run takes over (opened with
     `entrypoint`); returns the id of the run that goes on."""
-    create_table_artifact(
-        key="ingestion-accounting", table=pipeline.accounting_rows(corpus),
-        description="documents read, kept, dropped and repaired, by reason",
-    )
+    create_table_artifact(key="ingestion-accounting", table=pipeline.accounting_rows(corpus),
+                          description="documents read, kept, dropped and repaired, by reason")
     return record_data(MlflowTracker.from_config(cfg.tracking), run_id, corpus, tokenizer,
                        shards, lambda: start_tracking.fn(cfg, entrypoint, fresh=True))
 

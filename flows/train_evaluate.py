@@ -11,9 +11,6 @@ without it (started alone) this flow opens its own, or continues this job's unfi
 (`tracking.resume`). Here the data is recorded on it (lineage belongs to the training run),
 and it is closed at the end: FINISHED, or FAILED/KILLED with the reason
 (`resume.failure_tags`); a cancelled or crashed flow run's hook closes it.
-
-Imported by `pretraining.py`, next to it (relatively, or as a top-level module when Prefect
-loads a flow file as a script; see `flows/__init__.py`).
 """
 
 from __future__ import annotations
@@ -28,12 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from mlm_pipeline.app.summary import summary as run_summary
 from mlm_pipeline.app.summary import summary_markdown
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.manifest import (
-    EvalManifest,
-    ShardManifest,
-    TokenizerManifest,
-    TrainManifest,
-)
+from mlm_pipeline.manifest import EvalManifest, ShardManifest, TokenizerManifest, TrainManifest
 from mlm_pipeline.tracking import MlflowTracker, resume
 
 # Absolute, under the one installed name (see flows/__init__.py), also when Prefect runs
@@ -41,13 +33,8 @@ from mlm_pipeline.tracking import MlflowTracker, resume
 from mlm_pipeline_flows import tracking_tasks as tracking
 from mlm_pipeline_flows.assets import report_model_asset
 from mlm_pipeline_flows.pretrain_params import PreparedData, PretrainParams, flow_run_name
-from mlm_pipeline_flows.task_support import (
-    IO_RETRIES,
-    NOT_CACHED,
-    PrefectProgressSink,
-    data_progress,
-    retry_condition,
-)
+from mlm_pipeline_flows.task_support import (IO_RETRIES, NOT_CACHED, PrefectProgressSink,
+                                             data_progress, retry_condition)
 
 #: The flow's entry point (`prefect.yaml`), recorded as `mlflow.source.name` of the runs it
 #: opens itself.
@@ -106,11 +93,8 @@ def publish_model_task(
     cfg: PipelineConfig, run_id: str, trained: TrainManifest, evaluated: EvalManifest,
     tokenizer: TokenizerManifest, shards: ShardManifest | None = None,
 ) -> dict[str, Any] | None:
-    """Log the exported model as the run's MLflow model and register it: `challenger`
-    always, `champion` when better on the same data, the champion re-scored on this run's
-    validation rows (`shards`) when it was evaluated on others (None when
-    `tracking.log_model` is off); then the version's lineage tags and the eval metrics on
-    the logged model (`app.publish.publish_model`)."""
+    """Log, register and decide the run's model, then its version's lineage tags
+    (`app.publish.publish_model`; None when `tracking.log_model` is off)."""
     from mlm_pipeline.app.publish import publish_model
 
     return publish_model(cfg, run_id, trained, evaluated, tokenizer, shards)

@@ -17,19 +17,15 @@
     mlm-pipeline alerts install (--webhook-url URL | --block TYPE/NAME)
     mlm-pipeline alerts remove
 
-Each `Command` names its verb, its arguments (the shared ones, such as `--tracking-uri`
-and `--set`, defined once) and how its result is shown. An argument's destination is the
-verb's keyword; `--tracking-uri` becomes the verb's `tracker`. Errors become one line on
-stderr (`main`).
+Each `Command` names its verb, its arguments (shared ones defined once) and how its result
+is shown; an argument's destination is the verb's keyword (`--tracking-uri` becomes the
+verb's `tracker`). Errors become one line on stderr (`main`).
 
-`run` executes the `mlm-pretraining` Prefect flow in this process. The library never
-imports Prefect or the flows (`tests/unit/test_boundaries.py`), so the flow comes in as an
-argument: the `mlm-pipeline` console script is `mlm_pipeline_flows.console:main` (the
-repository's `flows/console.py`), which calls `main(argv, run_flow=...)` here with the flow.
-`alerts` (Prefect automations) is the other command whose verb needs Prefect: the console
-script hands it in the same way (`main(argv, flow_verbs={"alerts": ...})`). Every other
-command works from `python -m mlm_pipeline.cli` too; `run` and `alerts` from there say
-which entry to use.
+`run` (the `mlm-pretraining` flow, in this process) and `alerts` (Prefect automations) need
+Prefect, which the library never imports: the console script `mlm_pipeline_flows.console:main`
+hands them in (`main(argv, run_flow=..., flow_verbs={"alerts": ...})`). Every other command
+works from `python -m mlm_pipeline.cli` too; `run` and `alerts` from there say which entry
+to use.
 """
 
 from __future__ import annotations
@@ -359,15 +355,13 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str])
     """`mlm-pipeline run`: check the config and local inputs, run the flow, print the
     summary; returns the exit status (130 after an interruption, with the command that
     continues it)."""
-    from mlm_pipeline.app.runlog import (
-        print_summary,
-        print_sweep_summary,
-        quiet_third_party,
-        run_logging,
-        tell_after_interrupt,
-    )
+    from mlm_pipeline.app.phases import alone_warning
+    from mlm_pipeline.app.runlog import (print_summary, print_sweep_summary, quiet_third_party,
+                                         run_logging, tell_after_interrupt)
     from mlm_pipeline.app.sweep import parse_grid
     from mlm_pipeline.config_files import load_config
+    from mlm_pipeline.ingest.holdout import check_holdout
+    from mlm_pipeline.ingest.sources import check_local_sources
 
     if run_flow is None:
         print(f"mlm-pipeline: {NO_FLOW}", file=sys.stderr)
@@ -376,13 +370,8 @@ def run(args: argparse.Namespace, run_flow: RunFlow | None, argv: Sequence[str])
     # (and before its task-failure tracebacks).
     overrides = list(args.overrides) + (["tracking.resume=never"] if args.fresh else [])
     cfg = load_config(args.config, overrides)
-    from mlm_pipeline.ingest.holdout import check_holdout
-    from mlm_pipeline.ingest.sources import check_local_sources
-
     check_local_sources(cfg.ingest)
     check_holdout(cfg)
-    from mlm_pipeline.app.phases import alone_warning
-
     if (warning := alone_warning(cfg)) is not None:
         print(f"mlm-pipeline: warning: {warning}", file=sys.stderr)
     grid = parse_grid(args.sweep)

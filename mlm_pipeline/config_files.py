@@ -2,13 +2,10 @@
 it back, and flatten it into MLflow params.
 
 A bare name such as `tiny` is looked up as `configs/tiny.yaml` under the current directory,
-then among the configs shipped with the package: the repository's top-level `configs/`
-folder, installed as the package data `mlm_pipeline.configs` and read with
-`importlib.resources`, so `load_config("tiny")` works from any directory, in a checkout or
-from an installed wheel. What `dump_config` prints, `load_config` reads back into the same
-config (`tests/unit/test_config_files.py`).
-
-This module imports neither torch nor prefect (STYLE rule 3).
+then among the shipped configs (the repository's `configs/`, installed as the package data
+`mlm_pipeline.configs`), so `load_config("tiny")` works from any directory and from a wheel.
+What `dump_config` prints, `load_config` reads back into the same config. This module
+imports neither torch nor prefect (STYLE rule 3).
 """
 
 from __future__ import annotations
@@ -33,14 +30,14 @@ SHIPPED_CONFIGS = "mlm_pipeline.configs"
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
+    *sections, last = key.split(".")
     node = tree
-    for part in parts[:-1]:
+    for part in sections:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
         node = child
-    node[parts[-1]] = value
+    node[last] = value
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -154,11 +151,9 @@ def _nearest_key(loc: tuple) -> str | None:
 def shipped_configs() -> dict[str, Traversable]:
     """The configs installed with the package, by name (`{"tiny": .../tiny.yaml}`)."""
     root = resources.files(SHIPPED_CONFIGS)
-    return {
-        entry.name.rpartition(".")[0]: entry
-        for entry in sorted(root.iterdir(), key=lambda e: e.name)
-        if entry.is_file() and entry.name.endswith(".yaml")
-    }
+    return {entry.name.rpartition(".")[0]: entry
+            for entry in sorted(root.iterdir(), key=lambda e: e.name)
+            if entry.is_file() and entry.name.endswith(".yaml")}
 
 
 def resolve_config_path(path: str | os.PathLike[str]) -> Path | Traversable:

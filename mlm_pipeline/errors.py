@@ -1,20 +1,14 @@
 """The pipeline's kinds of failure, one class each, and which of them a retry can cure.
 
-Callers match these by type (`isinstance`, `except`), never by class name or message
-(STYLE rule 15). Each subclasses the built-in exception the code raised before it had a
-type of its own (`ValueError`, `RuntimeError`), so an `except ValueError` written then
-still catches it.
+Callers match these by type, never by class name or message (STYLE rule 15). Each
+subclasses the built-in exception the code raised before it had a type of its own
+(`ValueError`, `RuntimeError`), so an `except ValueError` written then still catches it.
 
-What a second try can cure (`is_transient`): a lost connection, a timeout, an I/O error
-other than a missing or forbidden path, and failures marked `TransientError` (a torchrun
-rank that died: the retry resumes from the newest checkpoint). Never cured by a retry: a
-configuration error, a missing dependency, a compile failure, damaged or wrong input, a
-non-finite loss, an interruption, a refused resumption, or any other exception (a bug).
-Server errors of the MLflow client are classified by `mlm_pipeline.tracking` (the one
-package that imports mlflow), on top of this.
-
-This module imports nothing beyond the standard library (a cheap module: flows import it
-without torch or mlflow).
+A second try can cure (`is_transient`) a lost connection, a timeout, an I/O error other
+than a missing or forbidden path, and a `TransientError` (a torchrun rank that died: the
+retry resumes from the newest checkpoint); nothing else (`PERMANENT`, or any other
+exception: a bug). `mlm_pipeline.tracking` adds the MLflow client's server errors. This
+module imports nothing beyond the standard library.
 """
 
 from __future__ import annotations

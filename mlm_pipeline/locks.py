@@ -1,20 +1,17 @@
 """Concurrent runs sharing a work directory: one builder per stage directory, temporary
 names unique per process, stale temporaries removed only when their owner is gone.
 
-Every stage that writes a content-addressed directory `<work_dir>/<stage>/<digest[:16]>`
-builds it under `stage_lock(out_dir)`: an exclusive lock on the file
-`<work_dir>/.locks/<stage>-<digest[:16]>.lock` (`filelock`: `flock(2)` on Linux, which the
-kernel releases when its holder exits, even by SIGKILL, so a killed run never blocks the
-next). A run that finds the lock taken logs that it waits, and waits; once it holds the lock
-it checks the manifest again and reuses the directory the other run completed. The lock
-file is outside the stage directory, so a failed build may remove its directory.
+A stage builds its directory `<work_dir>/<stage>/<digest[:16]>` under `stage_lock(out_dir)`,
+an exclusive lock on `<work_dir>/.locks/<stage>-<digest[:16]>.lock` (`filelock`: `flock(2)`
+on Linux, which the kernel releases when its holder exits, even by SIGKILL, so a killed run
+never blocks the next). A run that finds the lock taken waits, then checks the manifest
+again and reuses what the other run built. The lock file is outside the stage directory, so
+a failed build may remove its directory.
 
-Temporary files and directories are named `.<name>.<pid>-<random>.tmp` (`temp_path`): two
-processes (or two threads) never share one, even for the same final name. While a process
-holds a stage's lock, no other process writes in that directory, so every temporary there
-belongs to a process that ended or gave the lock back: `remove_stale_temporaries` deletes
-them (a process's own, by its pid, are kept). It is only ever called under the lock.
-
+Temporaries are named `.<name>.<pid>-<random>.tmp` (`temp_path`): two processes or threads
+never share one. While a process holds a stage's lock no other writes there, so every
+temporary there belongs to a process that ended or gave the lock back:
+`remove_stale_temporaries` deletes them (this process's own are kept), only under the lock.
 This module imports neither torch nor prefect.
 """
 
@@ -90,14 +87,11 @@ def reuse_or_build(out_dir: str | os.PathLike[str], what: str, load: Callable[[]
     Returns:
         (the manifest, whether it was reused rather than built here).
     """
-    found = load()
-    if found is not None:
+    if (found := load()) is not None:
         return found, True
     with stage_lock(out_dir, what):  # one builder; the others wait, then reuse
         found = load()
-        if found is not None:
-            return found, True
-        return build(), False
+        return (found, True) if found is not None else (build(), False)
 
 
 def temp_path(final: str | os.PathLike[str]) -> Path:

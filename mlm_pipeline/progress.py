@@ -1,18 +1,13 @@
 """Progress of the long stages, reported through a callback the library is given (as metrics
 go through a `sinks.MetricsSink`), so the library stays free of `rich` and Prefect.
 
-A stage reports in the units a user thinks in (bytes read, documents, lines, rows,
-batches): `start(stage, total, unit)` once, `update(stage, completed, **fields)` with the
-count done so far (absolute, never decreasing) and extra fields such as `kept=` and
-`dropped=`, and `finish(stage)`, which sets the count to the total when one is known. Stage
-names are free text (`ingest`, `shards train`); several stages may be open at once.
-
-Reporters: `NullProgress` (nothing), `LogProgress` (log lines at a bounded rate, for output
-that is not a terminal), `MultiProgress` (fan-out). The terminal's `rich` bars and the
-Prefect progress artifacts live in `flows/`. A stage reached through a function it does not
-call directly (the corpus fetch, under `ingest.resolve_sources`) finds its reporter with
-`active()`, set by `reporting(progress)`.
-
+A stage reports in the units a user thinks in (bytes read, documents, rows, ...):
+`start(stage, total, unit)` once, `update(stage, completed, **fields)` with the absolute
+count so far (never decreasing) and extra fields such as `kept=`, and `finish(stage)`. Stage
+names are free text (`ingest`, `shards train`); several stages may be open at once. The
+terminal's `rich` bars and the Prefect progress artifacts live in `flows/`. A stage reached
+through a function it does not call directly (the corpus fetch, under
+`ingest.resolve_sources`) finds its reporter with `active()`, set by `reporting(progress)`.
 This module imports neither torch, rich nor prefect.
 """
 
@@ -100,8 +95,7 @@ class LogProgress:
     def start(self, stage: str, total: float | None, unit: str, description: str = "") -> None:
         """Remember the stage; the first line comes with its first update."""
         self._stages[stage] = {"total": total, "unit": unit, "description": description,
-                               "completed": 0.0, "fields": {}, "last": None,
-                               "t0": self.clock()}
+                               "completed": 0.0, "fields": {}, "last": None, "t0": self.clock()}
 
     def update(self, stage: str, completed: float, **fields: float | str) -> None:
         """Record the state; log it when it is the stage's first or `interval_s` has passed

@@ -42,10 +42,8 @@ def check_key(key: str) -> None:
     if len(key) > MAX_KEY_LENGTH:
         raise ValueError(f"metric/param key {key!r}: longer than {MAX_KEY_LENGTH} characters")
     if not _KEY_RE.fullmatch(key):
-        raise ValueError(
-            f"metric/param key {key!r}: only alphanumerics, '_', '-', '.', '/' and space are "
-            "allowed by MLflow"
-        )
+        raise ValueError(f"metric/param key {key!r}: only alphanumerics, '_', '-', '.', '/' "
+                         "and space are allowed by MLflow")
     norm = posixpath.normpath(key)
     if norm != key or norm == "." or norm.startswith(("..", "/")):
         raise ValueError(f"metric/param key {key!r}: not a normalized relative path ({norm!r})")
@@ -96,8 +94,7 @@ class StdoutSink:
     """
 
     def __init__(self, level: int = logging.INFO, log: logging.Logger | None = None) -> None:
-        self.level = level
-        self.logger = log or logger
+        self.level, self.logger = level, log or logger
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log one line: the step, then `key value` pairs in the given order."""
@@ -195,11 +192,9 @@ class MultiSink:
 
 class AfterStepSink:
     """Pass on only the metrics of steps after those a sink already holds, key by key: a
-    resumed run re-trains the steps between its checkpoint and the kill, and a sink that
-    already holds them must not get them twice (the recomputed values are bit-identical;
-    only the timings would differ). Per key, so that a point the sink lacks at a held step
-    (a periodic evaluation the kill interrupted, after that step's `train/loss` had been
-    sent) still arrives: every key keeps exactly one value per step.
+    resumed run re-trains the steps between its checkpoint and the kill, which the sink must
+    not get twice; per key, so that a point the sink lacks at a held step (an evaluation the
+    kill interrupted) still arrives, and every key keeps exactly one value per step.
 
     Args:
         sink: the sink to forward to.

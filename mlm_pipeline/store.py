@@ -2,38 +2,29 @@
 
 `work_dir` is a local path (the default, `.mlm-pipeline`), or a URL of any fsspec protocol
 with a writable backend (`s3://bucket/prefix`: s3fs; `gs://`, `az://` likewise). A URL work
-directory is the store of record, and every machine that uses it works in a local mirror:
-`<cache>/work/<sha256(url)[:16]>/` (the cache, `cache_home`: `$MLM_PIPELINE_CACHE`, else
-`$XDG_CACHE_HOME/mlm-pipeline`, i.e. `~/.cache/mlm-pipeline`), which has the
-same layout (`<stage>/<digest[:16]>/...`, `train/<run>/checkpoints/...`) and holds the
-URL in its `.store-url` file. Stages keep reading and writing local files; this module
-moves them:
+directory is the store of record; every machine works in a local mirror,
+`<cache_home()>/work/<sha256(url)[:16]>/`, of the same layout, with the URL in its
+`.store-url` file. Stages keep reading and writing local files; this module moves them:
 
-* **publish** (`publish`): when a stage writes its `manifest.json` (`manifest.write_manifest`)
-  every file of its directory is uploaded, the manifest last, so a manifest in the store
-  means a complete output (names starting with `.` — locks, temporary files — stay
-  local). A training checkpoint is uploaded when it is saved, its `state.json` last, and
-  the checkpoints that keep-last-k pruned are removed from the store too
-  (`sync_checkpoints`), so a run killed on one machine resumes on another.
-* **reuse** (`read_remote`, `remote_sizes`): a stage whose output is not in the mirror but
-  is in the store is reused from the store's manifest and one listing of its directory
-  (sizes checked): nothing else is downloaded then.
-* **fetch** (`fetch`, `fetch_tree`): a file is downloaded the first time something reads it
-  through its manifest (`Manifest.file`), into a temporary name and renamed, its size and
-  sha256 checked against the manifest's record, so training reads the shards it needs and
-  nobody downloads a corpus's documents only to find the shards cached.
+* **publish**: a stage's files are uploaded when it writes its `manifest.json`, the
+  manifest last, so a manifest in the store means a complete output (names starting with
+  `.`, locks and temporaries, stay local); checkpoints are uploaded as they are saved and
+  removed as they are pruned (`sync_children`), so a run killed on one machine resumes on
+  another.
+* **reuse** (`read_remote`, `remote_sizes`): an output in the store but not in the mirror
+  is reused from the store's manifest and one listing of its directory (sizes checked).
+* **fetch** (`fetch`, `fetch_tree`): a file is downloaded, checked against its manifest's
+  size and sha256, the first time something reads it through `Manifest.file`, so training
+  reads the shards it needs and nobody downloads a corpus only to find the shards cached.
 
 Credentials and endpoints come only from the environment, as fsspec's backends read them
-(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, an instance role, ...; an
-S3-compatible endpoint: `FSSPEC_S3_ENDPOINT_URL`, which fsspec turns into the
-`endpoint_url` argument of s3fs), never from the config.
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, an instance role, ...;
+`FSSPEC_S3_ENDPOINT_URL` for an S3-compatible endpoint), never from the config.
 
-Two machines that build the same missing stage at the same time both upload it; outputs
-are named by the digest of their inputs and written deterministically, so either copy is
-the same output (the stage lock is per machine). A local `work_dir` never touches fsspec.
-
-This module is on the ground floor: it imports no stage, neither torch nor prefect; fsspec
-is imported only for a URL work directory.
+Two machines that build the same missing stage at once both upload it; outputs are named by
+the digest of their inputs and written deterministically, so either copy is the same output
+(the stage lock is per machine). This module imports no stage, neither torch nor prefect;
+fsspec only for a URL work directory.
 """
 
 from __future__ import annotations
@@ -70,12 +61,12 @@ def _normal_url(url: str) -> str:
 
 
 def cache_home() -> Path:
-    """The project's cache directory, absolute: `$MLM_PIPELINE_CACHE` when set, else
+    """The project's cache directory, absolute: `$MLM_PIPELINE_CACHE`, else
     `$XDG_CACHE_HOME/mlm-pipeline`, else `~/.cache/mlm-pipeline`.
 
     Raises:
-        ValueError: `$MLM_PIPELINE_CACHE_DIR` (the mirrors' former variable) is set: it is
-            no longer read, and a mirror moved without a word would be downloaded again.
+        ValueError: `$MLM_PIPELINE_CACHE_DIR` (the mirrors' former variable) is set: it is no
+            longer read, and a mirror moved without a word would be downloaded again.
     """
     if os.environ.get(_OLD_CACHE_ENV):
         raise ValueError(f"${_OLD_CACHE_ENV} is no longer read: set ${CACHE_ENV} instead "
@@ -87,8 +78,7 @@ def cache_home() -> Path:
 
 
 def cache_root() -> Path:
-    """The directory holding the mirrors of URL work directories: `work/` of
-    `cache_home()`.
+    """The directory holding the mirrors of URL work directories: `cache_home()/work`.
 
     Raises:
         ValueError: see `cache_home`.
@@ -98,15 +88,13 @@ def cache_root() -> Path:
 
 def work_root(work_dir: str | os.PathLike[str]) -> Path:
     """The local directory stages write in: `work_dir` itself (absolute), or the mirror of
-    a URL work directory (created, with its `.store-url` marker; the first call of a
-    process for a URL writes that marker to the store too: `_probe`).
+    a URL work directory (created with its `.store-url` marker; `_probe`d once a process).
 
     Raises:
         ValueError, ImportError, OSError: a URL work directory that cannot be written
             (`_probe`; the URL is named).
     """
-    text = os.fspath(work_dir)
-    text = text.removeprefix("file://")
+    text = os.fspath(work_dir).removeprefix("file://")
     if not is_url(text):
         return Path(text).expanduser().resolve()
     url = _normal_url(text)
@@ -127,14 +115,13 @@ _probed: set[str] = set()  # URL work directories this process could write to
 
 
 def _probe(url: str) -> None:
-    """Write `<url>/.store-url` once per process, so a wrong URL, a missing bucket or
-    missing credentials fail at the start of a run, not when its first stage publishes.
+    """Write `<url>/.store-url` once per process, so a wrong URL or missing credentials fail
+    at the start of a run, not at its first publish.
 
     Raises:
         ValueError: fsspec knows no such protocol (the URL is named).
         ImportError: the protocol's package is missing (e.g. `s3fs` for `s3://`).
-        OSError: the store refused the write (the URL, the cause and where credentials
-            come from are named).
+        OSError: the store refused the write (the URL, cause and credential sources named).
     """
     try:
         fs, path = _fs(url)
@@ -242,12 +229,9 @@ def _sha256(path: Path) -> str:
 
 def fetch(local: str | os.PathLike[str], size: int | None = None,
           sha256: str | None = None) -> bool:
-    """Download the store's copy of a mirrored file that is missing locally; True when
-    downloaded, False when it is already there or has no store.
-
-    The download goes to a temporary name in the same directory and is renamed once
-    checked, so a reader never sees a partial file and processes fetching the same file
-    at once (the ranks of one node) are safe.
+    """Download the store's copy of a mirrored file that is missing locally, to a temporary
+    name renamed once checked (readers never see a partial file; the ranks of one node may
+    fetch at once); True when downloaded, False when it is already there or has no store.
 
     Args:
         local: the file's path in the mirror.
@@ -314,23 +298,22 @@ def _local_files(local_dir: Path) -> list[str]:
 
 def publish(local_dir: str | os.PathLike[str], last: str = MANIFEST,
             changed_only: bool = False, exclude: tuple[str, ...] = ()) -> int:
-    """Upload the files of a mirrored directory, `last` (its manifest) after all the
-    others; returns the files uploaded (0 without a store). Names starting with `.` (locks,
-    temporary files) are not uploaded.
+    """Upload the files of a mirrored directory, `last` (its manifest) after all the others,
+    except names starting with `.` (locks, temporaries); returns the files uploaded (0
+    without a store).
 
     Args:
         local_dir: the directory in the mirror.
         last: the file uploaded after every other.
         changed_only: upload only the files the store lacks or holds with another size
-            (checkpoints, which never change once written, and the growing metrics log);
-            False (a stage just built or republished) uploads every file, so an object
-            damaged in the store is replaced.
-        exclude: names directly under `local_dir` (files or directories) not uploaded
-            (a run's `checkpoints/`, which `sync_children` uploads in its own order).
+            (checkpoints, and the growing metrics log); False uploads every file, so an
+            object damaged in the store is replaced.
+        exclude: names directly under `local_dir` not uploaded (a run's `checkpoints/`,
+            which `sync_children` uploads in its own order).
 
     Raises:
-        OSError: the store refused a write (what was uploaded stays; the manifest, last, is
-            not, so the store never shows an incomplete output as complete).
+        OSError: the store refused a write (the manifest, last, is then not uploaded, so the
+            store never shows an incomplete output as complete).
     """
     root = Path(local_dir)
     url = remote_url(root)
@@ -380,10 +363,9 @@ def remote_children(local_dir: str | os.PathLike[str]) -> list[str]:
 
 def sync_children(local_dir: str | os.PathLike[str], last: str) -> None:
     """Make the store's copy of `local_dir` hold the same subdirectories as the mirror
-    (checkpoints after a save and its keep-last-k pruning): each local one is published
-    (what the store lacks; `last`, e.g. `state.json`, after its other files), then the
-    store's ones that are no
-    longer local are removed. Nothing without a store.
+    (checkpoints after a save and its pruning): each local one is published (what the store
+    lacks; `last`, e.g. `state.json`, last), then the store's others are removed. Nothing
+    without a store.
 
     Raises:
         OSError: the store refused a write or a deletion.

@@ -1,16 +1,10 @@
 """Runs side by side, outside the MLflow UI: the table of `mlm-pipeline runs` and
 `mlm-pipeline compare`, and the comparison PNG of `compare`.
 
-One row per run: name and short id, status, the lineage (parent, steps added, registry
-decision), the params that differ between the listed
-runs (only those), tokens seen, wall time, mean training speed, the final held-out
-figures at their masking rate (`eval/mlm_probability`, `eval/loss`, `eval/mlm_accuracy`),
-the downstream figures beside their controls (`FINAL_METRICS`: the probe on the trained
-and on random-init encoders, TF-IDF on the same input, the majority class; fine-tuning
-pretrained and from scratch with the paired difference and its interval; in a run with a
-parent, the parent's masked LM, probe and fine-tuning and adapted - parent), the figures a
-run could not compute (tags `unavailable.*`), the data digest (tag `digest.shards`) and
-the model-registry aliases (`champion`, `challenger`) held by a version the run registered.
+One row per run (`run_table`): name and id, status, lineage, the params that differ between
+the listed runs (only those), tokens seen, wall time, mean training speed, the final
+held-out and downstream figures beside their controls (`FINAL_METRICS`), the figures a run
+could not compute, the data digest and the registry aliases its versions hold.
 
 Everything is read from the tracking store with the tracker's `MlflowClient` (mlflow is
 imported lazily); nothing is written to it.
@@ -44,14 +38,11 @@ __all__ = ["SPEED", "RunTable", "check_store", "compare_runs", "find_runs",
 #: Header of the speed column, saying what it is.
 SPEED = "tokens/s (seen / loop time)"
 #: Final metrics shown, in this order (blank when a run did not log one): each downstream
-#: figure beside its controls. `eval/*` at `eval/mlm_probability` (15 % by default);
-#: `probe/accuracy` of the trained encoder, then of random-init encoders of the same
-#: architecture, TF-IDF on the same input, the majority class (`evaluate.downstream`);
-#: `finetune/*`: mean over seeds fine-tuned from the trained weights, then from random
-#: weights (same protocol), and their paired difference (`evaluate.finetune`). A run with a
-#: parent (`train.init_from`) adds the parent's figures beside the run's
-#: (`evaluate.parent`): masked LM on the same rows and masks, probe, fine-tuning, and the
-#: paired adapted - parent difference.
+#: figure beside its controls. `eval/*` at `eval/mlm_probability`; `probe/accuracy` of the
+#: trained encoder, of random-init encoders, TF-IDF on the same input, the majority class
+#: (`evaluate.downstream`); `finetune/*` from the trained and from random weights and their
+#: paired difference (`evaluate.finetune`); with a parent (`train.init_from`), the parent's
+#: figures and the paired adapted - parent difference (`evaluate.parent`).
 FINAL_METRICS = ("eval/mlm_probability", "eval/loss", "eval/parent_loss", "eval/mlm_accuracy",
                  "eval/parent_mlm_accuracy", "probe/accuracy", "probe/accuracy_parent",
                  "probe/accuracy_random_init", "probe/tfidf_accuracy_same_input",
@@ -104,6 +95,7 @@ DIGESTS = {"data (digest.shards)", "corpus", "tokenizer"}
 
 
 def _cell(col: str, value: Any) -> str:
+    """`value` as the table shows it in column `col`."""
     if value is None:
         return ""
     if col == "id":
@@ -134,6 +126,7 @@ def check_store(tracker: MlflowTracker) -> None:
 
 
 def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> list[str]:
+    """The ids of `experiment` (None: every active one); ValueError naming those there."""
     if experiment is None:
         return [e.experiment_id for e in client.search_experiments()]
     exp = client.get_experiment_by_name(experiment)
@@ -196,10 +189,8 @@ MAX_CANDIDATES = 10
 
 
 def resolve_run_id(tracker: MlflowTracker, ref: str, experiment: str | None = None) -> Run:
-    """The run `ref` names: a full run id (32 hex digits), a unique prefix of one (e.g.
-    the 8 characters `mlm-pipeline runs` shows), or a run name,
-    looked up in `experiment` (None: every active experiment of the store). A name is
-    tried before a prefix.
+    """The run `ref` names: a full run id (32 hex digits), a unique prefix of one, or a run
+    name (tried first), looked up in `experiment` (None: every active experiment).
 
     Raises:
         ValueError: the SQLite database does not exist, the experiment does not exist,
@@ -267,12 +258,9 @@ def resolve_runs(tracker: MlflowTracker, refs: Sequence[str],
 
 def loop_tokens_per_s(tokens_seen: list[tuple[int, float]],
                       tokens_per_s: list[tuple[int, float]]) -> float | None:
-    """Mean training speed of a run: tokens seen / loop time, from its log intervals.
-
-    Each log interval's tokens are the rise of `train/tokens_seen` since the previous
-    report (from 0 at the first), and its loop time those tokens / the interval's
-    `train/tokens_per_s` (the meter's tokens per second of loop time); the mean is total
-    tokens / total time. Checkpoints, evaluation and start-up are outside the loop time.
+    """Mean training speed of a run: tokens seen / loop time, from its log intervals (each
+    interval's tokens: the rise of `train/tokens_seen`; its loop time: those tokens / its
+    `train/tokens_per_s`). Checkpoints, evaluation and start-up are outside the loop time.
 
     Args:
         tokens_seen, tokens_per_s: the two histories (`plots.metric_series`), logged at
@@ -282,8 +270,7 @@ def loop_tokens_per_s(tokens_seen: list[tuple[int, float]],
         Tokens per second, or None when no step carries both with a positive speed.
     """
     speed = dict(tokens_per_s)
-    tokens = seconds = 0.0
-    before = 0.0
+    tokens = seconds = before = 0.0
     for step, seen in tokens_seen:
         rise, before = seen - before, seen
         if speed.get(step, 0.0) > 0 and rise > 0:
@@ -307,10 +294,9 @@ def _aliases(client: MlflowClient, run_id: str, models: dict[str, dict[str, int]
 
 
 def _differing(params: list[dict[str, str]]) -> list[str]:
-    """The config keys (`train.lr`, `name`, ...: a key of `PipelineConfig` or under one of
-    its sections, as `records.run_params` logs them) whose value is not the same in every
-    run (absent counts as a value). Params others log on the run (MLflow's model flavors:
-    `tokenizer_kwargs/truncation`) are not the user's and are left out."""
+    """The config keys (`train.lr`, `name`, ...: as `records.run_params` logs them) whose
+    value is not the same in every run (absent counts); others' params (MLflow's model
+    flavors: `tokenizer_kwargs/truncation`) are left out."""
     from mlm_pipeline.config import PipelineConfig
 
     keys = sorted({k for p in params for k in p
@@ -319,17 +305,12 @@ def _differing(params: list[dict[str, str]]) -> list[str]:
 
 
 def run_table(tracker: MlflowTracker, runs: Sequence[Run]) -> RunTable:
-    """The comparison table of `runs` (see the module docstring), in their order.
-
-    Columns: `run`, `id`, `status`, `parent` (`version_lineage.parent_label`: `v3`, a
-    run-id prefix, `-`), `steps added` (tag `lineage.steps_added`, else the step of the
-    last `train/tokens_seen`: a warm start counts its steps from 0), `decision` (tag
-    `registry.decision`), the differing params (sorted by key), `tokens seen`
-    (last `train/tokens_seen`), `wall time` (s: run end, or now while running, minus its
-    start), `SPEED` (`loop_tokens_per_s`), `FINAL_METRICS` (the value at the highest
-    step), `UNAVAILABLE` (the figures named by the run's `unavailable.*` tags),
-    `data (digest.shards)` and `registry alias`.
-    """
+    """The comparison table of `runs`, in their order. Columns: `run`, `id`, `status`,
+    `parent` (`version_lineage.parent_label`), `steps added` (tag `lineage.steps_added`,
+    else the step of the last `train/tokens_seen`), `decision` (tag `registry.decision`),
+    the differing params (by key), `tokens seen`, `wall time` (s: end, or now, minus start),
+    `SPEED` (`loop_tokens_per_s`), `FINAL_METRICS` (at the highest step), `UNAVAILABLE`
+    (the run's `unavailable.*` tags), `data (digest.shards)` and `registry alias`."""
     client = tracker.client
     differing = _differing([dict(r.data.params) for r in runs])
     columns = ["run", "id", "status", "parent", "steps added", "decision", *differing,
@@ -399,13 +380,10 @@ def compare_table(tracker: MlflowTracker, runs: Sequence[str], out: str | Path,
 
 def compare_runs(tracker: MlflowTracker, refs: Sequence[str], out: str | Path | None = None,
                  experiment: str | None = None) -> tuple[RunTable, Figure]:
-    """The table and the loss-against-tokens figure of the runs `refs` (ids, unique id
-    prefixes or names; see `resolve_runs`), the figure written as a PNG to `out` when given.
-
-    The figure has two panels, `train/loss` and `eval/loss`
-    (`compare_plot.compare_figure`), one line per run in each, labelled with the run name
-    (`name (id[:8])` when two runs share a name), 1200 x 500 pixels
-    (`compare_plot.COMPARE_FIGSIZE_IN` at `plots.DPI`).
+    """The table and the loss-against-tokens figure of the runs `refs` (`resolve_runs`),
+    the figure written as a PNG to `out` when given: two panels, `train/loss` and
+    `eval/loss` (`compare_plot.compare_figure`), one line per run labelled with its name
+    (`name (id[:8])` when two share one), 1200 x 500 pixels.
 
     Raises:
         ValueError: see `resolve_runs`; a run logged no loss or no `train/tokens_seen`.

@@ -32,15 +32,9 @@ class Curve(NamedTuple):
     metric: str = "eval/loss"
 
 
-
 def run_curves(client: MlflowClient, run: Run, label: str | None = None) -> list[Curve]:
     """The comparison curves of a run against tokens seen: `train/loss`, then `eval/loss`
-    when the run logged it (the eval curve is absent otherwise).
-
-    Args:
-        client: the run's store.
-        run: the run (`MlflowClient.get_run` or `search_runs`).
-        label: legend label of both curves; None uses the run name.
+    when the run logged it; `label` (None: the run name) labels both.
 
     Raises:
         ValueError: the run logged neither loss, or no `train/tokens_seen`.

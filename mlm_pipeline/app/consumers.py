@@ -28,8 +28,7 @@ def is_mlflow_source(source: str) -> bool:
     """True for an MLflow SOURCE (run id or `models:/` URI), False for an existing path.
 
     Raises:
-        ValueError: SOURCE is neither (the message says what was given and what is
-            expected).
+        ValueError: SOURCE is neither (the message says what is expected).
     """
     if Path(source).exists():
         return False
@@ -40,8 +39,8 @@ def is_mlflow_source(source: str) -> bool:
 
 
 def resolve_checkpoint(path: Path, trust_unverified: bool = False) -> Path:
-    """A checkpoint directory (verified), or the newest intact checkpoint under a training
-    run directory or its `checkpoints/` directory (`train.verified.find_checkpoint`).
+    """A checkpoint directory, or the newest intact one under a training run directory
+    (`train.verified.find_checkpoint`).
 
     Raises:
         FileNotFoundError: `path` does not exist, or holds no complete checkpoint.

@@ -1,25 +1,15 @@
 """The registry's decision: does a new model version take `champion`? Pure: no MLflow.
 
-A decision is made by the first comparator of `COMPARATORS` that applies, in order:
-
-1. `first`: there is no champion yet; the new version is the first.
-2. `on_holdout`: the new version was scored on a fixed holdout text
-   (`holdout/bits_per_char`, `eval.holdout_sources`): the champion's score on the same text
-   decides (its own tag when scored on the same digest with the same word choice, else
-   re-scored by `Evidence.holdout`).
-3. `on_same_data`: the champion was evaluated on the same data (`eval_data` digest): the
-   two `eval/loss` values decide.
-4. `in_bits_per_char`: the champion was trained with another tokenizer (its digest is
-   known and differs): losses are per piece of other vocabularies, so both models are
-   scored in `eval/bits_per_char` on the new version's validation text
-   (`Evidence.bits_per_char`).
-5. `rescored`: otherwise the champion is re-scored on the new version's evaluation data
-   (`Evidence.rescore`: same rows, masks and precision); its checkpoint may reveal another
-   tokenizer, and then bits per character decide as in 4.
+The first comparator of `COMPARATORS` that applies decides, in order: `first` (no
+champion yet), `on_holdout` (the new version has a `holdout/bits_per_char`: the champion's
+on the same text), `on_same_data` (the same `eval_data` digest: the two `eval/loss`),
+`in_bits_per_char` (another tokenizer: losses are per piece of other vocabularies, so both
+are scored in `eval/bits_per_char` on the new version's validation text), `rescored` (the
+champion re-scored on the new version's evaluation data: same rows, masks and precision).
 
 Lower wins (`promoted`), else `kept`; when the champion cannot be scored the versions are
 `not_compared` and the reason says why. The scorers are objects the caller gives
-(`mlm_pipeline.app.rescore`); they raise `RescoreUnavailable`, which becomes a reason here.
+(`mlm_pipeline.app.rescore`); their `RescoreUnavailable` becomes a reason here.
 `tracking.registry.apply_decision` writes the decision (aliases, tags, run metrics).
 """
 
@@ -150,11 +140,8 @@ class Decision:
         return None
 
     def record(self) -> dict[str, Any]:
-        """The decision as the run summary and the callers read it: `name`, `version`,
-        `decision`, `reason`, `metric`, `eval_loss`, `eval_data`, `shards`,
-        `bits_per_char`, `champion_bits_per_char`, `champion_before`,
-        `champion_eval_loss`, `champion_rescored`, `compared_on`, `champion_version`
-        (after) and, when the holdout decided, `holdout`."""
+        """The decision as the run summary and the callers read it (`champion_version`: the
+        one after; `holdout` only when the holdout decided)."""
         c, before = self.challenger, self.champion
         result = {
             "name": c.name, "version": c.version, "decision": self.decision,

@@ -1,11 +1,9 @@
 """Disk cleanup across runs: `mlm-pipeline gc` removes finished runs' local training state.
 
-Each training run keeps its state (model, optimizer, RNG, data position: the last
-`train.keep_last_checkpoints` checkpoints) in `<work_dir>/train/<MLflow run id>/checkpoints/`
-so that it can be continued; once the MLflow run is FINISHED its model is in MLflow (weights
-only, `tracking.registry.log_model`; the optimizer state only with
-`tracking.log_training_state`) and the local state is dead weight. `plan_gc` decides, per
-run directory, whether its `checkpoints/` goes:
+Each training run keeps its state (the last `train.keep_last_checkpoints` checkpoints) in
+`<work_dir>/train/<MLflow run id>/checkpoints/` so that it can be continued; once the run
+is FINISHED its model is in MLflow and the local state is dead weight. `plan_gc` decides,
+per run directory, whether its `checkpoints/` goes:
 
 - kept: the run is not FINISHED (RUNNING, FAILED, KILLED: it can be resumed), it is not
   found in the tracking store (nothing proves it finished), its model version holds the
@@ -14,10 +12,8 @@ run directory, whether its `checkpoints/` goes:
 - removed: every other FINISHED run.
 
 With a URL work directory (`mlm_pipeline.store`) the runs are those of its store and of
-this machine's mirror, wherever they trained, and a removed `checkpoints/` goes from both.
-
-The rest of a run directory (`metrics.jsonl`, `manifest.json`) is small and stays. MLflow's
-own `mlflow gc` is a different thing: it deletes runs already marked deleted from the store.
+this machine's mirror, and a removed `checkpoints/` goes from both. The rest of a run
+directory is small and stays. (`mlflow gc` is another thing: it purges deleted runs.)
 """
 
 from __future__ import annotations
@@ -138,8 +134,8 @@ def plan_gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
         if info.status != "FINISHED":
             reason = f"unfinished ({info.status}): can be resumed"
         else:
-            rank = finished_seen[info.experiment_id] = finished_seen.get(info.experiment_id,
-                                                                         0) + 1
+            exp = info.experiment_id
+            rank = finished_seen[exp] = finished_seen.get(exp, 0) + 1
             if info.run_id in champions:
                 reason = "its model version is the registry's champion"
             elif rank <= keep:
@@ -177,6 +173,7 @@ def apply_gc(items: list[GcItem]) -> int:
 
 
 def _mib(n: int) -> str:
+    """`n` bytes in MiB, for the report."""
     return f"{n / 2**20:,.1f} MiB"
 
 
@@ -207,11 +204,7 @@ def gc(tracker: MlflowTracker, work_dir: str | Path, keep: int = 1,
 
 def keep_last_runs(tracker: MlflowTracker, cfg: PipelineConfig) -> int:
     """After a run finished: `plan_gc` + `apply_gc` with `tracking.keep_last_runs` on the
-    run's experiment (nothing when it is None); each removal is logged.
-
-    Returns:
-        Bytes freed.
-    """
+    run's experiment (nothing when it is None), each removal logged; returns bytes freed."""
     keep = cfg.tracking.keep_last_runs
     if keep is None:
         return 0

@@ -1,15 +1,10 @@
 """The history of a registered model from the registry alone: `mlm-pipeline models NAME`.
 
-One row per version, newest first: version, aliases, parent (`v3`, a run-id prefix, a
-checkpoint name, `-`), the corpus and tokenizer digests it was trained on, the steps its
-run added, the decision at registration (the current `decision` tag: `forced` after
-`mlm-pipeline promote`), its eval loss, when it was registered and its run (id). Every
-value comes from the model version's tags (`tracking.version_lineage`, `tracking.registry`)
-and the registered model's aliases, never from the runs: the history reads the same when
-the runs were deleted (`mlm-pipeline gc`, the MLflow UI). Versions registered before the
-lineage tags were kept show blanks there.
-
-Read with the tracker's `MlflowClient`; nothing is written.
+One row per version, newest first (`COLUMNS`). Every value comes from the model version's
+tags (`tracking.version_lineage`, `tracking.registry`) and the registered model's aliases,
+never from the runs: the history reads the same when the runs were deleted (`mlm-pipeline
+gc`, the MLflow UI); versions registered before the lineage tags show blanks there. The
+`decision` is the current tag (`forced` after `mlm-pipeline promote`). Nothing is written.
 """
 
 from __future__ import annotations
@@ -52,9 +47,9 @@ def promote_run(tracker: MlflowTracker, run: str, name: str | None = None) -> li
 
 
 def model_history(tracker: MlflowTracker, name: str) -> RunTable:
-    """The versions of registered model `name`, newest first (`COLUMNS`; see the module
-    docstring). Raw values: full digests and run ids (the table's `rich` cuts them),
-    `registered` as `YYYY-MM-DD HH:MM` UTC, `steps added` an int, `eval/loss` a float.
+    """The versions of registered model `name`, newest first (`COLUMNS`), raw: full digests
+    and run ids, `registered` as `YYYY-MM-DD HH:MM` UTC, `steps added` an int, `eval/loss`
+    a float; `parent` as `v3`, a run-id prefix, a checkpoint name or `-`.
 
     Raises:
         ValueError: the SQLite database does not exist, or no model `name` is registered

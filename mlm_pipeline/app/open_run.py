@@ -2,10 +2,8 @@
 continued (the policy of `tracking.resume` and `tracking.resume_run_id`, over the resume
 records of `mlm_pipeline.tracking.resume`).
 
-The flows call `open_or_continue` at the start of a run (`flows/tracking_tasks.py`), with
-the tags that name the flow run, and `record_data` once the data is prepared (a continued
-run whose data changed since is closed and a new one takes over); nothing here imports
-Prefect.
+The flows call `open_or_continue` at the start of a run (`flows/tracking_tasks.py`) and
+`record_data` once the data is prepared; nothing here imports Prefect.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class OpenedRun(NamedTuple):
 
 
 def newest_checkpoint(cfg: PipelineConfig, run_id: str) -> Path | None:
-    """The newest intact checkpoint of MLflow run `run_id`'s training (`train_dir`), or
-    None."""
+    """The newest intact checkpoint of MLflow run `run_id`'s training, or None."""
     from mlm_pipeline.train.checkpoint import latest_intact_checkpoint
 
     return latest_intact_checkpoint(train_dir(cfg, run_id) / "checkpoints")
@@ -61,6 +58,7 @@ def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict
             from (before any data stage).
     """
     def newest(run_id: str) -> Path | None:
+        """`newest_checkpoint` of this config."""
         return newest_checkpoint(cfg, run_id)
 
     params = pipeline.run_params(cfg)
@@ -85,9 +83,8 @@ def open_or_continue(cfg: PipelineConfig, tracker: MlflowTracker, run_tags: dict
             resume.continue_run(tracker, found.run_id, params, tags, found.step,
                                 found.compatible, finish=found.finish)
             return OpenedRun(found.run_id, True)
-    name = cfg.tracking.run_name or run_name
-    return OpenedRun(tracker.start_run(params, tags, run_name=name or pipeline.run_name(cfg)),
-                     False)
+    name = cfg.tracking.run_name or run_name or pipeline.run_name(cfg)
+    return OpenedRun(tracker.start_run(params, tags, run_name=name), False)
 
 
 def record_data(tracker: MlflowTracker, run_id: str, corpus: CorpusManifest,

@@ -1,17 +1,11 @@
 """The parent of a run (`train.init_from`): which checkpoint it starts from, the tokenizer
 that comes with it, and the retraining policy that picks the registered champion.
 
-A local SOURCE (checkpoint or training run directory) is used where it is; an MLflow
-SOURCE (a run id, `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`) is
-fetched to this machine by `tracking.fetch.fetch_parent_checkpoint`, once, at a fresh
-start only (a resumed run never reads its parent again: `models:/NAME@champion` may have
-moved on). `train.train` then verifies and loads it (`train.warm_start`).
-
-`retrain_overrides` is the policy of `retrain: continue`: start from the registered
-champion (its weights and tokenizer) when there is one, else from scratch; both cases are
-logged and tagged (`RETRAIN_TAG`).
-
-mlflow and torch are imported inside the functions.
+A local SOURCE is used where it is; an MLflow SOURCE (a run id, `models:/...`) is fetched
+to this machine (`tracking.fetch.fetch_parent_checkpoint`) once, at a fresh start only (a
+resumed run never reads its parent again: `models:/NAME@champion` may have moved on).
+`train.train` then verifies and loads it (`train.warm_start`). mlflow and torch are
+imported inside the functions.
 """
 
 from __future__ import annotations
@@ -23,11 +17,8 @@ from typing import TYPE_CHECKING
 from mlm_pipeline.config import PipelineConfig
 from mlm_pipeline.manifest import CorpusManifest, TokenizerManifest
 from mlm_pipeline.progress import Progress
-from mlm_pipeline.tracking.fetch import (
-    champion_source,
-    fetch_parent_checkpoint,
-    registered_model_name,
-)
+from mlm_pipeline.tracking.fetch import (champion_source, fetch_parent_checkpoint,
+                                         registered_model_name)
 from mlm_pipeline.tracking.registry import RUN_ID
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
@@ -122,11 +113,8 @@ def prepare_tokenizer(cfg: PipelineConfig, corpus: CorpusManifest,
             `warm_start.parent_tokenizer`, `adopt_tokenizer`,
             `adopt_pretrained_tokenizer` or `train_tokenizer`.
     """
-    from mlm_pipeline.tokenizer import (
-        adopt_pretrained_tokenizer,
-        adopt_tokenizer,
-        train_tokenizer,
-    )
+    from mlm_pipeline.tokenizer import (adopt_pretrained_tokenizer, adopt_tokenizer,
+                                        train_tokenizer)
     from mlm_pipeline.train.warm_start import parent_tokenizer
 
     if cfg.tokenizer.adopt_from is not None:

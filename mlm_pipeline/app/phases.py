@@ -2,14 +2,9 @@
 as BERT's seq_len 512 phase continues its 128 phase (`configs/bert-base-512.yaml`) and
 ModernBERT's context extension continues its first phase (`configs/modern-base-8k.yaml`).
 
-`phase_chain` derives the chain that ends with a config, parent first, from the
-`train.phase_of` of each config; `child_overrides` is what a phase adds to start from its
-parent phase's run: `train.init_from` set to the parent's MLflow run id, so the warm start
-(`train.warm_start`: a length phase, its changes recorded in the lineage) fetches the
-parent's final checkpoint wherever the child trains. The `mlm-phases` flow
-(`flows/phases.py`) runs the chain.
-
-This module imports neither torch nor prefect.
+`phase_chain` derives the chain that ends with a config; `child_overrides` starts a phase
+from its parent phase's MLflow run, whose final checkpoint the warm start fetches wherever
+the child trains. The `mlm-phases` flow runs the chain. No torch, no prefect.
 """
 
 from __future__ import annotations

@@ -11,13 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    Manifest,
-    ShardManifest,
-    TokenizerManifest,
-    find_manifest,
-)
+from mlm_pipeline.manifest import (CorpusManifest, Manifest, ShardManifest, TokenizerManifest,
+                                   find_manifest)
 from mlm_pipeline.store import work_id, work_root
 
 M = TypeVar("M", bound=Manifest)
@@ -28,13 +23,10 @@ class StageMissingError(RuntimeError):
 
 
 def find_tokenizer(cfg: PipelineConfig) -> Path:
-    """The `spm.model` that `mlm-pipeline run` trained for `cfg`, found by stage digests.
-
-    The corpus is the ingest output of `cfg.ingest`'s digest (source contents + config);
-    with a `debian:` source, whose digest needs the apt archive checked (`apt-cache`), it
-    is the newest complete ingest output in `cfg.work_dir` made with this same `ingest`
-    config, so nothing is fetched. The tokenizer is the output of the tokenizer digest of
-    `cfg.tokenizer` and that corpus. Nothing is computed.
+    """The `spm.model` that `mlm-pipeline run` trained for `cfg`, found by stage digests
+    (nothing computed): the ingest output of `cfg.ingest`'s digest (with a `debian:`
+    source, whose digest needs the apt archive, the newest complete one made with this
+    `ingest` config), then the tokenizer output of that corpus and `cfg.tokenizer`.
 
     Raises:
         StageMissingError: the ingest or tokenizer output for this config is not complete
@@ -74,9 +66,8 @@ def find_tokenizer(cfg: PipelineConfig) -> Path:
 def read_prepared(cls: type[M], path: str, digest: str, url: str | None = None,
                   work_dir: str | None = None) -> M:
     """Load the stage manifest at `path` as `cls` and check it is the one with `digest`,
-    with its files. With a `url` inside the URL work directory `work_dir`, it is read in
-    this machine's mirror of it, or from the store (the machine that prepared the data
-    had its own mirror).
+    with its files; one with a `url` inside the URL work directory `work_dir` is read in
+    this machine's mirror, or from the store (the preparing machine had its own mirror).
 
     Args:
         cls: the manifest type.
@@ -109,9 +100,8 @@ def read_prepared(cls: type[M], path: str, digest: str, url: str | None = None,
 def check_prepared(cfg: PipelineConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
                    shards: ShardManifest, tokenizer_path: str, shards_path: str) -> None:
     """Check that prepared data matches `cfg`: the tokenizer and shards must be what
-    `cfg.tokenizer`, `cfg.shards` and `cfg.masking` make from this corpus (their digests,
-    computed without reading any data). Settings outside the data sections (`train.*`,
-    `model.*`, `eval.*`) are free: a sweep.
+    `cfg.tokenizer`, `cfg.shards` and `cfg.masking` make from this corpus (by digest, no
+    data read). `train.*`, `model.*`, `eval.*` are free: a sweep.
 
     Args:
         cfg: the config that will train on the data.

@@ -1,16 +1,11 @@
 """The end of a run: its results recorded on the MLflow run, its model exported, logged,
 registered and decided.
 
-`record_results` logs the final evaluation (`tracking.records.record_results`, with the
-final fill-mask rows of `evaluate.probes.table_rows`). `publish` exports the final
-checkpoint as a `transformers` model directory (`train.export`), logs it as the run's
-MLflow model, registers it, and decides whether it takes `champion` (`app.decide`, with the
-champion scored on this run's data by `app.rescore` when it was evaluated on other data);
-`publish_model` adds the version's lineage (`tracking.version_lineage`).
-
-Idempotent, for a run finished after a failure: a model this run logged at this step is
-not logged again, and a version registered from it is not registered again (only its
-aliases and tags are set).
+`publish` exports the final checkpoint as a `transformers` model directory, logs it as the
+run's MLflow model, registers it and decides whether it takes `champion` (`app.decide`, the
+champion scored on this run's data by `app.rescore`). Idempotent, for a run finished after a
+failure: a model this run logged at this step is not logged again, nor a version registered
+from it (only its aliases and tags are set).
 """
 
 from __future__ import annotations
@@ -24,13 +19,8 @@ from typing import Any
 from mlm_pipeline.app.decide import Challenger, Evidence, Holdout, decide
 from mlm_pipeline.app.rescore import BpcComparison, ChampionRescorer, HoldoutRescorer
 from mlm_pipeline.config import PipelineConfig
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    EvalManifest,
-    ShardManifest,
-    TokenizerManifest,
-    TrainManifest,
-)
+from mlm_pipeline.manifest import (CorpusManifest, EvalManifest, ShardManifest,
+                                   TokenizerManifest, TrainManifest)
 from mlm_pipeline.tracking import records, registry
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
@@ -100,12 +90,10 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
     """Export the run's final checkpoint, log it as the run's model, register it and
     decide (`register_and_decide`). Returns the decision's record with `model_uri`.
 
-    `shards` are the run's shards (its validation rows, on which a champion evaluated on
-    other data with the same tokenizer is re-scored); None looks for them by digest in the
-    work directory above the training run (`train.export.find_stage_manifest`): not
-    found, such a champion is not compared. `corpus` is the run's corpus (its validation
-    documents are the text of `eval/bits_per_char` when the champion has another
-    tokenizer); None looks for it by the shards' corpus digest in the same way.
+    `shards` (whose validation rows a champion evaluated on other data is re-scored on) and
+    `corpus` (whose validation documents score `eval/bits_per_char` against a champion with
+    another tokenizer): None looks for them by digest in the work directory above the
+    training run (`train.export.find_stage_manifest`); not found, that comparison is not made.
 
     Raises:
         ValueError: the model cannot be exported (see `train.export.export_checkpoint`).
@@ -115,8 +103,7 @@ def publish(tracker: MlflowTracker, run_id: str, name: str, trained: TrainManife
 
     model_uri = registry.logged_model_uri(tracker, run_id, trained.steps)
     if model_uri is not None:
-        logger.info("run %s logged its model already (%s): not logged again", run_id,
-                    model_uri)
+        logger.info("run %s logged its model already (%s): not logged again", run_id, model_uri)
     else:
         with tempfile.TemporaryDirectory(prefix="mlm-export-") as tmp:
             out = export_checkpoint(trained.file(trained.checkpoint_dir),

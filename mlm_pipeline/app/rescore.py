@@ -1,16 +1,12 @@
 """The champion scored on a new version's data, for the registry's decision
 (`mlm_pipeline.app.decide`): each scorer is one kind of `Evidence`.
 
-- `ChampionRescorer`: the champion trained with the same tokenizer but evaluated on other
-  data (another corpus, shards, seed or row cap: another `eval_data_digest`). Its
-  checkpoint is found the way warm start finds a parent (`tracking.fetch.fetch_parent_checkpoint`:
-  where its run's train manifest says, else the checkpoint the run uploaded), loaded
-  through the verified loader (`train.verified.load_verified`) and evaluated by the
-  evaluate stage's own function (`evaluate.stage.masked_lm_metrics`) on the new version's
-  validation rows, with its fixed masks (its masking record keyed by its `eval.seed`), its
-  row cap, precision and device: the champion's `eval/loss` is computed exactly as the new
-  version's was. Whether the model runs with document attention is the champion's own
-  training setting, as its own evaluation ran it.
+- `ChampionRescorer`: a champion with the same tokenizer evaluated on other data (another
+  `eval_data_digest`). Its checkpoint is found as warm start finds a parent
+  (`tracking.fetch.fetch_parent_checkpoint`), verified (`train.verified.load_verified`) and
+  evaluated by `evaluate.stage.masked_lm_metrics` on the new version's validation rows with
+  its fixed masks, row cap, precision and device: `eval/loss` exactly as the new version's
+  (document attention as the champion trained).
 - `BpcComparison`: a champion with another tokenizer and the new version, both scored in
   `eval/bits_per_char` (`evaluate.bpc`) on the new version's validation text.
 - `HoldoutRescorer`: the champion scored on the new version's holdout text

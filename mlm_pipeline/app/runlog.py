@@ -1,19 +1,12 @@
 """The terminal and the log file of `mlm-pipeline run`: its one-line errors and its summary.
 
-A failure inside a stage of `run` used to print Prefect's reports first: the failing task's
-traceback, the flow's, their "Finished in state Failed" lines (about 100 lines) before the
-error. `run_logging` installs two handlers on the root logger before the flow starts:
-`RunConsole` for the terminal (Prefect-like lines; failure reports and tracebacks left out
-unless `--verbose`) and a file handler that keeps every record with its traceback. Because
-the root logger then has handlers of its own, Prefect's `setup_logging` leaves it alone
-(prefect/logging/configuration.py: a root with "user handlers" drops the `root` section of
-its logging config) and adds no console handler, while its `APILogHandler` on the
-`prefect.flow_runs`/`prefect.task_runs` loggers still sends everything to the Prefect
-server. A deployment (a worker running the flow) never calls this and logs as Prefect does.
-
-After Ctrl-C, `tell_after_interrupt` prints how to continue, also behind a closed pipe.
-
-Only `logging` is used here: neither prefect nor mlflow is imported.
+Without this, a failed stage printed about 100 lines of Prefect's reports (tracebacks,
+"Finished in state Failed") before the error. `run_logging` installs `RunConsole` and a
+file handler on the root logger before the flow starts; a root with handlers of its own
+makes Prefect's `setup_logging` leave it alone (prefect/logging/configuration.py drops the
+`root` section of its config for a root with "user handlers") and add no console handler.
+A deployment never calls this and logs as Prefect does. Neither prefect nor mlflow is
+imported here.
 """
 
 from __future__ import annotations
@@ -54,8 +47,6 @@ def one_line(exc: BaseException) -> str:
 #: Messages of Prefect's flow and task engines that restate a failure the error line gives.
 _FAILURE_REPORTS = ("Finished in state Failed", "Finished in state Crashed",
                     "Encountered exception during execution")
-
-
 #: Loggers whose records the terminal shows at every level: ours, Prefect's (the stages'
 #: task runs), the console entry's.
 OWN_LOGGERS = ("mlm_pipeline", "prefect", "root")
@@ -75,10 +66,8 @@ def quiet_third_party() -> None:
 
 
 class RunConsole(logging.StreamHandler):
-    """The terminal's log handler of `mlm-pipeline run` (on the root logger, so Prefect's
-    `setup_logging` leaves the root alone and adds no console handler of its own; its API
-    handler on the `prefect.flow_runs`/`prefect.task_runs` loggers still sends every record,
-    tracebacks included, to the Prefect server).
+    """The terminal's log handler of `mlm-pipeline run`, on the root logger (Prefect's API
+    handler still sends every record, tracebacks included, to the Prefect server).
 
     Lines look like Prefect's (`12:00:00.123 | INFO    | Task run 'ingest-36b' - ...`).
     Unless `verbose`, records of Prefect's engines that report a failure (a traceback, a
@@ -144,9 +133,9 @@ def run_logging(work_dir: str, verbose: bool) -> tuple[RunConsole, logging.FileH
 
 
 def ui_lines(result: dict) -> list[str]:
-    """Where to see the run in the MLflow UI: its experiment's runs beside their metric
-    charts and the run's metric charts, opened in the UI's "Model training" mode (`tracker.ui_url`); for a tracking URI
-    that is not a server, first the `mlflow ui` command serving it on port 5000."""
+    """Where to see the run in the MLflow UI (`tracker.ui_url`: the experiment's runs and
+    the run's charts, in "Model training" mode); for a tracking URI that is not a server,
+    first the `mlflow ui` command serving it on port 5000."""
     from mlm_pipeline.tracking.tracker import LOCAL_UI, ui_url
 
     uri, exp, run = (result["mlflow_tracking_uri"], result.get("mlflow_experiment_id"),
@@ -171,6 +160,8 @@ def print_summary(result: dict, experiment: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from mlm_pipeline.app.summary import registry_lines, training_lines
+
     console = Console()
     table = Table(title=f"MLflow run {result['mlflow_run_id']} (experiment {experiment})")
     table.add_column("metric")
@@ -179,16 +170,10 @@ def print_summary(result: dict, experiment: str) -> None:
         value = result["metrics"][key]
         table.add_row(key, f"{value:,.0f}" if float(value).is_integer() else f"{value:,.4f}")
     console.print(table)
-    lines = [
-        f"MLflow run id: {result['mlflow_run_id']}",
-        f"Tracking URI:  {result['mlflow_tracking_uri']}",
-        *ui_lines(result),
-        f"Checkpoint:    {result['checkpoint']}",
-        f"Tokenizer:     {result['tokenizer_model']}",
-    ]
-    from mlm_pipeline.app.summary import training_lines
-
-    lines += training_lines(result)
+    lines = [f"MLflow run id: {result['mlflow_run_id']}",
+             f"Tracking URI:  {result['mlflow_tracking_uri']}", *ui_lines(result),
+             f"Checkpoint:    {result['checkpoint']}",
+             f"Tokenizer:     {result['tokenizer_model']}", *training_lines(result)]
     if result.get("reused_stages"):
         lines.append("Reused:        " + ", ".join(result["reused_stages"])
                      + " (outputs of an earlier run with the same config and inputs)")
@@ -196,8 +181,6 @@ def print_summary(result: dict, experiment: str) -> None:
         lines.append(f"WARNING: training stopped early ({result['stop_reason']}) after "
                      f"{result['steps']:,} steps; the metrics are those of a shorter run")
     if reg := result.get("registry"):
-        from mlm_pipeline.app.summary import registry_lines
-
         lines += registry_lines(reg)
     for line in lines:  # paths and commands must stay copyable: never wrap them
         console.print(line, soft_wrap=True, highlight=False)
@@ -246,8 +229,7 @@ def print_sweep_summary(result: dict) -> None:
     from mlm_pipeline.tracking.tracker import MlflowTracker
 
     parent = result["parent"]
-    tracker = MlflowTracker(result["mlflow_tracking_uri"])
-    table, title = experiment_runs(tracker, parent=parent)
+    table, title = experiment_runs(MlflowTracker(result["mlflow_tracking_uri"]), parent=parent)
     console = Console()
     console.print(table.rich(title))
     lines = [f"Sweep run id:  {parent} ({len(result['children'])} runs)",

@@ -2,8 +2,7 @@
 how training went, final metrics, the registry decision), as a JSON-able dict, plain-text
 lines for the terminal and a Markdown report.
 
-An application verb over the stages' manifests and the MLflow run: the flow's
-`train-evaluate` task builds and writes it, `runlog` prints it. No torch, no prefect.
+The `train-evaluate` flow builds it, `runlog` prints it. No torch, no prefect.
 """
 
 from __future__ import annotations
@@ -13,29 +12,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    EvalManifest,
-    ShardManifest,
-    TokenizerManifest,
-    TrainManifest,
-)
+from mlm_pipeline.manifest import (CorpusManifest, EvalManifest, ShardManifest,
+                                   TokenizerManifest, TrainManifest)
 from mlm_pipeline.tracking.plots import LOSS_PLOT
 from mlm_pipeline.tracking.records import package_versions
 from mlm_pipeline.tracking.tracker import MlflowTracker
 
 
-def summary(
-    tracker: MlflowTracker,
-    run_id: str,
-    corpus: CorpusManifest,
-    tokenizer: TokenizerManifest,
-    shards: ShardManifest,
-    trained: TrainManifest,
-    evaluated: EvalManifest,
-    started_at: float | None = None,
-    registry: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def summary(tracker: MlflowTracker, run_id: str, corpus: CorpusManifest,
+            tokenizer: TokenizerManifest, shards: ShardManifest, trained: TrainManifest,
+            evaluated: EvalManifest, started_at: float | None = None,
+            registry: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a user needs at the end of a run: ids, where things are, final metrics (JSON-able).
 
     Args:
@@ -90,9 +77,7 @@ def summary(
         "versions": package_versions(),
         "checkpoint": str(trained.file(trained.checkpoint_dir)),
         "tokenizer_model": str(tokenizer.file(tokenizer.model.path)),
-        "manifests": {
-            m.stage: str(m.path) for m in (corpus, tokenizer, shards, trained, evaluated)
-        },
+        "manifests": {m.stage: str(m.path) for m in stages},
         "wall_time_s": {m.stage: round(m.wall_time_s, 2) for m in stages},
         "reused_stages": reused,
         "files_rejected": [{"path": b.path, "reason": b.reason}
@@ -213,19 +198,18 @@ def evaluation_lines(summary_dict: dict[str, Any]) -> list[str]:
         lines.append(f"Validation text also in training: {100 * overlap['share']:.1f} % of "
                      f"its {overlap['validation_windows']:,} word {overlap['ngram']}-gram "
                      f"windows ({overlap['lines_removed']:,} training lines removed from it)")
-    for line in (probe_line(m), finetune_line(m)):
-        if line is not None:
-            lines.append(line)
-    for figure, reason in sorted(summary_dict.get("unavailable", {}).items()):
-        lines.append(f"Not computed: {figure}: {reason}")
-    return lines
+    lines += [line for line in (probe_line(m), finetune_line(m)) if line is not None]
+    return lines + [f"Not computed: {figure}: {reason}"
+                    for figure, reason in sorted(summary_dict.get("unavailable", {}).items())]
 
 
 def _f(m: dict[str, float], key: str) -> str:
+    """`m[key]` to 4 decimals, or `-`."""
     return f"{m[key]:.4f}" if key in m else "-"
 
 
 def _sd(m: dict[str, float], key: str) -> str:
+    """`m[key]` with its `_sd`, when known."""
     return f"{m[key]:.4f} +- {m[key + '_sd']:.4f}" if key + "_sd" in m else _f(m, key)
 
 
@@ -271,8 +255,7 @@ def finetune_line(metrics: dict[str, float]) -> str | None:
 
 
 def _parent_arm(m: dict[str, float]) -> str:
-    """The fine-tuning's parent arm and the paired adapted - parent difference (`finetune/`
-    keys without the prefix), or an empty string without a parent arm."""
+    """The fine-tuning's parent arm and the paired adapted - parent difference, or ""."""
     if "parent_accuracy" not in m:
         return ""
     interval = (f" [{m['diff_parent_ci95_low']:+.4f}, {m['diff_parent_ci95_high']:+.4f}] "

@@ -1,23 +1,13 @@
 """A sweep: several training runs of one config that differ in a few keys, on data prepared
 once, grouped in MLflow as one parent run with a nested run per child.
 
-`parse_grid` reads `KEY=V1,V2` items (the `--sweep` option) into a grid; `children` turns
-a grid into the children's overrides (every combination, keys in the order given);
-`check_children` refuses a grid over the data sections (`ingest`, `tokenizer`, `shards`,
-`masking`: one preparation must serve every child). The parent run (`open_parent`) holds
-the base config's params, the grid as params `sweep.<key>` (a JSON list) and the tag
-`mlm.sweep=parent`; each child is a run of its own, nested under it (MLflow's tag
-`mlflow.parentRunId`, which the UI's runs table groups by), with its combination as the
-tag `mlm.sweep_child`. `finish_parent` records the best child by `eval/loss` (tag
-`sweep.best_run`, metric `sweep/best_eval_loss`) and closes the parent.
-
-Rerun after an interruption, the same sweep (same base config, same grid) continues its
-unfinished parent, skips the children it holds FINISHED and continues each unfinished child
-in its own run (`tracking.resume_run_id`): never in a sibling's, whose job key (the
-data sections) is the same.
-
-`runs --parent RUN` lists a parent's children; `compare PARENT` compares them
-(`app.compare.expand_sweeps`). mlflow is imported inside the functions.
+The parent run (`open_parent`) holds the base config's params and the grid; each child is
+a run of its own nested under it (MLflow's tag `mlflow.parentRunId`, which the UI's runs
+table groups by). Rerun after an interruption, the same sweep (same base config and grid)
+continues its unfinished parent, skips the children it holds FINISHED and continues each
+unfinished child in its own run (`tracking.resume_run_id`): never in a sibling's, whose job
+key (the data sections) is the same. `runs --parent RUN` lists a parent's children;
+`compare PARENT` compares them. mlflow is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -139,8 +129,7 @@ def child_of(tracker: MlflowTracker, parent_id: str, overrides: list[str]
     parent, or None."""
     tag = json.dumps(overrides)
     runs = tracker.client.search_runs(
-        [tracker.experiment_id()],
-        filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
+        [tracker.experiment_id()], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
         order_by=["attributes.start_time DESC"], max_results=1000)
     for run in runs:
         if run.data.tags.get(CHILD_TAG) == tag:
@@ -175,11 +164,8 @@ def finish_parent(tracker: MlflowTracker, parent_id: str, child_ids: Sequence[st
     `sweep/best_eval_loss`) and close it: FINISHED, or FAILED when a child failed (tag
     `sweep.failed`: their combinations). Returns `parent`, `children`, `best_run`,
     `best_eval_loss` (None without an `eval/loss`) and `failed`."""
-    losses = {}
-    for run_id in child_ids:
-        loss = tracker.get_run(run_id).data.metrics.get("eval/loss")
-        if loss is not None:
-            losses[run_id] = loss
+    losses = {run_id: loss for run_id in child_ids
+              if (loss := tracker.get_run(run_id).data.metrics.get("eval/loss")) is not None}
     best = min(losses, key=losses.get, default=None)
     if best is not None:
         tracker.set_tags(parent_id, {"sweep.best_run": best})

@@ -21,11 +21,8 @@ from mlm_pipeline.tracking.tracker import MlflowTracker
 
 
 def _main(argv: list[str] | None = None) -> None:
-    from mlm_pipeline.train.launch import (
-        parse_rank_args,
-        rank_logging,
-        read_launch_inputs,
-    )
+    """One rank's training (`main`)."""
+    from mlm_pipeline.train.launch import parse_rank_args, rank_logging, read_launch_inputs
     from mlm_pipeline.train.stage import train
 
     args = parse_rank_args(argv, TORCHRUN_ENTRY)

@@ -1,23 +1,12 @@
 """The tracked training run: `train.train` with the run's MLflow sinks, its periodic
 evaluator, its parent and its stop signal, in one process or under torchrun.
 
-`train_tracked` is what the flows' train task does besides being a task:
-
-- a run whose training already reached `train.max_steps` (it failed after training)
-  returns its manifest (`finished_training`) without training;
-- metrics stream to stdout, MLflow (`live_tracking`: past the steps the run already holds
-  of each key, so a resumed run sends no step twice and misses none) and the caller's
-  progress sink; the periodic evaluator (`periodic_evaluator`) joins when
-  `eval.every_steps` is set; the run's system metrics are logged while it trains;
-- the parent (`train.init_from`) is fetched at a fresh start (`app.parents`), and its
-  digest and step become run tags;
-- SIGINT and SIGTERM ask the loop to checkpoint the step reached and stop
-  (`stop_on_signals`); a second signal goes to the handler that was there before;
-- with `train.distributed` asking for several processes, torchrun runs the training
-  (`train.launch.run_torchrun` with the entry `app.torchrun_entry`): rank 0 logs to MLflow
-  as it trains, every rank's output line goes to the caller's `log_line`, and rank 0's
-  metric lines move the progress sink.
-
+`train_tracked` is what the flows' train task does besides being a task: a run that already
+trained `train.max_steps` returns its manifest (`finished_training`); metrics stream to
+stdout, MLflow (`live_tracking`) and the caller's progress sink, with the periodic
+evaluator and system metrics; the parent is fetched at a fresh start (`app.parents`) and
+tagged; SIGINT and SIGTERM checkpoint and stop (`stop_on_signals`); with several processes,
+torchrun runs the training (entry `app.torchrun_entry`, rank 0 logging to MLflow).
 torch and mlflow are imported inside the functions.
 """
 
@@ -104,6 +93,7 @@ def periodic_evaluator(cfg: PipelineConfig, shards: ShardManifest,
     from mlm_pipeline.evaluate.periodic import PeriodicEvaluator
 
     def on_probes(rows: list[dict[str, Any]], step: int) -> None:
+        """Append the fill-mask rows of a step the run does not hold yet."""
         if step > held_step:
             log_fill_mask_rows(tracker, run_id, rows)
 
@@ -256,6 +246,7 @@ def _train_torchrun(cfg: PipelineConfig, shards: ShardManifest, tokenizer: Token
     extra = launch_extra(cfg, run_id, tracker)  # refuses FSDP2 + every_steps
 
     def on_line(line: str) -> None:
+        """Log a launch's output line; a rank-0 metric line moves `progress`."""
         log_line(line)
         step = sink_line_step(line)
         if step is not None and progress is not None:

@@ -23,83 +23,25 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from mlm_pipeline.config.base import (
-    CLS_ID,
-    IGNORE_INDEX,
-    MASK_ID,
-    NUM_SPECIAL,
-    PAD_ID,
-    SENTENCEPIECE_SPECIAL_IDS,
-    SEP_ID,
-    SPECIAL_TOKENS,
-    UNK_ID,
-    SpecialIds,
-    StrictModel,
-)
+    CLS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, SENTENCEPIECE_SPECIAL_IDS, SEP_ID,
+    SPECIAL_TOKENS, UNK_ID, SpecialIds, StrictModel)
 from mlm_pipeline.config.evaluation import (
-    DOMAIN_PROBES,
-    GUIDE_PROBES,
-    ClassificationTask,
-    EncoderInput,
-    EvalConfig,
-    FillMaskProbe,
-    FinetuneConfig,
-    LinearProbeConfig,
-)
+    DOMAIN_PROBES, GUIDE_PROBES, ClassificationTask, EncoderInput, EvalConfig, FillMaskProbe,
+    FinetuneConfig, LinearProbeConfig)
 from mlm_pipeline.config.lr_auto import resolve_lr
-from mlm_pipeline.config.masking_schedule import (
-    LinearRate,
-    StepwiseRate,
-    schedule_problems,
-)
+from mlm_pipeline.config.masking_schedule import LinearRate, StepwiseRate, schedule_problems
 from mlm_pipeline.config.stages import (
-    DEFAULT_WARMUP_STEPS,
-    MODEL_PRESETS,
-    DataPrepConfig,
-    DistributedConfig,
-    IngestConfig,
-    MaskingConfig,
-    ModelConfig,
-    ShardConfig,
-    TokenizerConfig,
-    TrainConfig,
-)
+    DEFAULT_WARMUP_STEPS, MODEL_PRESETS, DataPrepConfig, DistributedConfig, IngestConfig,
+    MaskingConfig, ModelConfig, ShardConfig, TokenizerConfig, TrainConfig)
 
 __all__ = [
-    "CLS_ID",
-    "DEFAULT_WARMUP_STEPS",
-    "DOMAIN_PROBES",
-    "GUIDE_PROBES",
-    "IGNORE_INDEX",
-    "MASK_ID",
-    "MODEL_PRESETS",
-    "NUM_SPECIAL",
-    "PAD_ID",
-    "SENTENCEPIECE_SPECIAL_IDS",
-    "SEP_ID",
-    "SPECIAL_TOKENS",
-    "UNK_ID",
-    "ClassificationTask",
-    "DataPrepConfig",
-    "EncoderInput",
-    "DistributedConfig",
-    "EvalConfig",
-    "FillMaskProbe",
-    "FinetuneConfig",
-    "IngestConfig",
-    "LinearProbeConfig",
-    "LinearRate",
-    "MaskingConfig",
-    "ModelConfig",
-    "PipelineConfig",
-    "ShardConfig",
-    "SpecialIds",
-    "StepwiseRate",
-    "StrictModel",
-    "TokenizerConfig",
-    "TrackingConfig",
-    "TrainConfig",
-    "resolve_lr",
-    "schedule_problems",
+    "CLS_ID", "DEFAULT_WARMUP_STEPS", "DOMAIN_PROBES", "GUIDE_PROBES", "IGNORE_INDEX",
+    "MASK_ID", "MODEL_PRESETS", "NUM_SPECIAL", "PAD_ID", "SENTENCEPIECE_SPECIAL_IDS", "SEP_ID",
+    "SPECIAL_TOKENS", "UNK_ID", "ClassificationTask", "DataPrepConfig", "EncoderInput",
+    "DistributedConfig", "EvalConfig", "FillMaskProbe", "FinetuneConfig", "IngestConfig",
+    "LinearProbeConfig", "LinearRate", "MaskingConfig", "ModelConfig", "PipelineConfig",
+    "ShardConfig", "SpecialIds", "StepwiseRate", "StrictModel", "TokenizerConfig",
+    "TrackingConfig", "TrainConfig", "resolve_lr", "schedule_problems",
 ]
 
 
@@ -163,11 +105,8 @@ class PipelineConfig(StrictModel):
         problems = []
         if self.tokenizer.vocab_size > 2**32:
             problems.append("tokenizer.vocab_size must fit in uint32")
-        if self.model.hidden_size // self.model.num_heads % 2:
-            problems.append(
-                f"model: head dimension {self.model.hidden_size // self.model.num_heads} "
-                "must be even"
-            )
+        if (head_dim := self.model.hidden_size // self.model.num_heads) % 2:
+            problems.append(f"model: head dimension {head_dim} must be even")
         if self.tokenizer.from_init and self.tokenizer.adopt_from is not None:
             problems.append("tokenizer.from_init and tokenizer.adopt_from are exclusive: "
                             "reuse the parent run's tokenizer, or adopt a Hugging Face one")

@@ -80,10 +80,8 @@ def hf_parent_class(path: str | Path) -> str | None:
     if not (p / HF_CONFIG).is_file() or (p / "state.json").is_file():
         return None
     arch = read_hf_config(p).get("architectures")
-    if isinstance(arch, list) and arch and isinstance(arch[0], str) \
-            and arch[0].endswith("ForMaskedLM"):
-        return arch[0]
-    return None
+    first = arch[0] if isinstance(arch, list) and arch else None
+    return first if isinstance(first, str) and first.endswith("ForMaskedLM") else None
 
 
 def _refuse(file: Path, field: str, value: Any, why: str) -> ValueError:
@@ -137,38 +135,36 @@ def _rope_bases(file: Path, hf: dict[str, Any]) -> tuple[float, float]:
     return bases[0], bases[1]
 
 
-def _require(file: Path, hf: dict[str, Any], field: str, want: Any, default: Any) -> None:
-    value = hf.get(field, default)
-    if value != want:
-        raise _refuse(file, field, value, f"this pipeline computes only {want!r}")
+def _require(file: Path, hf: dict[str, Any], **wants: Any) -> None:
+    """Refuse the first field whose value (its wanted value when absent) is another."""
+    for field, want in wants.items():
+        if (value := hf.get(field, want)) != want:
+            raise _refuse(file, field, value, f"this pipeline computes only {want!r}")
 
 
 def _bert_fields(file: Path, hf: dict[str, Any]) -> dict[str, Any]:
-    _require(file, hf, "hidden_act", "gelu", "gelu")
-    _require(file, hf, "position_embedding_type", "absolute", "absolute")
-    _require(file, hf, "is_decoder", False, False)
-    _require(file, hf, "add_cross_attention", False, False)
+    _require(file, hf, hidden_act="gelu", position_embedding_type="absolute", is_decoder=False,
+             add_cross_attention=False)
     return {"preset": "bert", "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
             "dropout": float(hf.get("hidden_dropout_prob", 0.1))}
 
 
 def _modern_fields(file: Path, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    _require(file, hf, "hidden_activation", "gelu", "gelu")
-    _require(file, hf, "classifier_activation", "gelu", "gelu")
-    _require(file, hf, "decoder_bias", True, True)
+    _require(file, hf, hidden_activation="gelu", classifier_activation="gelu",
+             decoder_bias=True)
     biases = {f: bool(hf.get(f, False)) for f in
               ("norm_bias", "attention_bias", "mlp_bias", "classifier_bias")}
     if len(set(biases.values())) > 1:
         raise _refuse(file, "norm_bias/attention_bias/mlp_bias/classifier_bias", biases,
                       "one model.bias covers all four: they must be equal")
-    if "layer_types" in hf and hf["layer_types"] is not None:
+    hf = {**_MODERN_DEFAULTS, **hf}  # transformers' defaults for the keys left out
+    if hf.get("layer_types") is not None:
         every = _layers_global_every(file, hf["layer_types"], num_layers)
     else:
-        every = hf.get("global_attn_every_n_layers", _MODERN_DEFAULTS[
-            "global_attn_every_n_layers"])
+        every = hf["global_attn_every_n_layers"]
         if not isinstance(every, int) or every < 1:
             raise _refuse(file, "global_attn_every_n_layers", every, "not a positive integer")
-    window = hf.get("local_attention", _MODERN_DEFAULTS["local_attention"])
+    window = hf["local_attention"]
     if not isinstance(window, int) or window < 2 or window % 2:
         raise _refuse(file, "local_attention", window, "not an even window of >= 2 tokens")
     rope, local_rope = _rope_bases(file, hf)
@@ -208,7 +204,7 @@ def hf_model_fields(path: str | Path) -> tuple[str, dict[str, Any], dict[str, in
         if type(value) is not int or value < 1:
             raise _refuse(file, field, value, "missing or not a positive integer")
         sizes[field] = value
-    _require(file, hf, "tie_word_embeddings", True, True)
+    _require(file, hf, tie_word_embeddings=True)
     fields = {"hidden_size": sizes["hidden_size"], "num_layers": sizes["num_hidden_layers"],
               "num_heads": sizes["num_attention_heads"],
               "intermediate_size": sizes["intermediate_size"],

@@ -27,9 +27,6 @@ from mlm_pipeline.config.base import StrictModel
 #: A masking rate: a share of maskable tokens, in the open interval (0, 1).
 Rate = Annotated[float, Field(gt=0.0, lt=1.0)]
 
-_EVAL_RATE_DOC = """Rate the held-out evaluation masks at (fixed for the whole run, so eval
-    points are comparable; BERT's 15 % by default)."""
-
 
 class LinearRate(StrictModel):
     """A rate moving linearly from `start` (step 0) to `end` (step `end_step`), then held."""

@@ -9,11 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from mlm_pipeline.config.base import NUM_SPECIAL, StrictModel
 from mlm_pipeline.config.masking_schedule import (
-    LinearRate,
-    MlmProbability,
-    StepwiseRate,
-    rate_at,
-)
+    LinearRate, MlmProbability, StepwiseRate, rate_at)
 
 
 class IngestConfig(StrictModel):
@@ -210,14 +206,12 @@ class MaskingConfig(StrictModel):
         total = self.mask_replace_prob + self.random_replace_prob
         if total > 1.0 + 1e-9:
             problems.append(
-                f"masking: mask_replace_prob + random_replace_prob = {total:g} must be <= 1"
-            )
+                f"masking: mask_replace_prob + random_replace_prob = {total:g} must be <= 1")
         if self.scheduled and self.mode == "precomputed":
             problems.append(
                 "masking.mlm_probability: a schedule needs masking.mode: dynamic (precomputed "
                 "copies are written once, at one rate); set masking.mode: dynamic or a "
-                "constant masking.mlm_probability"
-            )
+                "constant masking.mlm_probability")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -306,19 +300,16 @@ class ModelConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") is not None:
-            preset = MODEL_PRESETS.get(data["preset"])
-            if preset is not None:  # an unknown name fails on the `preset` field itself
-                data = {**preset, **data}
+        # an unknown preset name fails on the `preset` field itself
+        if isinstance(data, dict) and (preset := MODEL_PRESETS.get(data.get("preset"))):
+            data = {**preset, **data}
         return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"model: hidden_size {self.hidden_size} is not divisible by "
-                f"num_heads {self.num_heads}"
-            )
+            raise ValueError(f"model: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_heads {self.num_heads}")
         return self
 
     @classmethod
@@ -331,9 +322,8 @@ class ModelConfig(StrictModel):
             pydantic.ValidationError: the record is not a valid model config (not a
                 mapping, None included).
         """
-        if not isinstance(record, dict):
-            return cls.model_validate(record)
-        return cls.model_validate({**LEGACY_MODEL_FIELDS, **record})
+        return cls.model_validate(
+            {**LEGACY_MODEL_FIELDS, **record} if isinstance(record, dict) else record)
 
     def is_global(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) attends globally (`global_every`)."""

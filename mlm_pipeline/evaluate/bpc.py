@@ -32,14 +32,11 @@ approximation on the same words; windows fall at other word boundaries when the
 tokenizers cut words into other numbers of pieces, which changes the context of words
 near a window edge only.
 
-The holdout score (`holdout_metrics`): at the final evaluation the model is scored this way
-on the fixed holdout text (`eval.holdout_sources`, read by `ingest.holdout`) as
-`holdout/bits_per_char`, words chosen with `eval.seed` at `DEFAULT_RATE`, in fp32. The text
-does not move with the corpus, so every model version's number is comparable with every
-other's on the same digest; it is written beside the evaluation (`holdout.json`), so the
-registry scores a champion on exactly the same text (`app.decide.on_holdout`).
-
-torch and the tokenizer only: no MLflow.
+The holdout score (`holdout_metrics`) is this on the fixed holdout text
+(`eval.holdout_sources`): it does not move with the corpus, so every model version's number
+compares with every other's on the same digest; it is written beside the evaluation
+(`holdout.json`), so the registry scores a champion on exactly the same text
+(`app.decide.on_holdout`). torch and the tokenizer only: no MLflow.
 """
 
 from __future__ import annotations
@@ -156,8 +153,7 @@ def bits_per_char(model: torch.nn.Module, tokenizer: Tokenizer, documents: Itera
         for r, (_, spans) in enumerate(batch):
             for start, end, n in spans:
                 pos = torch.arange(start, end)
-                nats = -logp[r, pos, targets[r, pos]].double().sum().item()
-                bits += nats / math.log(2)
+                bits += -logp[r, pos, targets[r, pos]].double().sum().item() / math.log(2)
                 chars += n
                 nwords += 1
                 npieces += end - start

@@ -139,11 +139,9 @@ def embed(encoder: TextEncoder, module: torch.nn.Module, encoded: EncodedTexts, 
     `module` frozen: float32 (texts, H), row i the text i of `encoded`. `on_rows(n)` is
     called after each batch with the `n` rows it encoded (progress).
 
-    Rows run in batches of about `batch_size` texts' worth of rows, sorted by length
-    (`encoders.length_batches`), and each text's sums are accumulated over the batches its
-    rows fall in: the same means as batches of whole texts, with little padding. The
-    module runs in eval mode under `no_grad`; its train/eval mode is restored afterwards,
-    so the probe can run in the middle of training.
+    Rows run in batches of about `batch_size` texts' worth of rows sorted by length
+    (`encoders.length_batches`), each text's sums accumulated over the batches its rows fall
+    in. The module runs in eval mode under `no_grad`, its mode restored afterwards.
     """
     n_texts = len(encoded.seen)
     rows_per_batch = max(1, round(batch_size * len(encoded.rows) / max(1, n_texts)))
@@ -238,13 +236,12 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
     """
     encoded = {"train": encode_split(encoder, split.train, cfg),
                "test": encode_split(encoder, split.test, cfg)}
-    # The stage's reporter (`progress.reporting`): rows of every encoder's two splits.
     stage, progress, done = f"probe {split.name}", active(), 0
     parents = [parent] if controls and parent is not None else []
-    encoders = 1 + len(parents) + cfg.random_init_seeds if controls else 1
-    progress.start(stage, float(encoders * sum(len(e.rows) for e in encoded.values())),
-                   "rows", f"the trained encoder, {len(parents)} parent and "
-                   f"{cfg.random_init_seeds if controls else 0} random inits")
+    seeds = cfg.random_init_seeds if controls else 0
+    rows = (1 + len(parents) + seeds) * sum(len(e.rows) for e in encoded.values())
+    progress.start(stage, float(rows), "rows",
+                   f"the trained encoder, {len(parents)} parent and {seeds} random inits")
 
     def rows_done(n: int) -> None:
         nonlocal done
@@ -260,8 +257,7 @@ def probe_task(cfg: LinearProbeConfig, encoder: TextEncoder, split: TaskSplit, *
     metrics = {"accuracy": accuracy(encoder.module)}
     for module in parents:
         metrics["accuracy_parent"] = accuracy(module.to(device))
-    random = [accuracy(encoder.random_init(seed).module.to(device))
-              for seed in range(cfg.random_init_seeds if controls else 0)]
+    random = [accuracy(encoder.random_init(seed).module.to(device)) for seed in range(seeds)]
     progress.finish(stage)
     if not controls:
         return metrics
@@ -293,8 +289,7 @@ def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
     """
     result = DownstreamResult()
     for key, split in load_tasks(cfg, "probe", result):
-        got = probe_task(cfg, encoder, split, device=device, controls=controls,
-                         parent=parent)
+        got = probe_task(cfg, encoder, split, device=device, controls=controls, parent=parent)
         result.metrics.update({key + k: v for k, v in got.items()})
         if controls:
             logger.info(
@@ -302,10 +297,9 @@ def run_probe(cfg: LinearProbeConfig, encoder: TextEncoder, *,
                 "TF-IDF %.4f whole text, %.4f same input; majority %.4f) on %d test rows, "
                 "%d train rows", split.name, got["accuracy"],
                 f"parent {got['accuracy_parent']:.4f}; " if "accuracy_parent" in got else "",
-                got["accuracy_random_init"],
-                got["accuracy_random_init_sd"], cfg.random_init_seeds, got["tfidf_accuracy"],
-                got["tfidf_accuracy_same_input"], got["majority_accuracy"], len(split.test),
-                len(split.train))
+                got["accuracy_random_init"], got["accuracy_random_init_sd"],
+                cfg.random_init_seeds, got["tfidf_accuracy"], got["tfidf_accuracy_same_input"],
+                got["majority_accuracy"], len(split.test), len(split.train))
             if cfg.random_init_seeds < 2:
                 result.tags[unavailable_tag(key + "accuracy_random_init_sd")] = (
                     "one random-init seed (linear_probe.random_init_seeds: 1)")
@@ -334,8 +328,7 @@ def linear_probe(cfg: LinearProbeConfig, model: torch.nn.Module, tokenizer: Toke
     encoder = ours(model, tokenizer)
     if seq_len is not None:
         encoder = replace(encoder, seq_len=min(seq_len, encoder.seq_len))
-    metrics = run_probe(cfg, encoder, device=device, controls=controls).metrics
-    return metrics or None
+    return run_probe(cfg, encoder, device=device, controls=controls).metrics or None
 
 
 def run_linear_probe(cfg: LinearProbeConfig, trained: TrainManifest,

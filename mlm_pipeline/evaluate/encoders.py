@@ -2,12 +2,8 @@
 a text.
 
 `TextEncoder` is what the linear probe (`downstream`) and fine-tuning (`finetune`) need of
-an encoder: its module, how to run it to final hidden states, its tokenizer's pieces,
-special ids and row length, and how to draw a randomly initialised module of the same
-architecture (the control arm). `ours(model, tokenizer)` wraps a `BertMLM`;
-`hugging_face(model, tokenizer)` any `transformers` encoder (`BertForMaskedLM`,
-`ModernBertForMaskedLM`, `AutoModel`...), with its own tokenizer or ours, so a benchmark
-puts a peer through the very same code.
+an encoder. `ours` wraps a `BertMLM`; `hugging_face` any `transformers` encoder, with its
+own tokenizer or ours, so a benchmark puts a peer through the very same code.
 
 What the encoder sees (`encoder_rows`) is one function, used by the probe, by fine-tuning
 and by the "same input" TF-IDF baseline (`seen_texts`, the decoded pieces the encoder's
@@ -127,15 +123,14 @@ def hugging_face(model: nn.Module, tokenizer: Any) -> TextEncoder:
     initialisation.
     """
     config = model.config
+    decode = lambda ids: tokenizer.decode(ids)  # noqa: E731
     if isinstance(tokenizer, Tokenizer):
         tokenize = lambda texts: tokenizer.encode(list(texts))  # noqa: E731
-        decode = lambda ids: tokenizer.decode(ids)  # noqa: E731
         cls_id, sep_id, pad_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id
         seq_len = config.max_position_embeddings
     else:
         tokenize = lambda texts: tokenizer(list(texts), add_special_tokens=False)[  # noqa: E731
             "input_ids"]
-        decode = lambda ids: tokenizer.decode(ids)  # noqa: E731
         cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         seq_len = min(config.max_position_embeddings, tokenizer.model_max_length)
@@ -200,20 +195,15 @@ def encoder_rows(encoder: TextEncoder, texts: Sequence[str], pairs: Sequence[str
         raise ValueError(f"downstream: seq_len {length} leaves no room for a piece")
     cls, sep = encoder.cls_id, encoder.sep_id
     ids = encoder.tokenize(list(texts))
+    if pairs is not None:
+        second = encoder.tokenize(list(pairs))
+        cut = [_longest_first(a, b, budget) for a, b in zip(ids, second, strict=True)]
+        return EncodedTexts([[cls, *a, sep, *b, sep] for a, b in cut], list(range(len(cut))),
+                            [[*a, *b] for a, b in cut], [len(a) for a, _ in cut],
+                            sum(map(len, ids)) + sum(map(len, second)))
     rows: list[list[int]] = []
     owner: list[int] = []
     seen: list[list[int]] = []
-    if pairs is not None:
-        starts = []
-        second = encoder.tokenize(list(pairs))
-        for i, (a, b) in enumerate(zip(ids, second, strict=True)):
-            a, b = _longest_first(a, b, budget)
-            rows.append([cls, *a, sep, *b, sep])
-            owner.append(i)
-            seen.append([*a, *b])
-            starts.append(len(a))
-        return EncodedTexts(rows, owner, seen, starts,
-                            sum(map(len, ids)) + sum(map(len, second)))
     for i, pieces in enumerate(ids):
         if input == "windows":
             windows = [pieces[s:s + budget] for s in range(0, len(pieces), budget)]
@@ -279,8 +269,7 @@ def pooled_sums(encoder: TextEncoder, module: nn.Module, rows: list[list[int]],
         n_texts: texts.
         device: where `module` is.
     """
-    input_ids, mask = pad_rows(rows, encoder.pad_id)
-    input_ids, mask = input_ids.to(device), mask.to(device)
+    input_ids, mask = (t.to(device) for t in pad_rows(rows, encoder.pad_id))
     hidden = encoder.forward(module, input_ids, mask).float()               # (R, L, H)
     weights = mask.unsqueeze(-1).float()
     index = torch.tensor(owner, device=hidden.device)

@@ -17,9 +17,7 @@ Hugging Face one (`encoders`):
    rows after each epoch. Seed s draws the head, the row order and dropout (and the
    scratch arm's encoder), the same for every arm.
 2. Per arm, choose the learning rate and epoch with the highest mean dev accuracy over the
-   seeds (ties: lower mean dev loss, then the smaller learning rate, then the earlier
-   epoch). Only dev rows enter the choice: test predictions are kept aside per epoch and
-   read once the choice is made, for the chosen learning rate and epoch alone.
+   seeds (`selection.choose_on_dev`): only dev rows enter the choice, never test rows.
 3. Report per arm the mean and sample sd over the seeds of the test accuracy, and the
    paired difference pretrained - scratch (seed by seed) with its 95 % paired t interval
    (`stats.paired_difference`), and adapted - parent likewise when there is a parent,
@@ -36,13 +34,10 @@ google-research/bert optimization.py): AdamW, eps 1e-6, decay on matrices only, 
 warm-up then linear decay to 0 over all the epochs, gradient norm clipped at 1,
 cross-entropy. Everything runs in fp32; on CPU a seed gives the same weights and figures.
 
-Keys (`finetune/` for the first task, `finetune/<name>/` for others): `accuracy`,
-`accuracy_sd` (pretrained), `scratch_accuracy`, `scratch_accuracy_sd`, `diff`, `diff_sd`,
-`diff_ci95_low`, `diff_ci95_high`, the chosen `lr`, `epoch` and `dev_accuracy` (and
-`scratch_lr`, `scratch_epoch`, `scratch_dev_accuracy`); with a parent `parent_accuracy`,
-`parent_accuracy_sd`, `parent_lr`, `parent_epoch`, `parent_dev_accuracy` and the paired
-adapted - parent `diff_parent`, `diff_parent_sd`, `diff_parent_ci95_low`,
-`diff_parent_ci95_high`; `seeds`, `epochs`,
+Keys (`finetune/` for the first task, `finetune/<name>/` for others), per arm (prefix:
+none for pretrained, `scratch_`, `parent_`): `accuracy`, `accuracy_sd`, the chosen `lr`,
+`epoch` and `dev_accuracy`; the paired `diff` (pretrained - scratch) and `diff_parent`
+(adapted - parent), each with `_sd`, `_ci95_low`, `_ci95_high`; `seeds`, `epochs`,
 `tfidf_accuracy`, `tfidf_accuracy_same_input`, `majority_accuracy`, the split's counts and
 `pieces_seen_share`, `wall_time_s`. With one seed the interval is not computed (tag
 `unavailable.finetune/diff_ci95`, and `.../diff_parent_ci95`).
@@ -54,7 +49,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,7 +72,7 @@ from mlm_pipeline.evaluate.encoders import (
 )
 from mlm_pipeline.evaluate.selection import EpochScores, choose_on_dev, test_accuracies
 from mlm_pipeline.evaluate.stats import PairedDifference, mean_sd, paired_difference
-from mlm_pipeline.evaluate.tasks import Rows, TaskSplit
+from mlm_pipeline.evaluate.tasks import TaskSplit
 from mlm_pipeline.progress import active
 from mlm_pipeline.tokenizer import Tokenizer
 
@@ -127,11 +122,9 @@ def build_classifiers(encoder: TextEncoder, cfg: FinetuneConfig, seed: int, num_
     """The pretrained, the from-scratch and (given `parent`) the parent classifier of one
     seed, with equal heads.
 
-    The pretrained one holds a deep copy of `encoder.module` (which is left untouched); the
-    scratch one `encoder.fresh(seed)`, a randomly initialised module of the same
-    architecture; the parent one a deep copy of `parent` (left untouched). Every head is
-    the same draw (truncated normal of std `HEAD_STD`, cut at 2 std, zero bias), seeded by
-    `seed`; the global RNG state is restored.
+    Deep copies of `encoder.module` and `parent` (both left untouched) and
+    `encoder.fresh(seed)`; every head is the same draw (truncated normal of std `HEAD_STD`,
+    cut at 2 std, zero bias), seeded by `seed`; the global RNG state is restored.
 
     Returns:
         [pretrained, scratch(, parent)], in train mode on the CPU.
@@ -179,9 +172,7 @@ def finetune_run(clf: SequenceClassifier, encoded: dict[str, EncodedTexts],
         encoded: `train`, `dev` and `test` as the encoder sees them (`encoder_rows`).
         labels: the class ids of each split.
         cfg: `epochs`, `batch_size`, `warmup_ratio`, `weight_decay`.
-        lr: the peak learning rate.
-        seed: the run's seed.
-        device: where to train.
+        lr, seed, device: the peak learning rate, the run's seed, where to train.
         on_epoch: called after each epoch with its dev accuracy (progress).
     """
     clf.to(device).train()
@@ -256,16 +247,15 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
         arm, chosen learning rates and epochs, the grid, the seeds).
     """
     start = time.perf_counter()
+    splits = {"train": split.train, "dev": split.dev, "test": split.test}
     encoded = {name: encoder_rows(encoder, rows.texts, rows.pairs, input=cfg.input,
                                   seq_len=cfg.seq_len, max_windows=data.max_windows)
-               for name, rows in _splits(split)}
-    labels = {name: rows.labels for name, rows in _splits(split)}
+               for name, rows in splits.items()}
+    labels = {name: rows.labels for name, rows in splits.items()}
     grid = cfg.lr_grid(encoder.hidden_size)
     seeds = [cfg.seed + k for k in range(cfg.seeds)]
     arms = ARMS if parent is not None else ARMS[:2]
-    runs: dict[str, dict[float, list[EpochScores]]] = {arm: {lr: [] for lr in grid}
-                                                       for arm in arms}
-    # The stage's reporter (`progress.reporting`): epochs of every arm, rate and seed.
+    runs: dict[str, dict[float, list[EpochScores]]] = {a: {lr: [] for lr in grid} for a in arms}
     stage, progress, done = f"finetune {split.name}", active(), 0
     progress.start(stage, float(len(seeds) * len(grid) * len(arms) * cfg.epochs), "epochs",
                    f"{len(arms)} arms x {len(grid)} learning rates x {len(seeds)} seeds")
@@ -289,11 +279,10 @@ def finetune_task(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEnc
     acc = {arm: test_accuracies(runs[arm], choice[arm], split.test.labels) for arm in arms}
     metrics: dict[str, float] = {}
     for arm in arms:
-        name = ARM_KEYS[arm]
+        name, chosen = ARM_KEYS[arm], choice[arm]
         metrics[f"{name}accuracy"], metrics[f"{name}accuracy_sd"] = mean_sd(acc[arm])
-        metrics[f"{name}lr"] = choice[arm].lr
-        metrics[f"{name}epoch"] = float(choice[arm].epoch)
-        metrics[f"{name}dev_accuracy"] = choice[arm].dev_accuracy
+        metrics.update({f"{name}lr": chosen.lr, f"{name}epoch": float(chosen.epoch),
+                        f"{name}dev_accuracy": chosen.dev_accuracy})
     for other, key in (("scratch", "diff"), ("parent", "diff_parent")):
         if other in acc:
             metrics.update(_paired(key, paired_difference(acc["pretrained"], acc[other])))
@@ -314,10 +303,6 @@ def _paired(key: str, diff: PairedDifference) -> dict[str, float]:
     if diff.n >= 2:
         out.update({f"{key}_ci95_low": diff.low, f"{key}_ci95_high": diff.high})
     return out
-
-
-def _splits(split: TaskSplit) -> Iterator[tuple[str, Rows]]:
-    yield from (("train", split.train), ("dev", split.dev), ("test", split.test))
 
 
 def run_finetune(cfg: FinetuneConfig, data: LinearProbeConfig, encoder: TextEncoder, *,

@@ -11,14 +11,11 @@ parent beside the adapted model, with the same code, seeds, splits and masks:
   (`finetune/parent_accuracy` ..., `finetune/diff_parent`: adapted - parent, paired by
   seed, with its 95 % interval; `finetune.finetune_task`).
 
-The parent arm is the weights the run was initialised with at step 0, in the run's
-architecture: the parent named by the run's lineage record (`TrainManifest.init`), read
-through the same verified loaders as the warm start (`train.warm_start.init_weights`),
-its digest checked against the record, and fitted to the run's length and vocabulary as
-the warm start fits them (`fit_positions`, `fit_vocab`), then loaded into a copy of the
-trained model. A parent that cannot be read any more (moved, deleted, changed since the
-run) is no arm: the figures are tags `unavailable.<figure>` with the reason
-(`PARENT_FIGURES`), never a failed evaluation.
+The parent arm is the weights the run was initialised with at step 0 (its lineage record
+`TrainManifest.init`), read, checked and fitted to the run's architecture as the warm start
+does (`parent_weights`), in a copy of the trained model. A parent that cannot be read any
+more (moved, deleted, changed since the run) is no arm: the figures are tags
+`unavailable.<figure>` with the reason (`PARENT_FIGURES`), never a failed evaluation.
 """
 
 from __future__ import annotations
@@ -107,6 +104,5 @@ def parent_model(init: dict[str, Any] | None, model: torch.nn.Module,
 def parent_tags(reason: str, probe: bool, finetune: bool) -> dict[str, str]:
     """`unavailable.<figure>` -> `reason` for each parent figure (`PARENT_FIGURES`) whose
     evaluation runs (`probe`, `finetune`: those evaluations are enabled)."""
-    wanted = {"eval/parent_loss": True, "probe/accuracy_parent": probe,
-              "finetune/parent_accuracy": finetune}
+    wanted = dict(zip(PARENT_FIGURES, (True, probe, finetune), strict=True))
     return {f"unavailable.{figure}": reason for figure in PARENT_FIGURES if wanted[figure]}

@@ -65,8 +65,7 @@ class PeriodicEvaluator:
             raise ValueError(f"{shards.output_dir}: the validation split has no rows")
         self.tokenizer = Tokenizer.load(tokenizer)
         self.masking = eval_masking(cfg, masking, shards, self.tokenizer)
-        self.seq_len = shards.seq_len
-        self.document_attention = document_attention
+        self.seq_len, self.document_attention = shards.seq_len, document_attention
         self.on_probes, self.extra = on_probes, extra
         warn_answer_problems(self.tokenizer, cfg.probes)
 

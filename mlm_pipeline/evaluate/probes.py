@@ -62,9 +62,8 @@ def answer_problems(tokenizer: Tokenizer, probes: list[FillMaskProbe]) -> list[s
             for text, answer, pieces in unreachable_answers(tokenizer, probes)]
 
 
-#: The unreachable-answer sets already warned about in this process: the periodic
-#: evaluator and the final evaluation of one run check the same probes, and the warning
-#: is said once.
+#: The unreachable-answer sets already warned about in this process (the periodic and the
+#: final evaluation of one run check the same probes: the warning is said once).
 _WARNED: set[tuple[tuple[str, str, str], ...]] = set()
 
 
@@ -125,10 +124,9 @@ def table_rows(results: list[dict[str, Any]], probes: list[FillMaskProbe],
         answers = _answer_set(probe)
         for mask, candidates in enumerate(result["predictions"]):
             for rank, candidate in enumerate(candidates, 1):
-                rows.append({
-                    "step": step, "sentence": probe.text, "mask": mask, "rank": rank,
-                    "token": candidate["token"], "probability": candidate["probability"],
-                    "expected": ", ".join(probe.answers),
-                    "hit": piece_word(candidate["token"]) in answers,
-                })
+                token = candidate["token"]
+                rows.append({"step": step, "sentence": probe.text, "mask": mask, "rank": rank,
+                             "token": token, "probability": candidate["probability"],
+                             "expected": ", ".join(probe.answers),
+                             "hit": piece_word(token) in answers})
     return rows

@@ -1,12 +1,11 @@
 """Held-out evaluation: masked-token loss, accuracy and perplexity with fixed masks at 15 %,
 fill-mask probes, and the downstream tasks beside their controls.
 
-Masks come from the same keyed masking function as training, keyed by
-(`eval.seed`, epoch 0, global validation row index): every run, every checkpoint and every
-eval batch size sees the same masked positions and the same corrupted inputs, so two runs
-are compared on identical predictions. Metrics are token-weighted: sums over all masked
-tokens divided once by their count, never a mean of per-batch means (so they do not
-depend on how masked tokens fall into batches). Evaluation masks at `eval.mlm_probability`
+Masks come from training's keyed masking function, keyed by (`eval.seed`, epoch 0, global
+validation row index): every run, checkpoint and eval batch size sees the same masked
+positions and corrupted inputs, so runs are compared on identical predictions. Metrics are
+token-weighted (sums over all masked tokens divided once by their count, never a mean of
+per-batch means). Evaluation masks at `eval.mlm_probability`
 (BERT's 15 %, the rate the field reports, whatever rate training used) with the training
 run's selection (`masking.selection`, `masking.whole_word`, 80/10/10), and runs the model
 with document attention when `train.document_attention` is set. When training masked at
@@ -72,17 +71,10 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def masked_lm_metrics(
-    model: torch.nn.Module,
-    dataset: ShardDataset,
-    *,
-    masking: KeyedMasking,
-    batch_size: int,
-    max_rows: int | None = None,
-    baseline_token: int | None = None,
-    device: torch.device | str = "cpu",
-    precision: str = "fp32",
-    document_attention: bool = False,
-    progress: Progress | None = None,
+    model: torch.nn.Module, dataset: ShardDataset, *, masking: KeyedMasking, batch_size: int,
+    max_rows: int | None = None, baseline_token: int | None = None,
+    device: torch.device | str = "cpu", precision: str = "fp32",
+    document_attention: bool = False, progress: Progress | None = None,
 ) -> dict[str, float]:
     """Token-weighted masked-LM metrics over the first `max_rows` rows of `dataset`.
 
@@ -114,11 +106,8 @@ def masked_lm_metrics(
     model.eval()
     device = torch.device(device)
     rows = len(dataset) if max_rows is None else min(max_rows, len(dataset))
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if precision == "bf16"
-        else contextlib.nullcontext()
-    )
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
     loss_sum, correct, top5, baseline_hits, masked = 0.0, 0, 0, 0, 0
     progress = progress or NullProgress()
     progress.start("evaluate", float(-(-rows // batch_size)), "batches", f"{rows} rows")
@@ -146,29 +135,18 @@ def masked_lm_metrics(
     if masked == 0:
         raise ValueError(f"no masked position in {rows} evaluation rows")
     loss = loss_sum / masked
-    metrics = {
-        "eval/loss": loss,
-        "eval/mlm_accuracy": correct / masked,
-        "eval/top5_accuracy": top5 / masked,
-        "eval/perplexity": math.exp(min(loss, 700.0)),  # exp overflows a double past ~709
-        "eval/masked_tokens": float(masked),
-        "eval/rows": float(rows),
-    }
+    metrics = {"eval/loss": loss, "eval/mlm_accuracy": correct / masked,
+               "eval/top5_accuracy": top5 / masked,
+               "eval/perplexity": math.exp(min(loss, 700.0)),  # exp overflows past ~709
+               "eval/masked_tokens": float(masked), "eval/rows": float(rows)}
     if baseline_token is not None:
         metrics["eval/baseline_accuracy"] = baseline_hits / masked
     return metrics
 
 
 @torch.no_grad()
-def fill_mask(
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    texts: list[str],
-    *,
-    seq_len: int,
-    top_k: int = 5,
-    device: torch.device | str = "cpu",
-) -> list[dict[str, Any]]:
+def fill_mask(model: torch.nn.Module, tokenizer: Tokenizer, texts: list[str], *, seq_len: int,
+              top_k: int = 5, device: torch.device | str = "cpu") -> list[dict[str, Any]]:
     """Predict each literal `[MASK]` in `texts`.
 
     Each text becomes `[CLS] pieces [SEP]` (truncated to `seq_len`), with the tokenizer's
@@ -193,15 +171,10 @@ def fill_mask(
             raise ValueError(f"fill-mask probe has no [MASK] within {seq_len} tokens: {text!r}")
         logits = model(input_ids).logits[0, positions].float()
         logits[:, list(tokenizer.special_ids.all_special_ids)] = float("-inf")
-        probs = logits.softmax(dim=-1)
-        top = probs.topk(top_k, dim=-1)
-        predictions = [
-            [
-                {"token": tokenizer.id_to_piece(int(i)), "probability": float(p)}
-                for p, i in zip(ps, is_)
-            ]
-            for ps, is_ in zip(top.values.tolist(), top.indices.tolist())
-        ]
+        top = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        predictions = [[{"token": tokenizer.id_to_piece(int(i)), "probability": float(p)}
+                        for p, i in zip(ps, is_)]
+                       for ps, is_ in zip(top.values.tolist(), top.indices.tolist())]
         results.append({"text": text, "predictions": predictions})
     return results
 
@@ -213,12 +186,11 @@ def run_probes(model: torch.nn.Module, tok: Tokenizer, cfg: EvalConfig, seq_len:
     `error` instead of failing the evaluation."""
     results = []
     for probe in cfg.probes:
-        text = probe.text
         try:
-            results += fill_mask(model, tok, [text], seq_len=seq_len, top_k=cfg.top_k,
+            results += fill_mask(model, tok, [probe.text], seq_len=seq_len, top_k=cfg.top_k,
                                  device=device)
         except ValueError as exc:
-            results.append({"text": text, "error": str(exc)})
+            results.append({"text": probe.text, "error": str(exc)})
     return results
 
 
@@ -227,8 +199,7 @@ def eval_masking_config(cfg: EvalConfig, masking: MaskingConfig,
     """The training run's masking settings at the evaluation rate: `rate` when given, else
     `cfg.mlm_probability`, else (None) the training rate (`masking.eval_probability`)."""
     if rate is None:
-        rate = cfg.mlm_probability if cfg.mlm_probability is not None else (
-            masking.eval_probability)
+        rate = masking.eval_probability if cfg.mlm_probability is None else cfg.mlm_probability
     return masking.model_copy(update={"mlm_probability": float(rate)})
 
 
@@ -263,14 +234,12 @@ def check_evaluable(shards: ShardManifest) -> None:
             whole training run); the message names the shards directory and the fields
             to change.
     """
-    seq_len = shards.seq_len
     if shards.validation.rows == 0:
         raise ValueError(
-            f"{shards.output_dir}: the validation split has no rows of {seq_len} tokens "
+            f"{shards.output_dir}: the validation split has no rows of {shards.seq_len} tokens "
             f"({shards.validation.documents} documents, {shards.validation.tokens_in} tokens), "
             "so the run could not be evaluated; raise ingest.validation_fraction or lower "
-            "shards.seq_len"
-        )
+            "shards.seq_len")
 
 
 def evaluation_digest(cfg: EvalConfig, trained: TrainManifest, shards: ShardManifest,
@@ -333,14 +302,9 @@ def log_results(probes: list[dict[str, Any]], metrics: dict[str, float]) -> None
 
 
 def evaluate(
-    cfg: EvalConfig,
-    trained: TrainManifest,
-    shards: ShardManifest,
-    tokenizer: TokenizerManifest,
-    work_dir: str | Path,
-    probe: LinearProbeConfig | None = None,
-    progress: Progress | None = None,
-    holdout: Holdout | None = None,
+    cfg: EvalConfig, trained: TrainManifest, shards: ShardManifest,
+    tokenizer: TokenizerManifest, work_dir: str | Path, probe: LinearProbeConfig | None = None,
+    progress: Progress | None = None, holdout: Holdout | None = None,
     finetune: FinetuneConfig | None = None,
 ) -> EvalManifest:
     """Evaluate a trained checkpoint on the validation split, run the fill-mask probes and
@@ -416,24 +380,16 @@ def evaluate(
                                            finetune is not None and finetune.enabled))
     log_results(probes, metrics)
     manifest = EvalManifest(
-        stage="evaluate",
-        digest=digest,
-        output_dir=str(out),
-        config={"eval": cfg.model_dump(mode="json"),
-                "masking": masks.masks_record(),
-                "train_masking": mc.masks_record(),
-                "document_attention": document_attention,
+        stage="evaluate", digest=digest, output_dir=str(out),
+        config={"eval": cfg.model_dump(mode="json"), "masking": masks.masks_record(),
+                "train_masking": mc.masks_record(), "document_attention": document_attention,
                 **({"holdout": held} if held else {}),
                 "linear_probe": probe.model_dump(mode="json") if probe else None,
                 **({"finetune": finetune.model_dump(mode="json")} if finetune else {}),
                 "downstream": downstream.tasks},
         inputs={"train": trained.digest, "shards": shards.digest, "tokenizer": tokenizer.digest},
-        created_at=watch.created_at,
-        wall_time_s=watch.elapsed,
-        metrics=metrics,
-        probes=probes,
-        tags=downstream.tags,
-    )
+        created_at=watch.created_at, wall_time_s=watch.elapsed, metrics=metrics,
+        probes=probes, tags=downstream.tags)
     write_manifest(manifest)
     return manifest
 

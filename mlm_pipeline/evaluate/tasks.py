@@ -4,9 +4,7 @@ train, dev and test, fixed by a hash and recorded with a digest.
 A task (`config.ClassificationTask`) is the shipped French review polarity set
 (`probe_data`), a local CSV / JSONL / Parquet file with named text, optional second-text
 and label columns, or a Hugging Face `datasets` dataset (`hf:NAME`, loaded lazily: the
-package is only in the `bench` extra). Rows are `(text, pair, label)`: `pair` is None for
-single texts; labels are strings (an integer label `2` is `"2"`) and the classes are their
-distinct values in order (numeric order when every label is a number).
+package is only in the `bench` extra). Labels are strings (an integer label `2` is `"2"`).
 
 Split (`split_task`), deterministic and independent of row order: exact duplicates (same
 text and pair) are dropped, keeping the first (a duplicate with another label is an
@@ -75,7 +73,6 @@ class TaskSplit:
     """A task's fixed train / dev / test split (module docstring)."""
 
     name: str
-    """The task's name."""
     classes: tuple[str, ...]
     """Label strings; class id `i` is `classes[i]`."""
     train: Rows
@@ -100,8 +97,7 @@ class TaskSplit:
         split digest, classes and rows per split."""
         return {"name": self.name, "source": self.source, "data_sha256": self.data_sha256,
                 "digest": self.digest, "classes": list(self.classes),
-                "rows": {"train": len(self.train), "dev": len(self.dev),
-                         "test": len(self.test)},
+                "rows": {k: len(getattr(self, k)) for k in ("train", "dev", "test")},
                 "duplicates_dropped": self.duplicates_dropped}
 
 
@@ -176,6 +172,7 @@ def read_task_file(task: ClassificationTask, path: Path) -> list[Row]:
 
 
 def _columns(task: ClassificationTask) -> list[str]:
+    """The text, the pair's (when set) and the label column."""
     return [task.text_column, *([task.text_pair_column] if task.text_pair_column else []),
             task.label_column]
 
@@ -188,9 +185,7 @@ def _row(task: ClassificationTask, get: Any, where: str) -> Row:
             values[col] = get(col)
         except KeyError:
             raise ValueError(f"{where}: no column {col!r}") from None
-    texts = [values[task.text_column]]
-    if task.text_pair_column:
-        texts.append(values[task.text_pair_column])
+    texts = [values[col] for col in _columns(task)[:-1]]  # the text (and its pair)
     for col, value in zip(_columns(task), texts):
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{where}: {col!r} is {value!r}, not a non-empty text")

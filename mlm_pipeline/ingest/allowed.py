@@ -29,6 +29,7 @@ allowed root too (`confine`); a URL source's expanded object URLs must each pass
 check. A file leading out is skipped, never opened, and named in the corpus manifest's
 `skipped_files` with the kind `outside_allowed_sources`. Readers check each such file again
 when they open it (`escaped`), so a link swapped in after listing is refused as well.
+
 This module imports neither torch nor prefect.
 """
 
@@ -186,7 +187,6 @@ def with_event_sources(cfg: PipelineConfig, sources: Sequence[str]) -> PipelineC
     check_event_sources(sources, cfg.ingest.allowed_sources)
     ingest = IngestConfig.model_validate({**cfg.ingest.model_dump(), "sources": list(sources)})
     return cfg.model_copy(update={"ingest": ingest})
-
 
 
 def _read_sources(cfg: PipelineConfig) -> list[tuple[str, str]]:

@@ -7,13 +7,12 @@ corpus is downloaded with `apt-get download` (nothing is installed), unpacked wi
 `dpkg-deb -x` into a temporary directory, converted to plain text by
 `mlm_pipeline.ingest.page_text` or, for a StarDict dictionary, `corpus_extract.stardict_docs`
 (for a non-English corpus, lines of untranslated English dropped) and written as JSONL,
-one document per line: `{"id", "text", "source",
-"lang"}`, sorted by id, NFC, without control characters, paragraphs separated by a blank
-line, exact-duplicate texts removed.
+one document per line: `{"id", "text", "source", "lang"}`, sorted by id, NFC, without
+control characters, paragraphs separated by a blank line, exact-duplicate texts removed.
 
-Layout of the cache (`default_cache_dir()` unless told otherwise):
-`debs/*.deb`, `corpora/<name>.jsonl` and `corpora/<name>.stamp.json` (package versions
-and `EXTRACTOR_VERSION`): a corpus is rebuilt only when its stamp no longer matches.
+Layout of the cache (`default_cache_dir()` unless told otherwise): `debs/*.deb`,
+`corpora/<name>.jsonl` and `corpora/<name>.stamp.json` (package versions and
+`EXTRACTOR_VERSION`): a corpus is rebuilt only when its stamp no longer matches.
 
 Standard library only; imports neither torch nor prefect.
 """
@@ -72,18 +71,15 @@ DEBIAN_CORPORA: dict[str, DebianCorpus] = {
     # LibreOffice's French help, ~2,400 short how-to pages (MPL-2.0).
     "libreoffice-help-fr": DebianCorpus(
         ("libreoffice-help-fr",), "usr/share/libreoffice/help/fr", r"\.html$",
-        root="id=DisplayArea",
-    ),
+        root="id=DisplayArea"),
     # "Le cahier de l'administrateur Debian", one document per section page (GPL-2+).
     "debian-handbook-fr": DebianCorpus(
         ("debian-handbook",), "usr/share/doc/debian-handbook/html/fr-FR", r"^[^/]+\.html$",
-        exclude=r"^(index\.html|ix01)",
-    ),
+        exclude=r"^(index\.html|ix01)"),
     # "Référence Debian", one document per chapter (GPL-2+).
     "debian-reference-fr": DebianCorpus(
         ("debian-reference-fr",), "usr/share/debian-reference", r"^[^/]+\.fr\.html$",
-        exclude=r"^index\.",
-    ),
+        exclude=r"^index\."),
     # Émile Littré's "Dictionnaire de la langue française" (1863-1877, public domain; XML
     # edition GPL-2+), 31 MB .deb: definitions and quotations of French literature, ~34,000
     # articles, ~39 MB of text. Kept: the definitions and quotations; dropped: the
@@ -92,13 +88,11 @@ DEBIAN_CORPORA: dict[str, DebianCorpus] = {
     "littre-fr": DebianCorpus(
         ("stardict-xmlittre",), "usr/share/stardict/dic", r"^XMLittre\.idx$", kind="stardict",
         drop=(r'\A\s*<i><small>.*?</small></i>|<span foreground="#(?:B22222|556B2F)">.*?</span>'
-              r"|<b><big>(?:HISTORIQUE|ÉTYMOLOGIE)</big></b>.*"),
-    ),
+              r"|<b><big>(?:HISTORIQUE|ÉTYMOLOGIE)</big></b>.*")),
     # French man pages (GPL-3+ translations); needs groff, ~30 s of rendering on 2 cores.
     "manpages-fr": DebianCorpus(
         ("manpages-fr", "manpages-fr-dev"), "usr/share/man/fr", r"^man[0-9n][^/]*/[^/]+\.gz$",
-        kind="man",
-    ),
+        kind="man"),
 }
 #: Names that stand for several corpora; `fr` is the default set (HTML only: no groff, fast);
 #: `fr-general` adds the Littré's general-domain prose (5x the text of `fr`).
@@ -181,10 +175,8 @@ class _Apt:
     """apt-cache/apt-get/dpkg-deb calls for one fetch; `apt-get update` runs at most once."""
 
     def __init__(self, cache_dir: Path) -> None:
-        self.cache_dir = cache_dir
-        self.debs = cache_dir / "debs"
-        self.root = os.geteuid() == 0
-        self.updated = False
+        self.cache_dir, self.debs = cache_dir, cache_dir / "debs"
+        self.root, self.updated = os.geteuid() == 0, False
         self.versions: dict[str, str | None] = {}  # candidate version cache
         self.available = all(shutil.which(t) for t in ("apt-get", "apt-cache", "dpkg-deb"))
 

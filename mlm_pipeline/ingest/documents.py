@@ -53,9 +53,8 @@ def open_documents(path: str | os.PathLike[str]) -> pq.ParquetFile:
     return pf
 
 
-def write_training_text(
-    corpus: CorpusManifest, path: Path, max_bytes: int, max_lines: int, seed: int
-) -> tuple[int, int, str]:
+def write_training_text(corpus: CorpusManifest, path: Path, max_bytes: int, max_lines: int,
+                        seed: int) -> tuple[int, int, str]:
     """Write the trainer's sentences, one per line (UTF-8, "\\n" after each).
 
     The candidate sentences are the non-blank lines of the documents of the corpus's
@@ -210,9 +209,8 @@ def _cut_word(word: str, max_bytes: int) -> Iterator[str]:
     yield word[start:]
 
 
-def text_tasks(
-    paths: list[Path], batch_size: int, batch_bytes: int
-) -> Iterator[list[pa.Array]]:
+def text_tasks(paths: list[Path], batch_size: int,
+               batch_bytes: int) -> Iterator[list[pa.Array]]:
     """The `text` column of ingested Parquet files as encode tasks: lists of consecutive
     Arrow string arrays (zero-copy slices) holding at most `batch_size` documents and
     `batch_bytes` UTF-8 bytes (a longer document alone), in file and row order.
@@ -256,8 +254,7 @@ def text_tasks(
                         yield pending
                         pending, docs, size = [], 0, 0
                     pending.append(part)
-                    docs += len(part)
-                    size += nbytes
+                    docs, size = docs + len(part), size + nbytes
         except (pa.ArrowException, OSError) as exc:
             raise ValueError(f"{path}: cannot read Parquet documents: {exc}") from exc
     if pending:

@@ -97,8 +97,7 @@ def ngram_overlap(validation: Iterable[str], train: Iterable[str],
     Raises:
         ValueError: `ngram` < 1.
     """
-    per_doc = []
-    short = 0
+    per_doc, short = [], 0
     for text in validation:
         h = window_hashes(text, ngram)
         if h.size:

@@ -38,20 +38,10 @@ from typing import Any
 from mlm_pipeline.config import IngestConfig
 from mlm_pipeline.ingest.accounting import Accounting, confined_records
 from mlm_pipeline.ingest.readers import (
-    Record,
-    _logged,
-    _screened,
-    jsonl_records,
-    read_records,
-    txt_records,
+    Record, _logged, _screened, jsonl_records, read_records, txt_records,
 )
 from mlm_pipeline.ingest.sources import (
-    _WIDE_BOMS,
-    BadFileError,
-    Source,
-    is_url,
-    raw_lines,
-    source_name,
+    _WIDE_BOMS, BadFileError, Source, is_url, raw_lines, source_name,
 )
 
 #: `mapper(fn, items)` -> `fn(item)` for every item, in the items' order (builtin `map`).
@@ -122,8 +112,7 @@ def plan_partitions(files: list[Source], cfg: IngestConfig, partitions: int) -> 
             plan.append(Partition(i, path))
             continue
         cuts = _cut_points(path, target, paragraphs=source_name(path).endswith(".txt"))
-        bounds = [(0, 1), *cuts]
-        for (start, line), (end, _) in zip(bounds, [*cuts, (None, 0)]):
+        for (start, line), (end, _) in zip([(0, 1), *cuts], [*cuts, (None, 0)]):
             plan.append(Partition(i, path, start, end, line))
     return plan
 
@@ -249,8 +238,7 @@ def read_partition(cfg: IngestConfig, part: Partition) -> PartitionResult:
             if full:
                 continue  # read through, to find a bad file
             events.clear()
-            for reason in rec.repairs:
-                events.append(("repaired", reason))
+            events += [("repaired", reason) for reason in rec.repairs]
             docs: list[tuple[str, str, str]] = []
             if (drop := acc._drop_reason(rec.drop, rec.lang, langs)) is not None:
                 events.append(("dropped", drop))

@@ -66,15 +66,8 @@ from mlm_pipeline.ingest.cleaning import screen
 from mlm_pipeline.ingest.json_array import Damage, array_items
 from mlm_pipeline.ingest.listing import COMPRESSIONS, SUPPORTED_SUFFIXES
 from mlm_pipeline.ingest.sources import (
-    DAMAGED_DATA_ERRORS,
-    BadFileError,
-    Source,
-    decode,
-    is_damaged_data,
-    open_raw,
-    open_utf8,
-    raw_lines,
-    source_name,
+    DAMAGED_DATA_ERRORS, BadFileError, Source, decode, is_damaged_data, open_raw, open_utf8,
+    raw_lines, source_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,8 +143,8 @@ def read_records(path: Source, text_field: str, txt_document: str) -> Iterator[R
         base = base.removesuffix(c)
     if base.endswith(".parquet"):
         return _logged(path, "row", text_field, _screened(_parquet(path, text_field)))
-    readers = {".txt": ("line", lambda: _txt(path, txt_document == "file")),
-               ".jsonl": ("line", lambda: _jsonl(path, text_field)),
+    readers = {".txt": ("line", lambda: _lines(path, txt_records, txt_document == "file")),
+               ".jsonl": ("line", lambda: _lines(path, jsonl_records, text_field)),
                ".json": ("element", lambda: _json(path, text_field)),
                ".csv": ("data row", lambda: _csv(path, text_field))}
     for suffix, (unit, make) in readers.items():
@@ -211,6 +204,14 @@ def _clean(value: str, fixes: set[str]) -> str:
     return value
 
 
+def _no_nul(text: str, fixes: set[str]) -> str:
+    """`text` without NUL characters (a `\\u0000` escape, a NUL byte), counted as `nul`."""
+    if "\x00" in text:
+        fixes.add("nul")
+        return text.replace("\x00", "")
+    return text
+
+
 def _meta(obj, name: str, pos: int) -> tuple[str, str, str | None]:
     """(id, source, lang) of a JSON object / CSV row / Parquet row, with fallbacks."""
     doc_id = obj.get("id")
@@ -227,10 +228,7 @@ def _object_record(obj, field: str, name: str, pos: int, fixes: set[str]) -> Rec
         return Record(f"{name}:{pos}", "", name, fixes, "bad_json")
     if not isinstance(obj.get(field), str):
         return Record(f"{name}:{pos}", "", name, fixes, "missing_text")
-    text = _clean(obj[field], fixes)
-    if "\x00" in text:  # a \u0000 escape
-        text = text.replace("\x00", "")
-        fixes.add("nul")
+    text = _no_nul(_clean(obj[field], fixes), fixes)
     doc_id, source, lang = _meta(obj, name, pos)
     return Record(doc_id, text, source, fixes, None, lang)
 
@@ -292,28 +290,25 @@ def jsonl_records(raw: Iterable[bytes], name: str, field: str,
         yield lineno, _object_record(obj, field, name, lineno, fixes)
 
 
-def _txt(path: Source, by_file: bool) -> Iterator[tuple[int, Record]]:
+def _lines(path: Source, records, arg) -> Iterator[tuple[int, Record]]:
+    """`records(lines, name, arg)` (`txt_records` or `jsonl_records`) of a whole file."""
     with open_utf8(path) as f:
-        yield from txt_records(raw_lines(f), source_name(path), by_file)
-
-
-def _jsonl(path: Source, field: str) -> Iterator[tuple[int, Record]]:
-    with open_utf8(path) as f:
-        yield from jsonl_records(raw_lines(f), source_name(path), field)
+        yield from records(raw_lines(f), source_name(path), arg)
 
 
 def _reopen_text(path: Source) -> tuple[io.TextIOWrapper, set[str]]:
     """A text stream of a file (undecodable bytes as lone surrogates, for `_clean` to
     count) past a UTF-8 BOM, and the repairs of its first record (`bom` or none). The
     stream is not seekable, so a file without a BOM is opened again."""
-    f = io.TextIOWrapper(open_utf8(path), encoding="utf-8", errors="surrogateescape",
-                         newline="")
-    head = f.read(1)
-    if head == "\ufeff":
+    def text() -> io.TextIOWrapper:
+        return io.TextIOWrapper(open_utf8(path), encoding="utf-8", errors="surrogateescape",
+                                newline="")
+
+    f = text()
+    if f.read(1) == "\ufeff":
         return f, {"bom"}
     f.close()
-    return io.TextIOWrapper(open_utf8(path), encoding="utf-8", errors="surrogateescape",
-                            newline=""), set()
+    return text(), set()
 
 
 def _json(path: Source, field: str) -> Iterator[tuple[int, Record]]:
@@ -358,15 +353,12 @@ def _csv(path: Source, field: str) -> Iterator[tuple[int, Record]]:
             if len(row) > len(header):  # e.g. an unquoted comma in a text
                 fixes.add("extra_fields")
             obj = dict(zip(header, row))
-            text = obj.get(field)
-            if "\x00" in (text or ""):
-                text = text.replace("\x00", "")
-                fixes.add("nul")
-            if text is None:  # a short row
+            if (text := obj.get(field)) is None:  # a short row
                 yield k, Record(f"{name}:{k}", "", name, fixes, "missing_text")
             else:
                 doc_id, source, lang = _meta(obj, name, k)
-                yield k, Record(doc_id, _clean(text, fixes), source, fixes, None, lang or None)
+                text = _clean(_no_nul(text, fixes), fixes)
+                yield k, Record(doc_id, text, source, fixes, None, lang or None)
             fixes = set()
     finally:
         f.close()
@@ -435,11 +427,8 @@ def _parquet_rows(path: Source, pf: pq.ParquetFile, name: str,
             if not isinstance(text, str):  # null
                 yield k, Record(f"{name}:{k}", "", name, fixes, "missing_text")
                 continue
-            if "\x00" in text:
-                text = text.replace("\x00", "")
-                fixes.add("nul")
             doc_id, source, lang = _meta(obj, name, k)
-            yield k, Record(doc_id, text, source, fixes, None, lang)
+            yield k, Record(doc_id, _no_nul(text, fixes), source, fixes, None, lang)
 
 
 def _column_values(column: pa.Array) -> tuple[list, set[int]]:

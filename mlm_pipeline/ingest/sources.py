@@ -2,14 +2,15 @@
 
 A source is a local path or an fsspec URL (`s3://`, `https://`, `file://`; fsspec is
 imported only for URLs). This module expands `IngestConfig.sources` into files, hashes
-their bytes (the stage's cache key, remembered by `mlm_pipeline.ingest.hashing`), and opens them as streams: decompressed by suffix
-(`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst` with pyarrow's zstd codec, so no extra
-dependency) and, for text, transcoded to UTF-8 when a UTF-16 or UTF-32 byte-order mark is
-present (not a repair). A truncated or corrupt compressed stream is a `BadFileError` (a
-`ValueError`) that names the file (`open_compressed`). Lines are split and UTF-8 decoded
-here, with the repairs counted by `mlm_pipeline.ingest.readers`: a UTF-8 BOM (`bom`),
-invalid bytes or lone surrogates (`invalid_utf8`), NUL (`nul`). Which files a directory
-or glob holds is `mlm_pipeline.ingest.listing`'s.
+their bytes (the stage's cache key, remembered by `mlm_pipeline.ingest.hashing`), and opens
+them as streams: decompressed by suffix (`.gz`, `.bz2`, `.xz` with Python's stdlib, `.zst`
+with pyarrow's zstd codec, so no extra dependency) and, for text, transcoded to UTF-8 when
+a UTF-16 or UTF-32 byte-order mark is present (not a repair). A truncated or corrupt
+compressed stream is a `BadFileError` (a `ValueError`) that names the file
+(`open_compressed`). Lines are split and UTF-8 decoded here, with the repairs counted by
+`mlm_pipeline.ingest.readers`: a UTF-8 BOM (`bom`), invalid bytes or lone surrogates
+(`invalid_utf8`), NUL (`nul`). Which files a directory or glob holds is
+`mlm_pipeline.ingest.listing`'s.
 
 This module imports neither torch nor prefect.
 """
@@ -35,11 +36,7 @@ from mlm_pipeline.ingest import corpora
 from mlm_pipeline.ingest.allowed import confine
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.listing import (
-    SUPPORTED_SUFFIXES,
-    local_files,
-    skipped_warning,
-    special_warning,
-    supported,
+    SUPPORTED_SUFFIXES, local_files, skipped_warning, special_warning, supported,
 )
 from mlm_pipeline.manifest import SkippedFile
 

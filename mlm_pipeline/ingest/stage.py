@@ -10,14 +10,13 @@ every repair and drop is counted in the manifest:
 * Repairs (counted once per record read, kept or dropped): `bom`, `invalid_utf8`, `nul`
   (see `sources`), `extra_fields` (see `readers`), `control` (C0 control characters other
   than tab, line feed, carriage return and the separators removed; `cleaning.screen`),
-  `control_space` (a run of C0 separators, vertical tab, form feed or U+001C-U+001F,
-  made one space so that words stay apart), and `split`: a
-  document longer than `max_document_chars` is cut into parts of at most that many
-  characters, at the last blank line (paragraph) before the limit, else the last
-  whitespace after `.`, `!` or `?` (sentence), else the last whitespace, else hard at the
-  limit. The whitespace run cut at is removed (parts are
-  stripped), no other character is lost. Parts get ids `<id>#<k>` (k from 1) and are then
-  deduplicated and assigned to splits like any document.
+  `control_space` (a run of C0 separators, vertical tab, form feed or U+001C-U+001F, made
+  one space so that words stay apart), and `split`: a document longer than
+  `max_document_chars` is cut into parts of at most that many characters, at the last
+  blank line (paragraph) before the limit, else the last whitespace after `.`, `!` or `?`
+  (sentence), else the last whitespace, else hard at the limit. The whitespace run cut at
+  is removed (parts are stripped), no other character is lost. Parts get ids `<id>#<k>`
+  (k from 1) and are then deduplicated and assigned to splits like any document.
 * Drops (in this order): `bad_json`, `missing_text` (field absent or not a string),
   `binary` (a share of U+FFFD and control characters above `cleaning.BINARY_SHARE`),
   `language` (a `lang` field not in `languages`), `empty`, `too_short`, `few_letters`
@@ -42,10 +41,11 @@ reason in the manifest's `bad_files` and logged. With `skip` the run goes on wit
 other files; the records the file gave before the error (the rows of a CSV before a quote
 that never closes, the first array of a `.json` with a second one after it) are counted,
 kept or dropped like any, and its entry says how many. With `fail` the stage reads the
-other files through and raises one error naming every bad file. `on_bad_file` is no part of the digest; a cached manifest with bad files fails too.
-Entries of source directories and globs that are not regular files of a supported type
-(FIFOs, devices, symlink loops, dangling links, directories named like files...) are never
-opened: they are named with their kind in `skipped_files` (`listing`).
+other files through and raises one error naming every bad file. `on_bad_file` is no part
+of the digest; a cached manifest with bad files fails too. Entries of source directories
+and globs that are not regular files of a supported type (FIFOs, devices, symlink loops,
+dangling links, directories named like files...) are never opened: they are named with
+their kind in `skipped_files` (`listing`).
 
 Split: a document goes to validation iff the first 8 bytes of sha256(normalized text),
 read as a big-endian integer and divided by 2**64, are below `validation_fraction`. The
@@ -93,36 +93,19 @@ from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.ingest.holdout import OVERLAP, Holdout
 from mlm_pipeline.ingest import writer
 from mlm_pipeline.ingest.overlap import (
-    DEFAULT_NGRAM,
-    LineDedup,
-    dedup_validation_lines,
-    ngram_overlap,
+    DEFAULT_NGRAM, LineDedup, dedup_validation_lines, ngram_overlap,
 )
 from mlm_pipeline.ingest.sources import (
-    Source,
-    content_hash,
-    resolve_sources,
-    source_name,
-    source_size,
+    Source, content_hash, resolve_sources, source_name, source_size,
 )
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
-    CorpusManifest,
-    FileEntry,
-    SkippedFile,
-    SourceEntry,
-    Stopwatch,
-    ValidationOverlap,
-    compute_digest,
-    load_if_complete,
-    stage_dir,
-    write_manifest,
+    CorpusManifest, FileEntry, SkippedFile, SourceEntry, Stopwatch, ValidationOverlap,
+    compute_digest, load_if_complete, stage_dir, write_manifest,
 )
 from mlm_pipeline.progress import NullProgress, Progress, reporting
 
 logger = logging.getLogger(__name__)
-
-
 
 
 def ingest(cfg: IngestConfig, work_dir: str | Path, progress: Progress | None = None,
@@ -201,8 +184,7 @@ def _build(cfg: IngestConfig, work_dir: str | Path, files: list[Source], hashes:
     held = holdout.keys if holdout is not None else frozenset()
     if holdout is not None:
         reader.dropped[OVERLAP] = 0
-    writers = {"train": writer.SplitWriter(out_dir, "train"),
-               "validation": writer.SplitWriter(out_dir, "validation")}
+    writers = {split: writer.SplitWriter(out_dir, split) for split in ("train", "validation")}
     seen = DigestSet()
     near = NearDuplicateFilter(cfg.near_dedup_threshold) if cfg.near_dedup_threshold else None
     smallest: tuple[bytes, int, int] | None = None  # train doc with the smallest split hash
@@ -343,8 +325,8 @@ def _inputs(files: list[Source], hashes: list[str]) -> dict[str, str]:
 
 def _digest(cfg: IngestConfig, files: list[Source], hashes: list[str],
             holdout: Holdout | None = None) -> str:
-    config = cfg.model_dump(mode="json", exclude={
-        "cache_dir", "sources", "on_bad_file", "allowed_sources"})
+    config = cfg.model_dump(mode="json",
+                            exclude={"cache_dir", "sources", "on_bad_file", "allowed_sources"})
     # Keys added after digests were first published count only when not at their default,
     # so that earlier corpora keep their digests.
     for key, default in (("validation_dedup", "none"), ("overlap_ngram", DEFAULT_NGRAM)):
@@ -366,9 +348,7 @@ def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
         `(id, text)` of every document.
     """
     for f in files:
-        batches = pq.ParquetFile(f).iter_batches(batch_size=writer.BATCH_DOCS,
-                                                 columns=["id", "text"])
-        for batch in batches:
+        for batch in pq.ParquetFile(f).iter_batches(writer.BATCH_DOCS, columns=["id", "text"]):
             yield from zip(batch.column("id").to_pylist(), batch.column("text").to_pylist())
 
 

@@ -7,37 +7,12 @@ ShardManifest`). This package imports neither torch nor prefect.
 """
 
 from mlm_pipeline.manifest.base import (
-    FORMAT_VERSION,
-    FileEntry,
-    M,
-    Manifest,
-    ManifestPathError,
-    OutsideWorkDirError,
-    Stopwatch,
-    atomic_write_text,
-    check_in_work_dir,
-    canonical_json,
-    compute_digest,
-    file_entry,
-    find_manifest,
-    load_if_complete,
-    read_manifest,
-    sha256_file,
-    stage_dir,
-    write_manifest,
-)
+    FORMAT_VERSION, FileEntry, M, Manifest, ManifestPathError, OutsideWorkDirError, Stopwatch,
+    atomic_write_text, canonical_json, check_in_work_dir, compute_digest, file_entry,
+    find_manifest, load_if_complete, read_manifest, sha256_file, stage_dir, write_manifest)
 from mlm_pipeline.manifest.stages import (
-    BadFile,
-    CorpusManifest,
-    EvalManifest,
-    ShardManifest,
-    ShardSplit,
-    SkippedFile,
-    SourceEntry,
-    TokenizerManifest,
-    TrainManifest,
-    ValidationOverlap,
-)
+    BadFile, CorpusManifest, EvalManifest, ShardManifest, ShardSplit, SkippedFile, SourceEntry,
+    TokenizerManifest, TrainManifest, ValidationOverlap)
 
 __all__ = [
     "FORMAT_VERSION", "BadFile", "CorpusManifest", "EvalManifest", "FileEntry", "M",

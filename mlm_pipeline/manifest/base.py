@@ -3,16 +3,11 @@ finding and reusing a stage's output.
 
 Each stage writes its outputs into a content-addressed directory
 `<work_dir>/<stage>/<digest[:16]>/` and a `manifest.json` beside them. The digest is a
-sha256 over the stage name, its config and the digests of its inputs (input manifests, or
-the bytes of raw input files), so it is the stage's identity: a rerun with unchanged inputs
-finds the manifest and skips the work (`load_if_complete`).
-
-With a URL work directory (`s3://...`, `mlm_pipeline.store`) the stage directory is in
-the local mirror: `write_manifest` publishes it to the store, `load_if_complete` reuses an
-output found in the store only (its manifest and one listing read), and `Manifest.file`
-downloads a file the first time it is read.
-
-This module imports neither torch nor prefect.
+sha256 over the stage name, its config and the digests of its inputs, so it is the stage's
+identity: a rerun with unchanged inputs finds the manifest and skips the work
+(`load_if_complete`). With a URL work directory (`mlm_pipeline.store`) the stage directory
+is in the local mirror, published and fetched as the functions below say. This module
+imports neither torch nor prefect.
 """
 
 from __future__ import annotations
@@ -112,17 +107,15 @@ class Manifest(BaseModel):
         return Path(self.output_dir) / "manifest.json"
 
     def file(self, rel: str) -> Path:
-        """Absolute path of an output file given relative to `output_dir`: the one check
-        of every path read from a manifest, so a tampered manifest cannot make a stage
-        read, or upload, a file outside its stage directory.
-
-        In the mirror of a URL work directory (`mlm_pipeline.store`) a missing file is
-        downloaded first, checked against the size and sha256 this manifest records (a
-        directory, such as a checkpoint, with every file under it).
+        """Absolute path of an output file given relative to `output_dir`: the one check of
+        every path read from a manifest, so a tampered manifest cannot make a stage read, or
+        upload, a file outside its stage directory. In the mirror of a URL work directory a
+        missing file (or directory: a checkpoint) is downloaded first, checked against this
+        manifest's records.
 
         Raises:
-            ManifestPathError: `rel` is absolute or has a `..` part, or resolves (through
-                a symbolic link) outside `output_dir`; the manifest is named.
+            ManifestPathError: `rel` is absolute or has a `..` part, or resolves (through a
+                symbolic link) outside `output_dir`; the manifest is named.
             ValueError: a downloaded file differs from its record (the URL is named).
             OSError: the store cannot be read.
         """
@@ -159,9 +152,8 @@ def canonical_json(obj: Any) -> bytes:
     """Deterministic JSON bytes (sorted keys, no whitespace) for hashing."""
     if isinstance(obj, BaseModel):
         obj = obj.model_dump(mode="json")
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_jsonable
-    ).encode()
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=_jsonable).encode()
 
 
 def _jsonable(obj: Any) -> Any:
@@ -200,12 +192,8 @@ def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str
 
 def file_entry(root: Path, path: Path, **counts: int | None) -> FileEntry:
     """Describe `path` (inside `root`) with its size and sha256."""
-    return FileEntry(
-        path=str(path.relative_to(root)),
-        bytes=path.stat().st_size,
-        sha256=sha256_file(path),
-        **counts,
-    )
+    return FileEntry(path=str(path.relative_to(root)), bytes=path.stat().st_size,
+                     sha256=sha256_file(path), **counts)
 
 
 def stage_dir(work_dir: str | os.PathLike[str], stage: str, digest: str) -> Path:
@@ -235,11 +223,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_manifest(manifest: Manifest, changed_only: bool = False) -> Path:
-    """Write `manifest.json` atomically into the manifest's `output_dir`; returns its path.
-    In the mirror of a URL work directory the stage directory is then published to the
-    store, the manifest last (`store.publish`): every file, or with `changed_only` (a
-    training run, whose checkpoints were uploaded as they were saved) those the store
-    lacks or holds with another size.
+    """Write `manifest.json` atomically into the manifest's `output_dir`; returns its path. In
+    the mirror of a URL work directory the stage directory is then published, the manifest
+    last (`store.publish`; `changed_only`: only the files the store lacks or holds with
+    another size, for a training run whose checkpoints were uploaded as saved).
 
     Raises:
         OSError: the file, or the store, cannot be written.
@@ -252,13 +239,9 @@ def write_manifest(manifest: Manifest, changed_only: bool = False) -> Path:
 def find_manifest(out_dir: str | os.PathLike[str], cls: type[M],
                   work_dir: str | os.PathLike[str] | None = None) -> M:
     """The manifest of stage directory `out_dir`: its `manifest.json`, or the store's copy
-    for the mirror of a URL work directory (then also written to the mirror); its
-    `output_dir` is `out_dir`. Its files are not checked (`load_if_complete` does).
-
-    Args:
-        out_dir: the stage directory.
-        cls: the manifest class.
-        work_dir: when given, `out_dir` must be inside it (`check_in_work_dir`).
+    for the mirror of a URL work directory (then written to the mirror); its `output_dir`
+    is `out_dir`. Its files are not checked (`load_if_complete` does). With `work_dir`,
+    `out_dir` must be inside it (`check_in_work_dir`).
 
     Raises:
         FileNotFoundError: neither the directory nor the store holds a manifest.
@@ -279,8 +262,8 @@ def find_manifest(out_dir: str | os.PathLike[str], cls: type[M],
 
 
 def _mirrored(out: Path, cls: type[M], data: bytes) -> M:
-    """The store's manifest `data` of stage directory `out` (in a mirror), with `out` as its
-    `output_dir`, written to the mirror as such.
+    """The store's manifest `data` of stage directory `out`, with `out` as its `output_dir`,
+    written to the mirror as such.
 
     Raises:
         ValueError: `data` does not validate as `cls` (the URL is named).
@@ -316,22 +299,18 @@ def read_manifest(path: str | os.PathLike[str], cls: type[M]) -> M:
 def load_if_complete(out_dir: Path, cls: type[M], digest: str,
                      sha256: Callable[[Path], str] | None = None,
                      work_dir: str | os.PathLike[str] | None = None) -> M | None:
-    """Return the manifest in `out_dir` when it exists, has `digest`, and every file it
-    lists still exists with the recorded size and, when `sha256` (path -> hex digest,
-    e.g. `mlm_pipeline.ingest.hashing.HashMemo.file_sha256`) is given, the recorded
-    sha256; otherwise None (the stage must run). A changed file is named in a warning.
+    """The manifest in `out_dir` when it exists, has `digest`, and every file it lists still
+    exists with the recorded size and, when `sha256` (path -> hex digest, e.g.
+    `mlm_pipeline.ingest.hashing.HashMemo.file_sha256`) is given, the recorded sha256; else
+    None (the stage must run). A changed file is named in a warning. A moved or copied stage
+    directory is reused where it is (the manifest's `output_dir` is `out_dir`, resolved).
 
-    A stage directory that was moved or copied (its work directory with it) is reused
-    where it is: the returned manifest's `output_dir` is `out_dir`, resolved.
+    In the mirror of a URL work directory, an output complete in the mirror is published if
+    the store lacks its manifest (a run killed while publishing); one missing from the mirror
+    is reused when the store's manifest has `digest` and one listing shows every file it lists
+    with the recorded size (nothing is downloaded: `Manifest.file` fetches each when read).
 
-    In the mirror of a URL work directory (`mlm_pipeline.store`), an output complete in the
-    mirror is published if the store lacks its manifest (a run killed while publishing);
-    one missing from the mirror is reused from the store when the store's manifest has
-    `digest` and one listing shows every file it lists with the recorded size (no file is
-    downloaded: `Manifest.file` fetches each when it is read, checking its sha256).
-
-    With `work_dir`, `out_dir` must be inside it (`check_in_work_dir`), e.g. when it comes
-    from a manifest's `output_dir` or an orchestrator's result record.
+    With `work_dir`, `out_dir` must be inside it (`check_in_work_dir`).
 
     Raises:
         ManifestPathError: a listed path is not inside `out_dir` (`Manifest.file`).

@@ -138,14 +138,8 @@ _HIGH32 = _signed(_M64 ^ _LOW32)  # as int64: keeps the high half of a draw
 
 
 def mix64_int(z: int) -> int:
-    """SplitMix64 finalizer on a Python int (reference semantics, unsigned 64-bit).
-
-    Args:
-        z: any int; only its low 64 bits are used.
-
-    Returns:
-        The mixed value in [0, 2**64).
-    """
+    """SplitMix64 finalizer of the low 64 bits of a Python int (reference semantics,
+    unsigned 64-bit): the mixed value in [0, 2**64)."""
     z &= _M64
     z = ((z ^ (z >> 30)) * _MIX_MUL1) & _M64
     z = ((z ^ (z >> 27)) * _MIX_MUL2) & _M64
@@ -153,17 +147,9 @@ def mix64_int(z: int) -> int:
 
 
 def mix64_(z: Tensor) -> Tensor:
-    """SplitMix64 finalizer applied in place to an int64 tensor (bits read as uint64).
-
-    Logical right shifts are emulated by masking after torch's arithmetic shift; the
-    multiplications rely on int64 wrapping modulo 2**64 (see module docstring).
-
-    Args:
-        z: int64 tensor of any shape; overwritten.
-
-    Returns:
-        `z`, now holding the mixed bits (int64, same shape).
-    """
+    """SplitMix64 finalizer applied in place to `z`, an int64 tensor of any shape (bits
+    read as uint64); returns `z`. Logical right shifts are arithmetic shifts then a mask;
+    the multiplications rely on int64 wrapping modulo 2**64 (module docstring)."""
     tmp = None
     for shift, mul in ((30, _signed(_MIX_MUL1)), (27, _signed(_MIX_MUL2)), (31, None)):
         # One scratch buffer, allocated by the first shift (saves a dispatch).
@@ -177,15 +163,8 @@ def mix64_(z: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=256)
 def masking_key(seed: int, epoch: int) -> int:
-    """The 64-bit key of a (seed, epoch) pair: `mix64(mix64(seed) + (epoch + 1) * GAMMA)`.
-
-    Args:
-        seed: masking seed; taken modulo 2**64.
-        epoch: epoch number; taken modulo 2**64.
-
-    Returns:
-        The key in [0, 2**64).
-    """
+    """The 64-bit key in [0, 2**64) of a (seed, epoch) pair, both taken modulo 2**64:
+    `mix64(mix64(seed) + (epoch + 1) * GAMMA)`."""
     return mix64_int(mix64_int(seed) + (epoch + 1) * GAMMA)
 
 
@@ -195,27 +174,16 @@ def _t32(prob: float) -> int:
 
 
 def exact_k(n: int, mlm_probability: float) -> int:
-    """Tokens `exact_k` selects in a row of `n` maskable tokens: `floor(p * n + 0.5)`.
-
-    Round half up, computed in float64 (Python's `round` rounds half to even).
-
-    Args:
-        n: maskable tokens in the row.
-        mlm_probability: selection rate p.
-
-    Returns:
-        k, in [0, n] for p in [0, 1].
-    """
+    """Tokens `exact_k` selects in a row of `n` maskable tokens at rate p =
+    `mlm_probability`: `k = floor(p * n + 0.5)`, in [0, n] for p in [0, 1] (round half up
+    in float64; Python's `round` rounds half to even)."""
     return math.floor(mlm_probability * n + 0.5)
 
 
 @functools.lru_cache(maxsize=64)
 def _random_id_scale(m: int, t: int) -> tuple[int, int]:
-    """`(M, S)` with `(c * M) >> S` = floor(c * m / t) in fixed point, for c in [0, t).
-
-    `S = 63 - bit_length(m)` keeps `c * M < m * 2**S < 2**63` (no int64 overflow) and
-    `M = floor(m * 2**S / t)` keeps every result below m (module docstring).
-    """
+    """`(M, S)` with `(c * M) >> S` = floor(c * m / t) in fixed point, for c in [0, t)
+    (module docstring: no int64 overflow, every result below m)."""
     shift = 63 - m.bit_length()
     return (m << shift) // t, shift
 
@@ -242,8 +210,8 @@ def _draws(seq_len: int, row_index: Tensor, key: int) -> Tensor:
     # the cached position term plus the row term in one `add` (its integer `alpha`
     # product wraps like `mul`), then mixed in place.
     term = _position_term(seq_len, key, row_index.device)
-    bits = torch.add(term, row_index.view(-1, 1), alpha=_signed(GAMMA << _POSITION_BITS))
-    return mix64_(bits)
+    return mix64_(torch.add(term, row_index.view(-1, 1),
+                            alpha=_signed(GAMMA << _POSITION_BITS)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -298,9 +266,8 @@ def _unselected_words(
     if selection == "bernoulli":
         if p >= 1.0:
             return special.clone()
-        return torch.ge(bits.gather(1, word_start), (_t32(p) - (1 << 31)) << 32).logical_or_(
-            special
-        )
+        threshold = (_t32(p) - (1 << 31)) << 32
+        return torch.ge(bits.gather(1, word_start), threshold).logical_or_(special)
     k_cap = exact_k(seq_len, p)
     if k_cap == 0:
         return torch.ones_like(special)
@@ -318,24 +285,16 @@ def _unselected_words(
     return unselected_first.gather(1, word_start).logical_or_(special)
 
 
-def _check_prob(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"masking: {name} = {value!r} must be in [0, 1]")
-
-
 @functools.lru_cache(maxsize=64)
 def _settings(vocab_size: int, special_ids: SpecialIds | None, p: float, pm: float,
               pr: float, selection: str) -> tuple[MaskingVocab, float, tuple[int, int] | None]:
     """`(vocab, pm + pr, (M, S) of the random-id formula or None when pr = 0)` of checked
-    settings, cached (they are the same at every call of a run).
-
-    Raises:
-        ValueError: the errors of `mask_tokens` about these arguments.
-    """
+    settings (`mask_tokens`' ValueErrors about them), cached: the same at every call."""
     vocab = masking_vocab(vocab_size, special_ids)
-    _check_prob("mlm_probability", p)
-    _check_prob("mask_replace_prob", pm)
-    _check_prob("random_replace_prob", pr)
+    for name, value in (("mlm_probability", p), ("mask_replace_prob", pm),
+                        ("random_replace_prob", pr)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"masking: {name} = {value!r} must be in [0, 1]")
     change_prob = pm + pr
     if change_prob > 1.0 + 1e-9:
         raise ValueError(
@@ -364,15 +323,13 @@ def mask_tokens(
 ) -> tuple[Tensor, Tensor]:
     """Corrupt a batch for masked-language modelling (Devlin et al. 2019, §3.1: 80/10/10).
 
-    Ids outside `special_ids.all_special_ids` are maskable; special tokens and [PAD] are
-    never selected. Tokens (or whole words, with `word_starts`) are selected at the rate
-    `mlm_probability` as `selection` says. Of the selected tokens, a share
-    `mask_replace_prob` becomes `special_ids.mask_id`, a share `random_replace_prob` a
-    random ordinary id, uniform on the `m` ids of `[0, vocab_size)` that are not special
-    (it may equal the original id, probability 1 / m), the rest stay unchanged. Every
-    choice depends only on (seed, epoch, row_index[b], position) and, for `exact_k` and
-    whole words, the row's ids; the module docstring gives the algorithm. CPU tensors are
-    masked in numpy (`keyed_numpy`), others with torch ops: the same result.
+    Ids outside `special_ids.all_special_ids` are maskable (special tokens and [PAD] never
+    are); tokens (or whole words, with `word_starts`) are selected at `mlm_probability` as
+    `selection` says; a random replacement is uniform on the `m` ordinary ids of
+    `[0, vocab_size)` (it may equal the original, probability 1 / m). Every choice depends
+    only on (seed, epoch, row_index[b], position) and, for `exact_k` and whole words, the
+    row's ids (module docstring). CPU tensors are masked in numpy (`keyed_numpy`), others
+    with torch ops: the same result.
 
     Args:
         input_ids: token ids (B, L), int64, int32 or uint16, on any device; not modified.
@@ -415,9 +372,8 @@ def mask_tokens(
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"masking: input_ids must be an integer tensor, got {input_ids.dtype}")
     if input_ids.dim() != 2:
-        raise ValueError(
-            f"masking: input_ids must be 2-D (B, L), got shape {tuple(input_ids.shape)}"
-        )
+        raise ValueError(f"masking: input_ids must be 2-D (B, L), got shape "
+                         f"{tuple(input_ids.shape)}")
     batch, seq_len = input_ids.shape
     if seq_len > MAX_SEQ_LEN:
         raise ValueError(f"masking: seq_len {seq_len} exceeds the supported {MAX_SEQ_LEN}")
@@ -432,9 +388,8 @@ def mask_tokens(
     if word_starts is None:
         word_ends = None
     if row_index is not None and row_index.shape != (batch,):
-        raise ValueError(
-            f"masking: row_index must have shape ({batch},), got {tuple(row_index.shape)}"
-        )
+        raise ValueError(f"masking: row_index must have shape ({batch},), got "
+                         f"{tuple(row_index.shape)}")
     if batch * seq_len == 0:
         ids = input_ids.to(torch.int64)
         return ids.clone(), torch.full_like(ids, IGNORE_INDEX)
@@ -445,10 +400,8 @@ def mask_tokens(
         ids_np = input_ids.numpy()
         if dtype != torch.int64:
             ids_np = ids_np.astype(np.int64)
-        if row_index is None:
-            rows_np = np.arange(batch, dtype=np.int64)
-        else:
-            rows_np = row_index.cpu().numpy().astype(np.int64, copy=False)
+        rows_np = (np.arange(batch, dtype=np.int64) if row_index is None
+                   else row_index.cpu().numpy().astype(np.int64, copy=False))
         done = keyed_numpy.mask_numpy(
             ids_np, rows_np, key=key, gamma=GAMMA, multipliers=(_MIX_MUL1, _MIX_MUL2),
             vocab=vocab, mlm_probability=mlm_probability,
@@ -472,16 +425,14 @@ def _mask_torch(ids: Tensor, row_index: Tensor, key: int, vocab: MaskingVocab,
                 p: float, change_prob: float, random_replace_prob: float, selection: str,
                 scale: tuple[int, int] | None, word_starts: Tensor | None,
                 word_ends: Tensor | None) -> tuple[Tensor, Tensor]:
-    """`mask_tokens` as torch ops on `ids`' device (its arguments checked there): int64
-    (B, L) ids and (B,) row ids; `scale` is `_random_id_scale`'s `(M, S)`, None when
-    `random_replace_prob` is 0."""
+    """`mask_tokens` as torch ops on `ids`' device (arguments checked there): int64 (B, L)
+    ids, (B,) row ids; `scale`: `_random_id_scale`'s `(M, S)`, None when pr = 0."""
     device = ids.device
     bits = _draws(ids.size(1), row_index, key)
     if vocab.prefix is not None:
         special = ids < vocab.prefix
     else:
-        special_table, _ = vocab.tables_on(device)
-        special = torch.take(special_table, ids)
+        special = torch.take(vocab.tables_on(device)[0], ids)
     if word_starts is None:
         unselected = _unselected_tokens(bits, special, p, selection)
     else:

@@ -1,10 +1,9 @@
 """The CPU implementation of `keyed.mask_tokens`: the same algorithm, the same bits, in numpy.
 
-`mask_tokens` on CPU tensors runs here, on zero-copy numpy views of the tensors; on any
-other device it runs as torch ops (`keyed`). Both follow the algorithm of the `keyed`
-module docstring exactly, so a row gets the same mask on any device
-(`tests/unit/test_masking.py` checks this module against a pure-Python reference and
-against the torch implementation run on CPU tensors).
+`mask_tokens` on CPU tensors runs here, on zero-copy numpy views; elsewhere as torch ops
+(`keyed`). Both follow the `keyed` module docstring exactly, so a row gets the same mask
+on any device (`tests/unit/test_masking.py` checks this module against a pure-Python
+reference and against the torch implementation on CPU tensors).
 
 Why numpy on the CPU. At training batch sizes (4,096 tokens at B=32, L=128) masking is a
 chain of some 40-70 array operations on small arrays, so what one call costs besides its
@@ -82,14 +81,11 @@ def _flat_positions(batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 @functools.lru_cache(maxsize=32)
-def _exact_k_by_specials(seq_len: int, mlm_probability: float,
-                         minus_one: bool = False) -> np.ndarray:
+def _exact_k_by_specials(seq_len: int, mlm_probability: float) -> np.ndarray:
     """int64 (L + 1,): at index s, `exact_k(L - s, p) = floor(p * (L - s) + 0.5)`, the k
-    of a row with s special tokens (with `minus_one`, `max(k - 1, 0)`); cached."""
+    of a row with s special tokens; cached."""
     n = np.arange(seq_len, -1, -1, dtype=np.float64)
     table = np.floor(mlm_probability * n + 0.5).astype(np.int64)
-    if minus_one:
-        table = np.maximum(table - 1, 0)
     table.setflags(write=False)
     return table
 
@@ -99,14 +95,12 @@ def draws(row_index: np.ndarray, seq_len: int, key: int, gamma: int,
     """`bits` of the `keyed` docstring: int64 (B, L) for rows `row_index` (int64 (B,))."""
     row_term = row_index.view(_U64) * _U64(((gamma << 20) & _M64))
     z = np.add(_position_term(seq_len, key, gamma), row_term.reshape(-1, 1))
-    t = z >> _U64(30)  # uint64: logical shifts
-    z ^= t
-    z *= _U64(multipliers[0])
-    np.right_shift(z, _U64(27), out=t)
-    z ^= t
-    z *= _U64(multipliers[1])
-    np.right_shift(z, _U64(31), out=t)
-    z ^= t
+    t = np.empty_like(z)
+    for shift, mul in ((30, multipliers[0]), (27, multipliers[1]), (31, None)):
+        np.right_shift(z, _U64(shift), out=t)  # uint64: logical shifts
+        z ^= t
+        if mul is not None:
+            z *= _U64(mul)
     return z.view(np.int64)
 
 
@@ -114,6 +108,11 @@ def _row_k(special: np.ndarray, batch: int, seq_len: int, p: float) -> np.ndarra
     """int64 (B,): `exact_k(n, p)` of each row, n its maskable tokens (`special` flat)."""
     specials = special.view(np.int8).reshape(batch, seq_len).sum(1, dtype=np.int32)
     return _exact_k_by_specials(seq_len, p).take(specials)
+
+
+def _row_sorted(keys: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
+    """Flat (B*L,) `keys` sorted within each row of L, as a new flat array."""
+    return np.sort(keys.reshape(batch, seq_len), axis=1).reshape(-1)
 
 
 def _high_keys(bits: np.ndarray, excluded: np.ndarray) -> np.ndarray:
@@ -131,9 +130,7 @@ def _selected_tokens_exact_k(bits: np.ndarray, special: np.ndarray, batch: int,
     (the caller recomputes exactly). `bits` and `special` are flat (B*L,)."""
     keys = _high_keys(bits, special)
     k = _row_k(special, batch, seq_len, p)
-    ranked = keys.reshape(batch, seq_len).copy()
-    ranked.sort(axis=1)
-    ranked = ranked.reshape(-1)
+    ranked = _row_sorted(keys, batch, seq_len)
     row_start = _flat_positions(batch, seq_len)[2]
     kth = ranked.take(row_start + k - 1, mode="clip")  # k = 0: any value, overridden below
     # The (k+1)-th smallest (the next row's first, or the last entry, where k = L: a
@@ -178,19 +175,16 @@ def _selected_words_exact_k(bits: np.ndarray, special: np.ndarray, first: np.nda
     larger (it ends at rank k - 1). Two words sharing `h_k` (a tie the order by position
     would break; about 1e-6 of rows) are resolved by `_selected_words_exact_k_packed`.
     """
-    specials = special.view(np.int8).reshape(batch, seq_len).sum(1, dtype=np.int32)
-    k = _exact_k_by_specials(seq_len, p).take(specials)
-    not_start = first <= special  # not the first token of a maskable word
-    start_keys = _high_keys(bits, not_start)  # h at maskable word starts, else all ones
-    word_keys = start_keys.take(start)  # each token's word's h (all ones: special)
-    ranked = word_keys.reshape(batch, seq_len).copy()
-    ranked.sort(axis=1)
-    ranked = ranked.reshape(-1)
+    k = _row_k(special, batch, seq_len, p)
+    # h at maskable word starts (`first <= special`: not one), else all ones; then each
+    # token's word's h (all ones: special).
+    start_keys = _high_keys(bits, first <= special)
+    word_keys = start_keys.take(start)
+    ranked = _row_sorted(word_keys, batch, seq_len)
     row_start = _flat_positions(batch, seq_len)[2]
     # The k-th smallest (the row's smallest where k = 0) and the (k+1)-th (the next row's
     # first where k = L: a spurious tie, resolved exactly like a real one).
-    kth = ranked.take(row_start + _exact_k_by_specials(seq_len, p, minus_one=True).take(
-        specials))
+    kth = ranked.take(row_start + np.maximum(k - 1, 0))
     after = ranked.take(row_start + k, mode="clip")
     # Exactly one word start with h = kth in each row (>= 1 each, B in all): no tie, and
     # kth is no sentinel (which every position that does not start a word holds).
@@ -211,14 +205,13 @@ def _selected_words_exact_k_packed(bits: np.ndarray, special: np.ndarray, first:
     """`_selected_words_exact_k` ordering words by `(h, position)` exactly, ties of h
     included; None for rows longer than `_MAX_PACKED_LEN` (the torch implementation).
 
-    Words are taken in the order of `(h of the first position, first position)` while the
-    count of their tokens stays `<= k`, so the `k_cap = exact_k(L, p)` first words of each
-    row in that order suffice (at most `k <= k_cap` words are taken: each has >= 1
-    token). Each maskable word start gets the int64 key `(h << 32) | (position in the
-    row << 16) | length` (unique within a row, so ordered as `(h, position)`; the length
-    counts the positions whose word begins there, read from the non-decreasing `start`);
-    the `k_cap` smallest keys of a row are partially sorted out and sorted, their lengths
-    added up in that order, and the taken words expanded into their positions.
+    At most `k <= k_cap = exact_k(L, p)` words are taken (each has >= 1 token), so the
+    `k_cap` first words of each row in that order suffice. Each maskable word start gets
+    the int64 key `(h << 32) | (position in the row << 16) | length` (unique within a row,
+    so ordered as `(h, position)`; the length counts the positions whose word begins
+    there, from the non-decreasing `start`); the `k_cap` smallest keys of a row are
+    partially sorted out and sorted, their lengths summed in that order, and the taken
+    words expanded into their positions.
     """
     k_cap = math.floor(p * seq_len + 0.5)
     if seq_len > _MAX_PACKED_LEN:
@@ -259,12 +252,10 @@ def mask_numpy(ids: np.ndarray, row_index: np.ndarray, *, key: int, gamma: int,
     """`keyed.mask_tokens` on numpy arrays (its arguments checked there).
 
     Args:
-        ids: int64 (B, L) token ids, B * L > 0.
-        row_index: int64 (B,) global row ids.
-        key: `masking_key(seed, epoch)`.
-        gamma, multipliers: SplitMix64's increment and finalizer multipliers (`keyed`).
-        vocab: the special and ordinary ids.
-        mlm_probability, mask_replace_prob, random_replace_prob, selection: as
+        ids: int64 (B, L) token ids, B * L > 0; `row_index`: int64 (B,) global row ids.
+        key: `masking_key(seed, epoch)`; `gamma`, `multipliers`: SplitMix64's increment
+            and finalizer multipliers (`keyed`).
+        vocab: the special and ordinary ids; the probabilities and `selection`: as
             `mask_tokens`.
         random_scale: `(M, S)` of the random-id formula (`keyed._random_id_scale`);
             None when `random_replace_prob` is 0.
@@ -280,26 +271,24 @@ def mask_numpy(ids: np.ndarray, row_index: np.ndarray, *, key: int, gamma: int,
     ids = ids.reshape(-1)
     special = ids < vocab.prefix if vocab.prefix is not None else vocab.special.take(ids)
     threshold = (int(p * 2.0**32) - (1 << 31)) << 32  # h < -2**31 + t(p), in bits
-    if word_starts is None:
-        if selection == "bernoulli":
-            selected = ~special if p >= 1.0 else np.greater(bits < threshold, special)
-        else:
-            selected = _selected_tokens_exact_k(bits, special, batch, seq_len, p)
-            if selected is None:
-                return None
+    if word_starts is None and selection == "bernoulli":
+        where = (~special if p >= 1.0 else np.greater(bits < threshold, special)).nonzero()[0]
+    elif word_starts is None:
+        selected = _selected_tokens_exact_k(bits, special, batch, seq_len, p)
+        where = None if selected is None else selected.nonzero()[0]
     else:
         first, start = _word_starts_index(ids, special, batch, seq_len, word_starts,
                                           word_ends)
         if selection == "exact_k":
             where = _selected_words_exact_k(bits, special, first, start, batch, seq_len, p)
-            if where is None:
-                return None
-            return _replace(ids, bits, where, vocab, mask_replace_prob,
-                            random_replace_prob, random_scale, batch, seq_len)
-        chosen = np.ones_like(special) if p >= 1.0 else (bits < threshold)
-        selected = np.greater(chosen.take(start), special)  # `a > b` on bools: a & ~b
-    return _replace(ids, bits, selected.nonzero()[0], vocab, mask_replace_prob,
-                    random_replace_prob, random_scale, batch, seq_len)
+        else:
+            chosen = np.ones_like(special) if p >= 1.0 else (bits < threshold)
+            # `a > b` on bools: a & ~b
+            where = np.greater(chosen.take(start), special).nonzero()[0]
+    if where is None:
+        return None
+    return _replace(ids, bits, where, vocab, mask_replace_prob, random_replace_prob,
+                    random_scale, batch, seq_len)
 
 
 def _replace(ids: np.ndarray, bits: np.ndarray, where: np.ndarray, vocab: MaskingVocab,

@@ -1,11 +1,8 @@
 """`KeyedMasking` (the settings of one masking, applied with `mask_tokens`) and the stateful
-maskers the training loop calls: dynamic (keyed by epoch) or precomputed (the
-copies `mlm_pipeline.shards.masked_copies` wrote, read through a `MaskedCopies` reader).
-
-Both produce exactly what `mlm_pipeline.masking.keyed.mask_tokens` gives for (seed, epoch, row):
-the dynamic masker computes it on the training device, the precomputed one reads the
-copies the shards stage wrote with it. `build_masker` is the single dispatch point on
-`MaskingConfig.mode`.
+maskers the training loop calls, both giving exactly `mask_tokens`' result for (seed, epoch,
+row): dynamic (computed on the training device) or precomputed (the copies
+`mlm_pipeline.shards.masked_copies` wrote, read through a `MaskedCopies` reader).
+`build_masker` is the single dispatch point on `MaskingConfig.mode`.
 """
 
 from __future__ import annotations
@@ -78,8 +75,7 @@ class KeyedMasking:
             self._tables[torch.device("cpu")] = (tables[0], tables[1])
 
     def _tables_on(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-        """`(word_starts, word_ends)` on `device` (copied once per device); Nones for
-        tokens."""
+        """`(word_starts, word_ends)` on `device`, copied once; Nones for tokens."""
         if not self._tables:
             return None, None
         if device not in self._tables:
@@ -103,15 +99,12 @@ class KeyedMasking:
             `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
         """
         starts, ends = self._tables_on(input_ids.device)
+        p = self.mlm_probability if mlm_probability is None else mlm_probability
         return mask_tokens(
             input_ids, vocab_size=self.vocab_size, row_index=row_index, seed=self.seed,
-            epoch=epoch,
-            mlm_probability=self.mlm_probability if mlm_probability is None else mlm_probability,
-            mask_replace_prob=self.cfg.mask_replace_prob,
-            random_replace_prob=self.cfg.random_replace_prob,
-            selection=self.cfg.selection, word_starts=starts, word_ends=ends,
-            special_ids=self.special_ids,
-        )
+            epoch=epoch, mlm_probability=p, mask_replace_prob=self.cfg.mask_replace_prob,
+            random_replace_prob=self.cfg.random_replace_prob, selection=self.cfg.selection,
+            word_starts=starts, word_ends=ends, special_ids=self.special_ids)
 
 
 def keyed_masking(cfg: MaskingConfig, tokenizer, seed: int | None = None) -> KeyedMasking:
@@ -156,11 +149,10 @@ class Masker(Protocol):
 class DynamicMasker:
     """Dynamic masking (RoBERTa, Liu et al. 2019, §4.1): a fresh mask per epoch, keyed.
 
-    Stateless apart from the seed: the mask of a row is a pure function of
-    (seed, epoch, row index, row ids) and, with a masking-rate schedule, of the step (the
-    rate), so a resume reproduces it without any RNG state. With Bernoulli selection a
-    lower rate selects a subset of a higher rate's tokens (the same draws, a lower
-    threshold).
+    Stateless apart from the seed: a row's mask is a pure function of (seed, epoch, row
+    index, row ids) and, with a rate schedule, of the step, so a resume reproduces it.
+    With Bernoulli selection a lower rate selects a subset of a higher rate's tokens (the
+    same draws, a lower threshold).
 
     Args:
         masking: the settings (`KeyedMasking`: config, vocabulary, seed, word starts).
@@ -180,17 +172,9 @@ class DynamicMasker:
 
     def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int, step: int = 0
                  ) -> tuple[Tensor, Tensor]:
-        """Corrupt a batch; see `mask_tokens` for shapes, dtypes and errors.
-
-        Args:
-            input_ids: token ids (B, L), integer dtype; not modified.
-            row_index: int64 (B,) global row ids.
-            epoch: epoch number.
-            step: completed optimizer steps (selects the rate of a schedule).
-
-        Returns:
-            `(input_ids, labels)`, int64 (B, L).
-        """
+        """Corrupt `input_ids` (B, L, integer dtype; not modified) of rows `row_index`
+        (int64 (B,)) in `epoch` at the rate after `step` completed optimizer steps:
+        `(input_ids, labels)`, int64 (B, L) (shapes, dtypes and errors: `mask_tokens`)."""
         return self.masking(input_ids, row_index, epoch, self.mlm_probability_at(step))
 
     def state_dict(self) -> dict:
@@ -211,10 +195,8 @@ class DynamicMasker:
         mine = self.state_dict()
         differ = {k: state.get(k) for k in mine if k != "seed" and state.get(k) != mine[k]}
         if differ:
-            raise ValueError(
-                f"masking: checkpoint masking state {differ} does not match this run's "
-                f"{ {k: mine[k] for k in differ} }"
-            )
+            raise ValueError(f"masking: checkpoint masking state {differ} does not match this "
+                             f"run's { {k: mine[k] for k in differ} }")
         self.masking.seed = int(state["seed"])
 
 
@@ -252,27 +234,18 @@ class PrecomputedMasker:
 
     def __call__(self, input_ids: Tensor, row_index: Tensor, epoch: int, step: int = 0
                  ) -> tuple[Tensor, Tensor]:
-        """The precomputed corruption of rows `row_index` in `epoch`.
-
-        Args:
-            input_ids: the unmasked rows (B, L); only their shape and device are used (the
-                copies were made from the same rows by the shards stage).
-            row_index: int64 (B,) global training row ids.
-            epoch: epoch number; copy `epoch % dupe_factor` is read.
-            step: completed optimizer steps (unused: the copies have one rate).
-
-        Returns:
-            `(input_ids, labels)`, int64 (B, L) on the device of `input_ids`.
+        """The precomputed corruption (copy `epoch % dupe_factor`) of rows `row_index`
+        (int64 (B,) global training row ids): `(input_ids, labels)`, int64 (B, L) on the
+        device of `input_ids` (the unmasked rows (B, L): only their shape and device are
+        used). `step` is unused: the copies have one rate.
 
         Raises:
             ValueError: the copies' rows are not shaped like `input_ids`.
         """
         ids, labels = self.source.get(row_index.cpu().numpy(), epoch)
         if ids.shape != input_ids.shape:
-            raise ValueError(
-                f"masking: precomputed rows {tuple(ids.shape)} differ from the batch "
-                f"{tuple(input_ids.shape)}"
-            )
+            raise ValueError(f"masking: precomputed rows {tuple(ids.shape)} differ from the "
+                             f"batch {tuple(input_ids.shape)}")
         device = input_ids.device
         return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
@@ -291,9 +264,8 @@ class PrecomputedMasker:
                 selection or whole-word setting.
         """
         if state != self.state_dict():
-            raise ValueError(
-                f"masking: checkpoint state {state} does not match {self.state_dict()}"
-            )
+            raise ValueError(f"masking: checkpoint state {state} does not match "
+                             f"{self.state_dict()}")
 
 
 def build_masker(
@@ -321,9 +293,6 @@ def build_masker(
         word_ends: bool (vocab_size,), where words end (`Tokenizer.word_ends()`), with
             `word_starts`; None: only special tokens end words.
 
-    Returns:
-        A `Masker`.
-
     Raises:
         ValueError: unknown `cfg.mode`, a special id outside the vocabulary, in `dynamic` mode
             `cfg.whole_word` without `word_starts`, or in `precomputed` mode: no `shards` or
@@ -347,10 +316,9 @@ def build_masker(
                 "masking_algorithm": MASKING_ALGORITHM}
         have = {k: shards.config.get(k) for k in want}
         if have != want:
-            raise ValueError(
-                f"masking: the shards in {shards.output_dir} were written with {have}, but "
-                f"training asks for {want}; rewrite them with this masking config"
-            )
+            raise ValueError(f"masking: the shards in {shards.output_dir} were written with "
+                             f"{have}, but training asks for {want}; rewrite them with this "
+                             "masking config")
         masking_vocab(vocab_size, special_ids)  # the ids fit the vocabulary
         if special_ids is not None and special_ids != shards.special_ids:
             raise ValueError(

@@ -2,12 +2,10 @@
 
 `masking_vocab(vocab_size, special_ids)` turns a tokenizer's `SpecialIds` into the lookup
 tables `mask_tokens` uses: a bool table of the special ids (never selected) and the
-ascending ordinary ids (the random replacements are drawn among them). When the special
-ids are exactly `[0, n)` (the SentencePiece tokenizers this pipeline trains) the tables
-reduce to a comparison `id < n` and an offset `n +`, which is what the keyed masking of
-those tokenizers has always computed: their masks do not change.
-
-This module imports numpy and torch (the per-device copies of the tables).
+ascending ordinary ids (the random replacements). When the special ids are exactly
+`[0, n)` (the SentencePiece tokenizers this pipeline trains) the tables reduce to `id < n`
+and an offset `n +`, what the keyed masking of those tokenizers has always computed: their
+masks do not change.
 """
 
 from __future__ import annotations
@@ -81,8 +79,8 @@ def masking_vocab(vocab_size: int, special_ids: SpecialIds | None = None) -> Mas
                          f"{len(ids)} special ids")
     special = np.zeros(vocab_size, dtype=bool)
     special[list(ids)] = True
-    special.setflags(write=False)
     normal = np.flatnonzero(~special).astype(np.int64)
-    normal.setflags(write=False)
+    for table in (special, normal):
+        table.setflags(write=False)
     prefix = len(ids) if ids == tuple(range(len(ids))) else None
     return MaskingVocab(vocab_size, special_ids, special_ids.mask_id, prefix, special, normal)

@@ -73,12 +73,12 @@ class _HashingFile:
         self.closed = True
 
 
-def write_arrow(
-    out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int
-) -> FileEntry:
+def write_arrow(out_dir: Path, path: Path, columns: dict[str, np.ndarray],
+                seq_len: int) -> FileEntry:
     """Write (rows, seq_len) arrays as fixed-size-list columns in one record batch,
     atomically: a temporary name unique to the process (`locks.temp_path`), fsync, then
-    rename, so a crash never leaves a partial file under `path`. The arrays are wrapped, not copied.
+    rename, so a crash never leaves a partial file under `path`. The arrays are wrapped, not
+    copied.
 
     Args:
         out_dir: the stage directory `FileEntry.path` is relative to.
@@ -95,9 +95,8 @@ def write_arrow(
     return _write(out_dir, path, columns, seq_len, None)
 
 
-def write_arrow_from_body(
-    out_dir: Path, path: Path, name: str, body_path: Path, dtype: np.dtype, seq_len: int
-) -> FileEntry:
+def write_arrow_from_body(out_dir: Path, path: Path, name: str, body_path: Path,
+                          dtype: np.dtype, seq_len: int) -> FileEntry:
     """Write a one-column shard whose rows are the raw bytes of `body_path`: the file
     `write_arrow(out_dir, path, {name: rows}, seq_len)` writes for the (rows, seq_len)
     `dtype` array those bytes hold, byte for byte, without holding the rows in memory (the
@@ -132,16 +131,13 @@ def write_arrow_from_body(
     return _write(out_dir, path, {name: placeholder}, seq_len, body_path)
 
 
-def _write(
-    out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int,
-    body_path: Path | None,
-) -> FileEntry:
+def _write(out_dir: Path, path: Path, columns: dict[str, np.ndarray], seq_len: int,
+           body_path: Path | None) -> FileEntry:
+    """`write_arrow`, with the first column's buffer written from `body_path` when given."""
     buffers = [pa.py_buffer(np.ascontiguousarray(a)) for a in columns.values()]
-    arrays = [
-        pa.FixedSizeListArray.from_arrays(
-            pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, buf]), seq_len)
-        for a, buf in zip(columns.values(), buffers)
-    ]
+    arrays = [pa.FixedSizeListArray.from_arrays(
+        pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, buf]), seq_len)
+        for a, buf in zip(columns.values(), buffers)]
     schema = pa.schema([pa.field(n, a.type, nullable=False) for n, a in zip(columns, arrays)])
     tmp = temp_path(path)
     try:
@@ -198,15 +194,13 @@ def _map_columns(path: str | os.PathLike[str], kinds: dict[str, tuple]) -> list[
             start = column.offset * seq_len
             values = column.values.to_numpy(zero_copy_only=True)
             parts.append(values[start : start + len(column) * seq_len].reshape(-1, seq_len))
-        if len(parts) == 1:
-            out.append(parts[0])
-            continue
-        if parts:
-            logger.debug("%s: %d record batches, copied into one array", path, len(parts))
-        array = (np.concatenate(parts) if parts
-                 else np.empty((0, seq_len), types[j].value_type.to_pandas_dtype()))
-        array.flags.writeable = False
-        out.append(array)
+        if len(parts) != 1:
+            if parts:
+                logger.debug("%s: %d record batches, copied into one array", path, len(parts))
+            parts = [np.concatenate(parts) if parts
+                     else np.empty((0, seq_len), types[j].value_type.to_pandas_dtype())]
+            parts[0].flags.writeable = False
+        out.append(parts[0])
     return out
 
 
@@ -245,8 +239,7 @@ def open_masked_shard(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndar
         ValueError: the file is not an Arrow IPC file, its schema is not the one above, or it
             holds nulls (the file is named).
     """
-    ids, labels = _map_columns(path, {"input_ids": _IDS, "labels": (pa.int32(),)})
-    return ids, labels
+    return tuple(_map_columns(path, {"input_ids": _IDS, "labels": (pa.int32(),)}))
 
 
 def verify_shards(manifest: ShardManifest) -> None:
@@ -265,8 +258,7 @@ def verify_shards(manifest: ShardManifest) -> None:
             if actual != entry.sha256:
                 raise ValueError(
                     f"{path}: sha256 {actual} differs from {entry.sha256} in {manifest.path}: "
-                    "the shard is corrupt; delete it and rerun to rebuild the shards"
-                )
+                    "the shard is corrupt; delete it and rerun to rebuild the shards")
 
 
 def masked_copies(manifest: ShardManifest) -> int:
@@ -275,9 +267,8 @@ def masked_copies(manifest: ShardManifest) -> int:
     copies named `train-copy{c}-{i:05d}.arrow` among the shards."""
     if manifest.train.masked_copies:
         return manifest.train.masked_copies
-    found = {int(m.group(1)) for e in manifest.train.shards
-             if (m := MASKED_COPY_NAME.fullmatch(e.path))}
-    return len(found)
+    return len({int(m.group(1)) for e in manifest.train.shards
+                if (m := MASKED_COPY_NAME.fullmatch(e.path))})
 
 
 def split_shards(manifest: ShardManifest, split: str, copy: int | None = None) -> list[FileEntry]:

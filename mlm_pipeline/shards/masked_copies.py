@@ -24,16 +24,12 @@ if TYPE_CHECKING:
     from mlm_pipeline.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
 #: Rows masked per `mask_tokens` call: bounds the (3, rows, seq_len) int64 hash buffer.
 _MASK_CHUNK_ROWS = 4096
 
 
-def write_masked_copies(
-    shards: list[FileEntry], out_dir: Path, masking: MaskingConfig, tok: Tokenizer,
-    seq_len: int,
-) -> list[FileEntry]:
+def write_masked_copies(shards: list[FileEntry], out_dir: Path, masking: MaskingConfig,
+                        tok: Tokenizer, seq_len: int) -> list[FileEntry]:
     """Write the `dupe_factor` masked copies of the training shards (precomputed masking;
     layout and naming in the `mlm_pipeline.shards.stage` docstring).
 
@@ -47,8 +43,7 @@ def write_masked_copies(
         shards: entries of the unmasked training shards, in row order.
         out_dir: the shards stage directory (entries' paths are relative to it).
         masking: `dupe_factor`, `mlm_probability`, replacement shares, `selection`,
-            `whole_word` (word boundaries from `Tokenizer.word_starts` and `word_ends`),
-            `seed`.
+            `whole_word` (word boundaries from `Tokenizer.word_starts` and `word_ends`), `seed`.
         tok: the tokenizer (vocabulary size, special ids, word boundaries).
         seq_len: tokens per row.
 
@@ -73,8 +68,8 @@ def write_masked_copies(
                 ids_out[start : start + len(chunk)] = ids.numpy()
                 labels_out[start : start + len(chunk)] = labels.numpy()
             path = out_dir / f"train-copy{c}-{i:05d}.arrow"
-            entries.append(write_arrow(out_dir, path, {"input_ids": ids_out,
-                                                        "labels": labels_out}, seq_len))
+            columns = {"input_ids": ids_out, "labels": labels_out}
+            entries.append(write_arrow(out_dir, path, columns, seq_len))
             first_row += len(rows)
         logger.info("shards: masked copy %d of %d written (%d rows)", c + 1,
                     masking.dupe_factor, first_row)

@@ -33,11 +33,9 @@ _DTYPES = {"uint16": (np.uint16, pa.uint16()), "uint32": (np.uint32, pa.uint32()
 Encoder = Callable[[list[Path], type], Iterator[tuple[int, np.ndarray]]]
 
 
-def write_split(
-    name: str, paths: list[Path], encoder: BatchEncoder, cfg: ShardConfig,
-    dtype: str, out_dir: Path, progress: Progress, encode: Encoder | None = None,
-    special_ids: SpecialIds | None = None,
-) -> ShardSplit:
+def write_split(name: str, paths: list[Path], encoder: BatchEncoder, cfg: ShardConfig,
+                dtype: str, out_dir: Path, progress: Progress, encode: Encoder | None = None,
+                special_ids: SpecialIds | None = None) -> ShardSplit:
     """Encode, pack and write one split; see the module docstring for the packing.
 
     `special_ids` gives the [CLS] that begins every row and the [SEP] after every
@@ -80,21 +78,13 @@ def write_split(
     # The encoders never emit [SEP] for text (no `add_eos`, special names encoded as
     # text): every [SEP] left over is a separator.
     separators = int(np.count_nonzero(carry == special_ids.sep_id))
-    logger.info(
-        "shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder tokens "
-        "(%d [SEP]) (%.0f tokens/s, %d encode threads)", name, documents, tokens_in,
-        rows_total, len(shards), len(carry), separators, tokens_in / max(watch.elapsed, 1e-9),
-        workers,
-    )
-    return ShardSplit(
-        shards=shards,
-        rows=rows_total,
-        documents=documents,
-        tokens_in=tokens_in,
-        remainder_tokens=len(carry),
-        remainder_content_tokens=len(carry) - separators,
-        remainder_separators=separators,
-    )
+    logger.info("shards: %s: %d documents, %d tokens -> %d rows in %d shards, %d remainder "
+                "tokens (%d [SEP]) (%.0f tokens/s, %d encode threads)", name, documents,
+                tokens_in, rows_total, len(shards), len(carry), separators,
+                tokens_in / max(watch.elapsed, 1e-9), workers)
+    return ShardSplit(shards=shards, rows=rows_total, documents=documents, tokens_in=tokens_in,
+                      remainder_tokens=len(carry), remainder_separators=separators,
+                      remainder_content_tokens=len(carry) - separators)
 
 
 class ShardWriter:
@@ -106,14 +96,10 @@ class ShardWriter:
     (16 MiB at the defaults, 128 MiB at seq_len 512 with uint32 ids) is never held.
     """
 
-    def __init__(
-        self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str,
-        cls_id: int = SENTENCEPIECE_SPECIAL_IDS.cls_id,
-    ) -> None:
+    def __init__(self, out_dir: Path, split: str, seq_len: int, rows_per_shard: int, dtype: str,
+                 cls_id: int = SENTENCEPIECE_SPECIAL_IDS.cls_id) -> None:
         self.out_dir, self.split, self.seq_len, self.cls_id = out_dir, split, seq_len, cls_id
-        self.rows_per_shard = rows_per_shard
-        self.dtype = _DTYPES[dtype][0]
-        self.filled = 0
+        self.rows_per_shard, self.dtype, self.filled = rows_per_shard, _DTYPES[dtype][0], 0
         self.body: BinaryIO | None = None
         self._body: Path | None = None  # the body file's temporary name
         self.entries: list[FileEntry] = []
@@ -170,5 +156,4 @@ class ShardWriter:
         self.entries.append(write_arrow_from_body(
             self.out_dir, self._path(), "input_ids", body_path, self.dtype, self.seq_len))
         body_path.unlink()
-        self._body = None
-        self.filled = 0
+        self._body, self.filled = None, 0

@@ -30,29 +30,28 @@ alone) and encoded on `num_threads` worker threads, one batch per task with a
 single-threaded SentencePiece call (it releases the GIL), ids returned as numpy arrays;
 packing and writing run in the calling thread, in batch order, so the shards are
 byte-identical for any thread count (or on partitions elsewhere, `write_shards(encode=...)`,
-`mlm_pipeline.shards.parallel`). Each shard's sha256 is computed while it is written.
-Rows are appended to the shard's temporary body file as they are packed, and the shard is
-written around it when full (`packing.ShardWriter`), so memory is a few batches in flight, never a
-whole shard or split; Arrow allocates from a pool that returns freed memory meanwhile
-(`_returning_memory_pool`).
+`mlm_pipeline.shards.parallel`). Each shard's sha256 is computed while it is written. Rows
+are appended to the shard's temporary body file as they are packed, and the shard is
+written around it when full (`packing.ShardWriter`), so memory is a few batches in flight,
+never a whole shard or split; Arrow allocates from a pool that returns freed memory
+meanwhile (`_returning_memory_pool`).
 
 Precomputed masking (`masking.mode: precomputed`). The unmasked shards above are written
 as always (evaluation baselines and the reference for the copies read them); in addition,
 the training split gets `dupe_factor` masked copies, copy `c` of shard `i` named
-`train-copy{c}-{i:05d}.arrow`, with the same rows, in the same order, as `train-{i:05d}.arrow`.
-Each holds two columns: `input_ids`, `fixed_size_list<uint16|uint32>[seq_len]` (the
-corrupted ids, storage dtype of the split), and `labels`, `fixed_size_list<int32>[seq_len]`
-(the original id where the position is predicted, -100 elsewhere). They are made by
-`mlm_pipeline.masking.KeyedMasking` keyed by `(masking.seed, epoch=c, row_index=global train row)`,
-so a copy equals what dynamic masking gives in epoch `c`. The copies' entries follow the
-unmasked ones in `ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one
-copy; `ShardSplit.masked_copies` = `dupe_factor`, `ShardManifest.masking` = the masking
-config and seed); `format.masked_copies` and `format.split_shards` tell them apart by
-that count (by name for manifests written before it). `masked_copies.write_masked_copies` writes
-them. The copies use the config's `selection` and
-`whole_word` (word starts from `Tokenizer.word_starts`). The validation split is never
-masked here: evaluation masks it with its own fixed seed. Torch is imported only when
-copies are written.
+`train-copy{c}-{i:05d}.arrow`, with the same rows, in the same order, as
+`train-{i:05d}.arrow`. Each holds two columns: `input_ids`,
+`fixed_size_list<uint16|uint32>[seq_len]` (the corrupted ids, storage dtype of the split),
+and `labels`, `fixed_size_list<int32>[seq_len]` (the original id where the position is
+predicted, -100 elsewhere). They are made by `mlm_pipeline.masking.KeyedMasking` keyed by
+`(masking.seed, epoch=c, row_index=global train row)`, so a copy equals what dynamic
+masking gives in epoch `c`. The copies' entries follow the unmasked ones in
+`ShardManifest.train.shards` (`ShardSplit.rows` stays the rows of one copy;
+`ShardSplit.masked_copies` = `dupe_factor`, `ShardManifest.masking` = the masking config
+and seed); `format.masked_copies` and `format.split_shards` tell them apart by that count
+(by name for manifests written before it). `masked_copies.write_masked_copies` writes them,
+with the config's `selection` and `whole_word` (word starts from `Tokenizer.word_starts`).
+The validation split is never masked here: evaluation masks it with its own fixed seed.
 
 This module may import numpy and pyarrow; it imports torch only inside the precomputed
 path (never at import time).
@@ -72,15 +71,8 @@ from mlm_pipeline.config import MaskingConfig, ShardConfig, SpecialIds
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
 from mlm_pipeline.manifest import (
-    CorpusManifest,
-    ShardManifest,
-    ShardSplit,
-    Stopwatch,
-    TokenizerManifest,
-    compute_digest,
-    load_if_complete,
-    stage_dir,
-    write_manifest,
+    CorpusManifest, ShardManifest, ShardSplit, Stopwatch, TokenizerManifest, compute_digest,
+    load_if_complete, stage_dir, write_manifest,
 )
 from mlm_pipeline.progress import NullProgress, Progress
 from mlm_pipeline.shards.packing import Encoder, write_split
@@ -106,12 +98,8 @@ def _inputs(corpus: CorpusManifest, tokenizer: TokenizerManifest) -> dict[str, s
             "tokenizer_model": tokenizer.model.sha256}
 
 
-def shards_digest(
-    cfg: ShardConfig,
-    corpus: CorpusManifest,
-    tokenizer: TokenizerManifest,
-    masking: MaskingConfig | None = None,
-) -> str:
+def shards_digest(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
+                  masking: MaskingConfig | None = None) -> str:
     """Identity of the shards `write_shards(cfg, corpus, tokenizer, work_dir, masking)`
     writes. Without precomputed masking it does not depend on `masking`; with it, on all
     of it (seed included; hashed as before the seed moved into `MaskingConfig`, so
@@ -127,12 +115,9 @@ def shards_digest(
     # hash must never be mistaken for what dynamic masking gives today.
     from mlm_pipeline.masking.keyed import MASKING_ALGORITHM  # torch, only on this path
 
-    return compute_digest(
-        STAGE,
-        {"shards": shard_cfg, "masking": masking.masks_record(), "seed": masking.seed,
-         "masking_algorithm": MASKING_ALGORITHM},
-        inputs,
-    )
+    return compute_digest(STAGE, {"shards": shard_cfg, "masking": masking.masks_record(),
+                                  "seed": masking.seed, "masking_algorithm": MASKING_ALGORITHM},
+                          inputs)
 
 
 def shard_special_ids(shards: ShardManifest, tokenizer: TokenizerManifest) -> SpecialIds:
@@ -177,23 +162,17 @@ def _returning_memory_pool() -> Iterator[None]:
         pa.set_memory_pool(previous)
 
 
-def write_shards(
-    cfg: ShardConfig,
-    corpus: CorpusManifest,
-    tokenizer: TokenizerManifest,
-    work_dir: str | os.PathLike[str],
-    masking: MaskingConfig | None = None,
-    progress: Progress | None = None,
-    encode: Encoder | None = None,
-) -> ShardManifest:
+def write_shards(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifest,
+                 work_dir: str | os.PathLike[str], masking: MaskingConfig | None = None,
+                 progress: Progress | None = None, encode: Encoder | None = None
+                 ) -> ShardManifest:
     """Encode both splits, pack them into rows and write Arrow shards (or reuse cached ones).
 
     Args:
         cfg: `seq_len` (tokens per row, [CLS] included), `rows_per_shard`,
-            `encode_batch_size` and `encode_batch_bytes` (most documents and bytes of
-            text per encode task), `num_threads` (encode worker
-            threads, 0 = one per core this process may use; the output does not depend
-            on it).
+            `encode_batch_size` and `encode_batch_bytes` (most documents and bytes of text
+            per encode task), `num_threads` (encode worker threads, 0 = one per core this
+            process may use; the output does not depend on it).
         corpus: the ingested corpus (`train` and `validation` Parquet files).
         tokenizer: the trained tokenizer.
         work_dir: pipeline work directory; output goes to `<work_dir>/shards/<digest[:16]>`.
@@ -209,7 +188,8 @@ def write_shards(
     Returns:
         The manifest: per split the shard files (rows, tokens = rows * seq_len, sha256),
         rows (of one copy), documents, `tokens_in`, `remainder_tokens` (split into
-        `remainder_content_tokens` and `remainder_separators`) and `masked_copies`; `masking` (config and seed) when copies were written.
+        `remainder_content_tokens` and `remainder_separators`) and `masked_copies`;
+        `masking` (config and seed) when copies were written.
 
     Raises:
         ValueError: the training split yields no full row (the corpus is smaller than one
@@ -226,9 +206,8 @@ def write_shards(
         lambda: load_if_complete(out_dir, ShardManifest, digest, HashMemo(work_dir).file_sha256),
         lambda: _build(cfg, corpus, tokenizer, masking, digest, out_dir,
                        progress or NullProgress(), encode))
-    if not reused:
-        return cached
-    logger.info("shards: reusing %s", out_dir)
+    if reused:
+        logger.info("shards: reusing %s", out_dir)
     return cached
 
 
@@ -260,21 +239,16 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
                     f"shards: the corpus is smaller than one row of seq_len={cfg.seq_len} "
                     f"tokens: the training split has {split.tokens_in} tokens "
                     f"({split.documents} documents) and a row needs {cfg.seq_len - 1} "
-                    "after [CLS]; lower shards.seq_len or add text"
-                )
-            logger.warning(
-                "shards: the %s split (%d documents, %d tokens) is shorter than one row of "
-                "seq_len=%d; it has no shards", name, split.documents, split.tokens_in,
-                cfg.seq_len,
-            )
+                    "after [CLS]; lower shards.seq_len or add text")
+            logger.warning("shards: the %s split (%d documents, %d tokens) is shorter than one "
+                           "row of seq_len=%d; it has no shards", name, split.documents,
+                           split.tokens_in, cfg.seq_len)
         splits[name] = split
     config = cfg.model_dump(mode="json")
     masking_record = None
     if _precomputed(masking):
         train = splits["train"]
-        from mlm_pipeline.shards.masked_copies import (
-            write_masked_copies,  # torch: only here
-        )
+        from mlm_pipeline.shards.masked_copies import write_masked_copies  # torch: only here
 
         copies = write_masked_copies(train.shards, out_dir, masking, tok, cfg.seq_len)
         splits["train"] = train.model_copy(update={"shards": train.shards + copies,
@@ -288,21 +262,10 @@ def _build(cfg: ShardConfig, corpus: CorpusManifest, tokenizer: TokenizerManifes
         config |= {"masking": masking.masks_record(), "masking_seed": masking.seed,
                    "masking_algorithm": MASKING_ALGORITHM}
     manifest = ShardManifest(
-        stage=STAGE,
-        digest=digest,
-        output_dir=str(out_dir),
-        config=config,
-        inputs=_inputs(corpus, tokenizer),
-        created_at=watch.created_at,
-        wall_time_s=watch.elapsed,
-        seq_len=cfg.seq_len,
-        dtype=dtype,
-        vocab_size=tokenizer.vocab_size,
-        packing=PACKING,
-        train=splits["train"],
-        validation=splits["validation"],
-        masking=masking_record,
-        special_ids=special_ids,
-    )
+        stage=STAGE, digest=digest, output_dir=str(out_dir), config=config,
+        inputs=_inputs(corpus, tokenizer), created_at=watch.created_at,
+        wall_time_s=watch.elapsed, seq_len=cfg.seq_len, dtype=dtype,
+        vocab_size=tokenizer.vocab_size, packing=PACKING, train=splits["train"],
+        validation=splits["validation"], masking=masking_record, special_ids=special_ids)
     write_manifest(manifest)
     return manifest

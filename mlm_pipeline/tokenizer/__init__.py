@@ -8,15 +8,8 @@ encodes with a trained model, and `hf_files` writes it as Hugging Face `tokenize
 
 from mlm_pipeline.tokenizer.base import Tokenizer
 from mlm_pipeline.tokenizer.pretrained import (
-    PretrainedTokenizer,
-    adopt_pretrained_tokenizer,
-    pretrained_tokenizer_digest,
-)
-from mlm_pipeline.tokenizer.stage import (
-    adopt_tokenizer,
-    tokenizer_digest,
-    train_tokenizer,
-)
+    PretrainedTokenizer, adopt_pretrained_tokenizer, pretrained_tokenizer_digest)
+from mlm_pipeline.tokenizer.stage import adopt_tokenizer, tokenizer_digest, train_tokenizer
 from mlm_pipeline.tokenizer.tokenizer import SentencePieceTokenizer
 
 __all__ = ["PretrainedTokenizer", "SentencePieceTokenizer", "Tokenizer",

@@ -161,15 +161,12 @@ class Tokenizer(ABC):
             manifest = source
         else:
             p = Path(source)
-            if p.is_dir() or p.name == "manifest.json":
-                path = p / "manifest.json" if p.is_dir() else p
-                manifest = read_manifest(path, TokenizerManifest)  # this directory
-                manifest = manifest.model_copy(update={"output_dir": str(path.parent.resolve())})
-            elif p.suffix == ".json":  # an adopted stage's tokenizer.json
-                manifest = read_manifest(p.with_name("manifest.json"), TokenizerManifest)
-                manifest = manifest.model_copy(update={"output_dir": str(p.parent.resolve())})
-            else:
+            if not (p.is_dir() or p.suffix == ".json"):  # a `.model` file
                 return KINDS["sentencepiece"].load_file(p)
+            # a directory, its manifest.json, or an adopted stage's tokenizer.json
+            path = p / "manifest.json" if p.is_dir() else p.with_name("manifest.json")
+            manifest = read_manifest(path, TokenizerManifest)  # this directory
+            manifest = manifest.model_copy(update={"output_dir": str(path.parent.resolve())})
         return KINDS[manifest.kind].from_manifest(manifest)
 
 

@@ -40,9 +40,8 @@ document boundary the model saw in training). With `split_special_tokens=True` n
 matched and every text encodes as `Tokenizer.encode` does: the ids of our shards, where a
 document that writes "[SEP]" about BERT must not inject a boundary or a mask.
 
-Decoding: `decode(ids)` writes every special id as its name, [UNK] included, and
-`decode(ids, skip_special_tokens=True)` leaves all five out; `Tokenizer.decode` takes the
-same flag and writes the same strings (not SentencePiece's " \u2047 " for [UNK]).
+Decoding writes every special id as its name, [UNK] included (or, with
+`skip_special_tokens=True`, none), as `Tokenizer.decode` does.
 
 This module imports neither torch nor prefect; `tokenizers`, `transformers` and
 `sentencepiece_model_pb2` (protobuf) are imported inside the functions.
@@ -199,20 +198,14 @@ def _reserved_cuts(proto) -> tuple[str | None, list[tuple[str, str]]]:
     """What keeps a Unigram model from matching reserved pieces in text: cuts, and breaks.
 
     SentencePiece never matches the name of a control, unknown or byte piece ("[MASK]",
-    "<0x41>") in text; `tokenizers`' Unigram matches every vocabulary entry (a score cannot
-    prevent it: an unknown character scores below every piece). Cutting the text between
-    two characters of each such name, where no normal piece spans the pair (and, without
-    byte fallback, where the two are not both unknown characters, which SentencePiece
-    would fuse into one [UNK]), changes no segmentation SentencePiece can make and rules
-    out the name. The pattern matches the part before each cut (`merged_with_previous`).
-
-    A name with no such cut (a corpus without capitals or brackets: every pair of "[MASK]"
-    is two unknown characters) gets a break instead, without byte fallback: an unknown
-    character (`_break_char`) inserted by the normalizer between two of its characters
-    that are both unknown. They and it fall in one run of unknown characters, one [UNK]
-    either way, and every segmentation pays the same for it, so the ids are
-    SentencePiece's while the name can no longer be matched. A name with neither is
-    named in a warning.
+    "<0x41>") in text; `tokenizers`' Unigram matches every vocabulary entry. A cut between
+    two characters of each name where no normal piece spans the pair (and, without byte
+    fallback, not between two unknown characters, which SentencePiece fuses into one [UNK])
+    changes no segmentation SentencePiece can make; the pattern matches the part before
+    each cut (`merged_with_previous`). A name with no such cut gets, without byte fallback,
+    a break: an unknown character (`_break_char`) the normalizer inserts between two of its
+    unknown characters (one [UNK] run either way, so the ids stay SentencePiece's). A name
+    with neither is named in a warning.
 
     Returns:
         (the cut pattern, or None when there is nothing to cut; the breaks, as
@@ -299,7 +292,7 @@ def build_hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
     _check_supported(proto, tokenizer.path)
     spec, trainer = proto.normalizer_spec, proto.trainer_spec
     byte_fallback = trainer.byte_fallback
-    pre = []
+    pre, breaks = [], []
     if trainer.model_type == _UNIGRAM:
         vocab = [(p.piece, p.score) for p in proto.pieces]
         hf = tk.Tokenizer(tk.models.Unigram(vocab, unk_id=UNK_ID, byte_fallback=byte_fallback))
@@ -307,8 +300,6 @@ def build_hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
         if cuts is not None:
             pre.append(pre_tokenizers.Split(tk.Regex(cuts), behavior="merged_with_previous"))
     else:
-        breaks = []
-    if trainer.model_type != _UNIGRAM:
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
         hf = tk.Tokenizer(tk.models.BPE(vocab, _bpe_merges(proto), unk_token=trainer.unk_piece,
                                         fuse_unk=True, byte_fallback=byte_fallback))
@@ -420,10 +411,10 @@ def _export_pretrained(tok: Tokenizer, out: Path, model_max_length: int | None) 
         fast.model_max_length = model_max_length
     ids = tok.special_ids
     got = (fast.pad_token_id, fast.cls_token_id, fast.sep_token_id, fast.mask_token_id)
-    if got != (ids.pad_id, ids.cls_id, ids.sep_id, ids.mask_id):
+    want = (ids.pad_id, ids.cls_id, ids.sep_id, ids.mask_id)
+    if got != want:
         raise RuntimeError(f"{tok.path.parent}: transformers reads the special ids "
-                           f"(pad, cls, sep, mask) {got}, the stage recorded "
-                           f"{(ids.pad_id, ids.cls_id, ids.sep_id, ids.mask_id)}")
+                           f"(pad, cls, sep, mask) {got}, the stage recorded {want}")
     out.mkdir(parents=True, exist_ok=True)
     written = [Path(p) for p in fast.save_pretrained(out)]
     logger.info("adopted tokenizer %s exported to %s", tok.path, out)

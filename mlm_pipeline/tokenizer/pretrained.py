@@ -52,15 +52,8 @@ from mlm_pipeline.config import SpecialIds
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.locks import reuse_or_build
 from mlm_pipeline.manifest import (
-    Stopwatch,
-    TokenizerManifest,
-    compute_digest,
-    file_entry,
-    load_if_complete,
-    sha256_file,
-    stage_dir,
-    write_manifest,
-)
+    Stopwatch, TokenizerManifest, compute_digest, file_entry, load_if_complete, sha256_file,
+    stage_dir, write_manifest)
 from mlm_pipeline.tokenizer.base import BatchEncoder, EncoderSpec, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,16 +85,10 @@ def byte_decoder() -> dict[str, int]:
     (openai/gpt-2 `src/encoder.py`, as `tokenizers.pre_tokenizers.ByteLevel` uses it):
     printable bytes map to themselves, the others to U+0100 onwards in byte order (the
     space 0x20 to "\u0120", the newline 0x0A to "\u010a")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
 def _flat_pre_tokenizers(node: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -119,17 +106,14 @@ def word_boundary(spec: dict[str, Any]) -> str:
     `none` (the module docstring)."""
     model = spec.get("model") or {}
     kind = model.get("type")
-    pre = _flat_pre_tokenizers(spec.get("pre_tokenizer"))
-    types = {p.get("type") for p in pre} | {(spec.get("decoder") or {}).get("type")}
+    steps = [*_flat_pre_tokenizers(spec.get("pre_tokenizer")), spec.get("decoder") or {}]
     if kind == "WordPiece":
         return f"continuation:{model.get('continuing_subword_prefix') or '##'}"
-    if "ByteLevel" in types:
+    if any(p.get("type") == "ByteLevel" for p in steps):
         return "byte_level"
-    for p in pre:
+    for p in steps:  # a Metaspace pre-tokenizer's marker first, else the decoder's
         if p.get("type") == "Metaspace":
             return f"prefix:{p.get('replacement') or chr(0x2581)}"
-    if (spec.get("decoder") or {}).get("type") == "Metaspace":
-        return f"prefix:{spec['decoder'].get('replacement') or chr(0x2581)}"
     if kind == "BPE" and model.get("end_of_word_suffix"):
         return f"suffix:{model['end_of_word_suffix']}"
     if kind == "BPE" and model.get("continuing_subword_prefix"):
@@ -247,8 +231,7 @@ class PretrainedTokenizer(Tokenizer, kind="pretrained"):
         self._tok = _open_tokenizer_json(self.path)  # special names matched (probes)
         self._plain = _open_tokenizer_json(self.path)  # special names as text (documents)
         self._plain.encode_special_tokens = True
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._vocab_size = max(vocab.values()) + 1
+        self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self._added = set(self._tok.get_added_tokens_decoder())
         #: The text of the mask token, which a probe's literal "[MASK]" becomes.
         self.mask_token = self._tok.id_to_token(special_ids.mask_id)
@@ -345,8 +328,7 @@ class PretrainedTokenizer(Tokenizer, kind="pretrained"):
 
     def piece_to_id(self, piece: str) -> int:
         """The id of `piece`; `unk_id` when absent (-1 without an [UNK])."""
-        found = self._tok.token_to_id(piece)
-        if found is not None:
+        if (found := self._tok.token_to_id(piece)) is not None:
             return found
         return -1 if self.unk_id is None else self.unk_id
 
@@ -463,12 +445,11 @@ def adopt_pretrained_tokenizer(source: str | os.PathLike[str], work_dir: str | o
         vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         manifest = TokenizerManifest(
             stage=STAGE, digest=digest, output_dir=str(out_dir.resolve()),
-            config={"adopt_from": str(src)},
-            inputs=inputs, created_at=watch.created_at, wall_time_s=watch.elapsed,
-            kind="pretrained", model=entries[0], files=entries[1:], vocab_size=vocab_size,
+            config={"adopt_from": str(src)}, inputs=inputs, created_at=watch.created_at,
+            wall_time_s=watch.elapsed, kind="pretrained", model=entries[0], files=entries[1:],
+            vocab_size=vocab_size, source=str(src),
             model_type=str((spec.get("model") or {}).get("type", "unknown")).lower(),
-            special_tokens=special_tokens, special_ids=special_ids, word_boundary=boundary,
-            source=str(src))
+            special_tokens=special_tokens, special_ids=special_ids, word_boundary=boundary)
         if special_ids.all_special_ids[-1] >= vocab_size:  # pragma: no cover - ids come from it
             raise ValueError(f"{files[0]}: special id {special_ids.all_special_ids[-1]} "
                              f"outside its vocabulary of {vocab_size}")

@@ -41,14 +41,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from mlm_pipeline.config import (
-    CLS_ID,
-    PAD_ID,
-    SEP_ID,
-    SPECIAL_TOKENS,
-    UNK_ID,
-    TokenizerConfig,
-)
+from mlm_pipeline.config import CLS_ID, PAD_ID, SEP_ID, SPECIAL_TOKENS, UNK_ID, TokenizerConfig
 from mlm_pipeline.ingest.documents import write_training_text
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.locks import remove_stale_temporaries, reuse_or_build
@@ -148,9 +141,8 @@ def train_tokenizer(
         lambda: load_if_complete(out_dir, TokenizerManifest, digest,
                                  HashMemo(work_dir).file_sha256),
         lambda: _build(cfg, corpus, digest, out_dir, progress or NullProgress()))
-    if not reused:
-        return cached
-    logger.info("tokenizer: reusing %s", out_dir)
+    if reused:
+        logger.info("tokenizer: reusing %s", out_dir)
     return cached
 
 
@@ -180,7 +172,6 @@ def adopt_tokenizer(parent: TokenizerManifest, work_dir: str | os.PathLike[str]
         FileNotFoundError: a file of the parent is missing.
     """
     out_dir = stage_dir(work_dir, STAGE, parent.digest)
-    memo = HashMemo(work_dir).file_sha256
 
     def build() -> TokenizerManifest:
         for entry in parent.tokenizer_files():
@@ -204,7 +195,8 @@ def adopt_tokenizer(parent: TokenizerManifest, work_dir: str | os.PathLike[str]
         return parent
     manifest, _ = reuse_or_build(
         out_dir, STAGE,
-        lambda: load_if_complete(out_dir, TokenizerManifest, parent.digest, memo), build)
+        lambda: load_if_complete(out_dir, TokenizerManifest, parent.digest,
+                                 HashMemo(work_dir).file_sha256), build)
     return manifest
 
 
@@ -222,13 +214,11 @@ def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
             progress.start("tokenizer", 2.0, "phases",
                            f"sampling lines of {corpus.documents_train} documents")
             lines, candidates, sample_digest = write_training_text(
-                corpus, tmp / "train.txt", cfg.max_sentence_length,
-                cfg.input_sentence_size, _SAMPLING_SEED,
-            )
+                corpus, tmp / "train.txt", cfg.max_sentence_length, cfg.input_sentence_size,
+                _SAMPLING_SEED)
             if lines == 0:
                 raise ValueError(
-                    f"tokenizer: the training split of corpus {corpus.output_dir} has no text"
-                )
+                    f"tokenizer: the training split of corpus {corpus.output_dir} has no text")
             progress.update("tokenizer", 1.0, phase=f"training {cfg.model_type}",
                             lines=lines, candidates=candidates)
             read = _run_trainer(cfg, tmp, lines, candidates)
@@ -241,30 +231,17 @@ def _build(cfg: TokenizerConfig, corpus: CorpusManifest, digest: str,
         raise
     vocab_size = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE)).get_piece_size()
     manifest = TokenizerManifest(
-        stage=STAGE,
-        digest=digest,
-        output_dir=str(out_dir),
-        config=cfg.model_dump(mode="json"),
-        inputs={"corpus": corpus.digest},
-        created_at=watch.created_at,
-        wall_time_s=watch.elapsed,
-        model=file_entry(out_dir, out_dir / MODEL_FILE),
-        vocab=file_entry(out_dir, out_dir / VOCAB_FILE),
-        vocab_size=vocab_size,
-        model_type=cfg.model_type,
-        special_tokens=dict(SPECIAL_TOKENS),
-        training_sentences=read,
-        byte_fallback=cfg.byte_fallback,
-        sample_digest=sample_digest,
-        sampled_from=candidates,
-        normalization=corpus.config.get("normalization"),
-    )
+        stage=STAGE, digest=digest, output_dir=str(out_dir), config=cfg.model_dump(mode="json"),
+        inputs={"corpus": corpus.digest}, created_at=watch.created_at,
+        wall_time_s=watch.elapsed, model=file_entry(out_dir, out_dir / MODEL_FILE),
+        vocab=file_entry(out_dir, out_dir / VOCAB_FILE), vocab_size=vocab_size,
+        model_type=cfg.model_type, special_tokens=dict(SPECIAL_TOKENS),
+        training_sentences=read, byte_fallback=cfg.byte_fallback, sample_digest=sample_digest,
+        sampled_from=candidates, normalization=corpus.config.get("normalization"))
     write_manifest(manifest)
     progress.finish("tokenizer", phase="done", sentences=read, vocab_size=vocab_size)
-    logger.info(
-        "tokenizer: %s vocab_size=%d from %d sentences (%d lines written) in %.1f s",
-        cfg.model_type, vocab_size, read, lines, watch.elapsed,
-    )
+    logger.info("tokenizer: %s vocab_size=%d from %d sentences (%d lines written) in %.1f s",
+                cfg.model_type, vocab_size, read, lines, watch.elapsed)
     return manifest
 
 
@@ -290,23 +267,15 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int, candidates: int) -
         with open(log_path, "w", encoding="utf-8") as log:
             stream = log if _has_fileno(sys.stderr) else None
             spm.SentencePieceTrainer.train(
-                input=str(tmp / "train.txt"),
-                model_prefix=str(tmp / Path(MODEL_FILE).stem),
-                model_type=cfg.model_type,
-                vocab_size=cfg.vocab_size,
+                input=str(tmp / "train.txt"), model_prefix=str(tmp / Path(MODEL_FILE).stem),
+                model_type=cfg.model_type, vocab_size=cfg.vocab_size,
                 character_coverage=cfg.character_coverage,
                 input_sentence_size=0,  # train.txt is already the sample: load it all
-                max_sentence_length=cfg.max_sentence_length,
-                num_threads=cfg.num_threads,
-                byte_fallback=cfg.byte_fallback,
-                normalization_rule_tsv=str(rules),
-                pad_id=PAD_ID, pad_piece="[PAD]",
-                unk_id=UNK_ID, unk_piece="[UNK]",
-                bos_id=CLS_ID, bos_piece="[CLS]",
-                eos_id=SEP_ID, eos_piece="[SEP]",
-                control_symbols=[MASK_MARKER],
-                logstream=stream,
-            )
+                max_sentence_length=cfg.max_sentence_length, num_threads=cfg.num_threads,
+                byte_fallback=cfg.byte_fallback, normalization_rule_tsv=str(rules),
+                pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID, unk_piece="[UNK]",
+                bos_id=CLS_ID, bos_piece="[CLS]", eos_id=SEP_ID, eos_piece="[SEP]",
+                control_symbols=[MASK_MARKER], logstream=stream)
     except RuntimeError as exc:
         error = exc
     read = _read_trainer_log(log_path, lines)
@@ -320,8 +289,7 @@ def _run_trainer(cfg: TokenizerConfig, tmp: Path, lines: int, candidates: int) -
                 f"SentencePiece ({cfg.model_type}) needs at least {m.group(2)} pieces (the "
                 f"characters kept by character_coverage={cfg.character_coverage:g} plus the "
                 f"special tokens{bytes_note}) for {read} training sentences; raise "
-                "tokenizer.vocab_size or lower tokenizer.character_coverage"
-            ) from error
+                "tokenizer.vocab_size or lower tokenizer.character_coverage") from error
         raise error
     sp = spm.SentencePieceProcessor(model_file=str(tmp / MODEL_FILE))
     if sp.get_piece_size() < cfg.vocab_size:  # a trainer that silently built fewer pieces
@@ -343,11 +311,9 @@ def _too_high_message(cfg: TokenizerConfig, supported: int, read: int, candidate
     if candidates > read:  # the sample, not the corpus, is what is short
         more = (f"raise tokenizer.input_sentence_size (the trainer saw {read} of the "
                 f"corpus's {candidates} sentences)")
-    return (
-        f"tokenizer.vocab_size={cfg.vocab_size} is more than this corpus supports: "
-        f"SentencePiece ({cfg.model_type}) can build at most {supported} pieces from {read} "
-        f"training sentences; lower tokenizer.vocab_size or {more}"
-    )
+    return (f"tokenizer.vocab_size={cfg.vocab_size} is more than this corpus supports: "
+            f"SentencePiece ({cfg.model_type}) can build at most {supported} pieces from "
+            f"{read} training sentences; lower tokenizer.vocab_size or {more}")
 
 
 def _read_trainer_log(log_path: Path, lines: int) -> int:
@@ -359,9 +325,8 @@ def _read_trainer_log(log_path: Path, lines: int) -> int:
         text = ""
     for line in text.splitlines():
         logger.log(logging.WARNING if _SEVERE.match(line) else logging.DEBUG, "spm: %s", line)
-    if m := _READ.search(text):
-        return int(m.group(1))
-    return lines
+    m = _READ.search(text)
+    return int(m.group(1)) if m else lines
 
 
 def _strip_temp_paths(path: Path) -> None:

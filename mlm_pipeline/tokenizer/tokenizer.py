@@ -2,10 +2,7 @@
 
 `SentencePieceTokenizer` (a `Tokenizer`, `tokenizer.base`) wraps a `.model` file that
 `mlm_pipeline.tokenizer.stage.train_tokenizer` wrote, with the fixed special-token ids of
-`config.SPECIAL_TOKENS` (`SENTENCEPIECE_SPECIAL_IDS`). Loading through the stage's
-manifest checks that the file is the one the manifest describes (sha256), and gives the
-Unicode normalization form of the corpus, which `encode` applies to new text as ingestion
-did to every training document.
+`config.SPECIAL_TOKENS` (`SENTENCEPIECE_SPECIAL_IDS`).
 
 This module imports neither torch nor prefect.
 """
@@ -23,12 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from mlm_pipeline.config import (
-    MASK_ID,
-    NUM_SPECIAL,
-    SENTENCEPIECE_SPECIAL_IDS,
-    SPECIAL_TOKENS,
-    UNK_ID,
-)
+    MASK_ID, NUM_SPECIAL, SENTENCEPIECE_SPECIAL_IDS, SPECIAL_TOKENS, UNK_ID)
 from mlm_pipeline.manifest import TokenizerManifest, read_manifest
 from mlm_pipeline.tokenizer.base import BatchEncoder, EncoderSpec, Tokenizer
 
@@ -54,11 +46,8 @@ def check_special(sp: spm.SentencePieceProcessor, path: Path, error: type[Except
         error: a special token has another id, or [MASK] is not a control symbol (the
             file is named).
     """
-    wrong = [
-        f"{piece} has id {sp.piece_to_id(piece)}"
-        for piece, want in SPECIAL_TOKENS.items()
-        if sp.piece_to_id(piece) != want or sp.id_to_piece(want) != piece
-    ]
+    wrong = [f"{piece} has id {sp.piece_to_id(piece)}" for piece, want in SPECIAL_TOKENS.items()
+             if sp.piece_to_id(piece) != want or sp.id_to_piece(want) != piece]
     if not sp.is_control(MASK_ID):
         wrong.append(f"{MASK_MARKER} is not a control symbol")
     if wrong:
@@ -97,9 +86,8 @@ class SentencePieceTokenizer(Tokenizer, kind="sentencepiece"):
             raise ValueError(f"tokenizer: unknown normalization form {normalization!r}")
         self.path = Path(path)
         self.normalization = normalization
-        proto = self.path.read_bytes()
+        self._proto = proto = self.path.read_bytes()
         self.model_sha256 = hashlib.sha256(proto).hexdigest()
-        self._proto = proto
         try:
             if not proto:
                 raise RuntimeError("empty file")
@@ -194,10 +182,8 @@ class SentencePieceTokenizer(Tokenizer, kind="sentencepiece"):
         Returns:
             One list of ids in `[0, vocab_size)` per text, in order.
         """
-        return self._sp.encode(
-            [self._normalize(t) for t in texts], out_type=int,
-            num_threads=num_threads if num_threads > 0 else -1,
-        )
+        return self._sp.encode([self._normalize(t) for t in texts], out_type=int,
+                               num_threads=num_threads if num_threads > 0 else -1)
 
     def _normalize(self, text: str) -> str:
         return unicodedata.normalize(self.normalization, text) if self.normalization else text

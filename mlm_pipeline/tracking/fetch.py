@@ -1,17 +1,14 @@
 """An MLflow run's training checkpoint and tokenizer fetched to this machine: the parent of
 a warm start (`train.init_from`), or the champion the registry re-scores.
 
-An MLflow SOURCE (a run id, `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`) names
-a run: its training checkpoint is the one its train manifest (artifact
-`manifests/train/manifest.json`) names when that directory exists here (the same machine,
-or a shared work directory), else the checkpoint the run uploaded
-(`tracking.log_training_state`: artifacts `checkpoints/step-*`), downloaded with the
-run's tokenizer (artifacts `tokenizer/`) to `<work_dir>/parents/<run id>/`, laid out as a
-work directory (`train/<run id>/checkpoints/step-*`, `tokenizer/<digest[:16]>/`) so the
-tokenizer is found beside the checkpoint. The checkpoint is then verified and loaded by
-`train.warm_start` (the exported `transformers` model is not a training checkpoint and is
-not used); which parent a run starts from is decided in `mlm_pipeline.app.parents`.
-
+An MLflow SOURCE (a run id, `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/m-...`)
+names a run: its checkpoint is the one its train manifest (artifact
+`manifests/train/manifest.json`) names when that directory exists here, else the one the
+run uploaded (`tracking.log_training_state`), downloaded with the run's tokenizer to
+`<work_dir>/parents/<run id>/`, laid out as a work directory
+(`train/<run id>/checkpoints/step-*`, `tokenizer/<digest[:16]>/`) so the tokenizer is
+found beside the checkpoint.
+`train.warm_start` verifies and loads it; `mlm_pipeline.app.parents` picks the parent.
 mlflow is imported inside the functions.
 """
 

@@ -1,11 +1,9 @@
 """The training and validation shards as MLflow dataset inputs of a run.
 
-MLflow 3 keeps a run's datasets as run *inputs* (`MlflowClient.log_inputs`): a dataset is a
-name, a content digest, a source, a schema and a profile, and each input carries the tag
-`mlflow.data.context` (`training`, `validation`); the UI shows them in the run's dataset
-view, and `search_runs(filter_string="dataset.digest = '...'")` finds the runs trained on the
-same data. The digest is the shards manifest's (`ShardManifest.digest`, the sha256 of the
-shard config and the input digests), cut to MLflow's 36 characters (`MAX_DATASET_DIGEST_SIZE`
+MLflow 3 keeps a run's datasets as run *inputs* (`MlflowClient.log_inputs`), each tagged
+`mlflow.data.context` (`training`, `validation`): the UI's dataset view, and
+`search_runs(filter_string="dataset.digest = '...'")` finds the runs on the same data. The
+digest is `ShardManifest.digest` cut to MLflow's 36 characters (`MAX_DATASET_DIGEST_SIZE`
 in MLflow 3.17 `mlflow/utils/validation.py`); the full digest stays in the run tag
 `digest.shards`. mlflow is imported lazily.
 """

@@ -1,14 +1,11 @@
 """The loss plot a run logs at the end of training (`plots/loss.png`, `log_loss_plot`),
-drawn from the metric histories MLflow holds, and the pieces every picture of runs shares
-(`metric_series`, `tokens_at`, `new_figure`); the comparison figure of `mlm-pipeline
-compare` is `mlm_pipeline.app.compare_plot`.
+drawn from the metric histories MLflow holds, and the pieces every picture of runs shares;
+the comparison figure of `mlm-pipeline compare` is `mlm_pipeline.app.compare_plot`.
 
-Figures use matplotlib's object API on the Agg canvas (`matplotlib.figure.Figure`), never
-`pyplot`: pyplot keeps every figure in a process-wide registry until it is closed, which
-leaks memory in a long-lived worker and picks a GUI backend on a desktop. The x axis is
-tokens seen, so runs with other batch sizes or sequence lengths line up.
-
-mlflow is imported lazily (through the caller's client), matplotlib inside the functions.
+Figures use matplotlib's object API on the Agg canvas, never `pyplot`: pyplot keeps every
+figure in a process-wide registry until it is closed, which leaks memory in a long-lived
+worker and picks a GUI backend on a desktop. The x axis is tokens seen, so runs with other
+batch sizes or sequence lengths line up. matplotlib is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -99,14 +96,12 @@ def new_figure() -> Figure:
 def loss_figure(train_loss: Series, eval_loss: Series, lr: Series, tokens_seen: Series,
                 title: str | None = None) -> Figure:
     """Training curves of one run against tokens seen: `train/loss` as a line, `eval/loss`
-    as markers (each evaluation during training and the final one) and `train/lr` on a
-    second y axis.
+    as markers and `train/lr` on a second y axis.
 
     Args:
         train_loss, eval_loss, lr: histories of `train/loss`, `eval/loss` (nats) and
             `train/lr`, as `metric_series` returns; any may be empty (left out).
-        tokens_seen: history of `train/tokens_seen`, which places every step on the x axis
-            (see `tokens_at`).
+        tokens_seen: history of `train/tokens_seen`, which places every step on the x axis.
         title: figure title (e.g. the run name).
 
     Returns:
@@ -145,11 +140,8 @@ def loss_figure(train_loss: Series, eval_loss: Series, lr: Series, tokens_seen: 
 
 def log_loss_plot(tracker_or_client: MlflowTracker | MlflowClient, run_id: str) -> str:
     """Draw `loss_figure` from the run's MLflow histories (`train/loss`, `eval/loss`,
-    `train/lr`, `train/tokens_seen`) and log it as the run artifact `plots/loss.png`.
-
-    Args:
-        tracker_or_client: an `MlflowTracker` or an `MlflowClient` of the run's store.
-        run_id: the run.
+    `train/lr`, `train/tokens_seen`) and log it as the run artifact `plots/loss.png`
+    (`tracker_or_client`: an `MlflowTracker` or an `MlflowClient` of the run's store).
 
     Returns:
         The artifact path, `plots/loss.png`.

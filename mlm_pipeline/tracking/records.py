@@ -22,18 +22,10 @@ from mlm_pipeline.config.hf_parent import HF_CONFIG, hf_parent_class
 from mlm_pipeline.config_files import flatten
 from mlm_pipeline.ingest.hashing import HashMemo
 from mlm_pipeline.manifest import (
-    CorpusManifest,
-    EvalManifest,
-    Manifest,
-    ShardManifest,
-    TokenizerManifest,
-    TrainManifest,
-    check_in_work_dir,
-    load_if_complete,
-)
+    CorpusManifest, EvalManifest, Manifest, ShardManifest, TokenizerManifest, TrainManifest,
+    check_in_work_dir, load_if_complete)
 from mlm_pipeline.tracking.lineage import shard_inputs
 from mlm_pipeline.tracking.plots import log_loss_plot
-
 from mlm_pipeline.tracking.tracker import MlflowTracker, git_commit
 
 logger = logging.getLogger(__name__)
@@ -64,10 +56,9 @@ def run_name(cfg: PipelineConfig | None, suffix: str | None = None) -> str:
     """A readable run name shared by the Prefect flow run and its MLflow run:
     `<config name>-<model preset>-<max_steps>-<suffix>`, e.g. `tiny-modern-1000-3fa2c1`
     (no preset part when `model.preset` is unset; characters other than `A-Za-z0-9._-` in
-    the config name become `-`);
-    `mlm-pretraining-<suffix>` without a config. `suffix` defaults to 6 random hex digits,
-    so that two runs of one config have different names. `tracking.run_name`, when set,
-    is used instead by the caller."""
+    the config name become `-`); `mlm-pretraining-<suffix>` without a config. `suffix`
+    defaults to 6 random hex digits, so that two runs of one config have different names.
+    `tracking.run_name`, when set, is used instead by the caller."""
     suffix = suffix or secrets.token_hex(3)
     if cfg is None:
         return f"mlm-pretraining-{suffix}"
@@ -115,36 +106,29 @@ def run_tags(extra: dict[str, str] | None = None, source_name: str | None = None
     tags = {"mlm_pipeline.version": __version__, "mlflow.user": _user(),
             "mlflow.source.name": source_name or Path(sys.argv[0]).name or "python",
             "mlflow.source.type": source_type}
-    commit = git_commit()
-    if commit:
+    if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     tags.update({f"version.{name}": v for name, v in package_versions().items()})
     tags.update(extra or {})
     return tags
 
 
-def data_tags(
-    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
-) -> dict[str, str]:
+def data_tags(corpus: CorpusManifest, tokenizer: TokenizerManifest,
+              shards: ShardManifest) -> dict[str, str]:
     """Lineage: the digest of every data stage, so runs on the same data can be found."""
-    return {
-        "digest.corpus": corpus.digest,
-        "digest.tokenizer": tokenizer.digest,
-        "digest.shards": shards.digest,
-        "tokenizer.model_sha256": tokenizer.model.sha256,
-    }
+    return {"digest.corpus": corpus.digest, "digest.tokenizer": tokenizer.digest,
+            "digest.shards": shards.digest, "tokenizer.model_sha256": tokenizer.model.sha256}
 
 
-def data_accounting(
-    corpus: CorpusManifest, tokenizer: TokenizerManifest, shards: ShardManifest
-) -> dict[str, int]:
+def data_accounting(corpus: CorpusManifest, tokenizer: TokenizerManifest,
+                    shards: ShardManifest) -> dict[str, int]:
     """Ingestion accounting and data sizes: counts of documents (read, per split, dropped
     and repaired by reason), characters, vocabulary, rows and tokens, input files
     rejected as bad or skipped, and (when measured) the validation<->training n-gram
     overlap (`validation_13gram_windows`, `..._in_train`, documents mostly training text,
-    validation lines removed as training lines). `record_data` logs them as params `data.<name>` and as the
-    artifact `data/accounting.json`, not as metrics (one-point charts would bury the
-    training curves in the MLflow UI)."""
+    validation lines removed as training lines). `record_data` logs them as params
+    `data.<name>` and as the artifact `data/accounting.json`, not as metrics (one-point
+    charts would bury the training curves in the MLflow UI)."""
     m: dict[str, int] = {
         "documents_read": corpus.documents_read,
         "documents_train": corpus.documents_train,
@@ -158,8 +142,7 @@ def data_accounting(
     }
     m.update({f"dropped_{k}": v for k, v in corpus.dropped.items()})
     m.update({f"repaired_{k}": v for k, v in corpus.repaired.items()})
-    m["files_rejected"] = len(corpus.bad_files)
-    m["files_skipped"] = len(corpus.skipped_files)
+    m["files_rejected"], m["files_skipped"] = len(corpus.bad_files), len(corpus.skipped_files)
     if (overlap := corpus.validation_overlap) is not None:  # ingest.overlap: what remains
         m[f"validation_{overlap.ngram}gram_windows"] = overlap.validation_windows
         m[f"validation_{overlap.ngram}gram_windows_in_train"] = (
@@ -169,13 +152,8 @@ def data_accounting(
     return m
 
 
-def record_data(
-    tracker: MlflowTracker,
-    run_id: str,
-    corpus: CorpusManifest,
-    tokenizer: TokenizerManifest,
-    shards: ShardManifest,
-) -> None:
+def record_data(tracker: MlflowTracker, run_id: str, corpus: CorpusManifest,
+                tokenizer: TokenizerManifest, shards: ShardManifest) -> None:
     """Log data lineage (digest tags, and both shard splits as dataset inputs with contexts
     `training` / `validation`: `lineage.shard_inputs`), the accounting (`data_accounting`:
     params `data.<name>` and `data/accounting.json`), the rejected input files
@@ -210,8 +188,7 @@ def train_tags(trained: TrainManifest) -> dict[str, str]:
     `train.device`, `train.precision`, `mfu.peak_source`, and `mlm.compile_fallback`
     (`recompile_limit`) only when the compiled model fell back to eager code."""
     tags = {"train.stopped_early": str(trained.stopped_early),
-            "mlm.stop_reason": trained.stop_reason,
-            "train.device": trained.device,
+            "mlm.stop_reason": trained.stop_reason, "train.device": trained.device,
             "train.precision": trained.precision,
             "mfu.peak_source": trained.peak_source or "unknown"}
     if trained.compile_fallback:
@@ -219,24 +196,17 @@ def train_tags(trained: TrainManifest) -> dict[str, str]:
     return tags
 
 
-def record_results(
-    tracker: MlflowTracker,
-    run_id: str,
-    cfg: PipelineConfig,
-    trained: TrainManifest,
-    evaluated: EvalManifest,
-    fill_mask_rows: list[dict[str, Any]],
-) -> None:
+def record_results(tracker: MlflowTracker, run_id: str, cfg: PipelineConfig,
+                   trained: TrainManifest, evaluated: EvalManifest,
+                   fill_mask_rows: list[dict[str, Any]]) -> None:
     """Log eval metrics (at the final step: the curve's last point; those already there
     are not logged again), the fill-mask predictions (JSON, and `fill_mask_rows`, the final
     evaluation's rows of `evaluate.probes.table_rows`, appended once to the fill-mask table
-    at the final step), the stop
-    reason, device, precision, MFU peak source and any compile fallback (tags,
-    `train_tags`), the holdout text's digest (`digest.holdout`, with a holdout),
-    manifests and `plots/loss.png`
-    (`plots.log_loss_plot`; a plot that cannot be drawn is a warning); the final training
-    checkpoint (optimizer and RNG state included) only when `tracking.log_training_state`
-    (the model itself is logged by `app.publish.publish`)."""
+    at the final step), the tags of `train_tags`, the holdout text's digest
+    (`digest.holdout`, with a holdout), manifests and `plots/loss.png` (`plots.log_loss_plot`;
+    a plot that cannot be drawn is a warning); the final training checkpoint (optimizer and
+    RNG state included) only when `tracking.log_training_state` (the model itself is logged
+    by `app.publish.publish`)."""
     from mlm_pipeline.tracking.fill_mask_table import log_fill_mask_rows
     from mlm_pipeline.tracking.registry import holdout_run_tags
     from mlm_pipeline.tracking.resume import log_missing_metrics
@@ -265,11 +235,9 @@ def record_results(
 
 def outputs_exist(manifest: Manifest, work_dir: str | Path | None = None) -> bool:
     """True when every file a manifest lists is still on disk with its recorded size and
-    sha256 (through the work directory's hash memo, `HashMemo.of_stage_dir`): a result
-    cached by the orchestrator is only reused if its outputs were not deleted or changed
-    (a changed file is named in a warning). With `work_dir`, the manifest's `output_dir`
-    must be inside it (`manifest.check_in_work_dir`): a result record or a parameter
-    naming a directory elsewhere is refused before anything is read.
+    sha256 (through the work directory's hash memo, `HashMemo.of_stage_dir`; a changed file
+    is named in a warning): an orchestrator's cached result is reused only then. With
+    `work_dir`, `output_dir` must be inside it (`manifest.check_in_work_dir`).
 
     Raises:
         ManifestPathError: the stage's `manifest.json` lists a path outside its directory
@@ -292,10 +260,8 @@ def accounting_rows(corpus: CorpusManifest) -> list[dict[str, Any]]:
         {"what": "kept (train)", "reason": "", "documents": corpus.documents_train},
         {"what": "kept (validation)", "reason": "", "documents": corpus.documents_validation},
     ]
-    rows += [{"what": "dropped", "reason": k, "documents": v}
-             for k, v in sorted(corpus.dropped.items())]
-    rows += [{"what": "repaired", "reason": k, "documents": v}
-             for k, v in sorted(corpus.repaired.items())]
+    for what, counts in (("dropped", corpus.dropped), ("repaired", corpus.repaired)):
+        rows += [{"what": what, "reason": k, "documents": v} for k, v in sorted(counts.items())]
     # A rejected file: its reason and path, and the records read from it before the error.
     rows += [{"what": "file rejected", "reason": f"{b.reason}: {b.path}", "documents": b.documents}
              for b in corpus.bad_files]

@@ -3,22 +3,11 @@ written to MLflow and read back from it. The decision itself is `mlm_pipeline.ap
 (pure), composed with the model export and the champion's re-scoring in
 `mlm_pipeline.app.publish`.
 
-- `log_model` logs a `transformers` model directory as the run's MLflow model (the
-  `transformers` flavor, task `fill-mask`, with a signature, an input example and `step` =
-  the final step); `logged_model_uri` finds it again (a finish after a failure);
-- `register_version` registers it under a name, with the version tags the decision reads
-  later (`eval_loss`, `eval_data`, digests, holdout score, `champion_before`);
-- `champion` reads the version holding `champion` (its record), `champion_tokenizer_digest`
-  its tokenizer;
-- `apply_decision` writes a decision: every new version gets `challenger`, `champion`
-  moves to it when it promotes; the decision, the metric, both scores and the data they
-  were computed on are set on the run (tags `registry.*`, metrics `registry/*`) and on the
-  model version (tags `decision`, `compared_*`);
-- `promote` forces `champion` onto a run's version (`mlm-pipeline promote RUN_ID`);
-- `download_model` turns an MLflow run id or a `models:/...` URI back into a local
-  `transformers` model directory (for `mlm-pipeline export` and `fill-mask`).
-
-mlflow and transformers are imported inside the functions.
+Every new version gets `challenger`; `champion` moves to it when the decision promotes it
+(`promote` forces it). The decision, the metric, both scores and the data they were
+computed on are set on the run (tags `registry.*`, metrics `registry/*`) and on the model
+version (tags `decision`, `compared_*`). mlflow and transformers are imported inside the
+functions.
 """
 
 from __future__ import annotations
@@ -74,13 +63,10 @@ def eval_data_digest(evaluated: EvalManifest) -> str:
 
 @contextlib.contextmanager
 def _tracking_uri(uri: str) -> Iterator[None]:
-    """MLflow's fluent model API (`log_model`, `register_model`, `download_artifacts`)
-    reads the process-wide tracking URI: use `uri` for the block, then restore the previous
-    setting. A URI set before (`set_tracking_uri` or $MLFLOW_TRACKING_URI) is set again; an
-    unset one is unset again with `set_tracking_uri(None)` (what MLflow's own private helper
-    does; `get_tracking_uri()` would pin the default, `sqlite:///<cwd>/mlflow.db`, for the
-    rest of the process), and $MLFLOW_TRACKING_URI, which this process's later trackers
-    read, keeps its value. Checked by tests/flows/test_prefect_private.py."""
+    """Set the process-wide tracking URI (read by MLflow's fluent model API) for the block,
+    then restore it: an unset one is unset with `set_tracking_uri(None)`, as MLflow's own
+    helper does (`get_tracking_uri()` would pin the default `sqlite:///<cwd>/mlflow.db`),
+    and $MLFLOW_TRACKING_URI keeps its value. Checked by tests/flows/test_prefect_private.py."""
     import mlflow
     from mlflow.tracking import is_tracking_uri_set
 
@@ -127,8 +113,7 @@ def log_model(tracker: MlflowTracker, run_id: str, model_dir: Path, step: int,
     with _tracking_uri(tracker.tracking_uri):
         info = mlflow.transformers.log_model(
             pipe, name="model", task="fill-mask", model_card=card, run_id=run_id,
-            model_id=logged.model_id,
-            input_example=[input_example], step=step,
+            model_id=logged.model_id, input_example=[input_example], step=step,
             # Texts longer than the model's sequence length are cut, not an index error.
             model_config={"tokenizer_kwargs": {"truncation": True}},
             pip_requirements=[f"transformers=={transformers.__version__}", "torch"])
@@ -192,8 +177,7 @@ def register_version(tracker: MlflowTracker, name: str, run_id: str, model_uri: 
     A version `run_id` registered from `model_uri` before (an attempt that stopped before
     the aliases moved) is reused: no second version, and the champion is the one it was
     registered under (its tag `champion_before`)."""
-    version = _registered(tracker, name, run_id, model_uri)
-    if version is not None:
+    if (version := _registered(tracker, name, run_id, model_uri)) is not None:
         logger.info("registry %s: version %s of run %s exists: not registered again, "
                     "its aliases are set", name, version.version, run_id)
         return int(version.version), _champion_before(tracker, version)
@@ -241,8 +225,7 @@ def _version_tags(client: Any, name: str, version: str, tags: dict[str, str]) ->
 
 
 def _registered(tracker: MlflowTracker, name: str, run_id: str, model_uri: str):
-    """The version of `name` already registered from `model_uri` by run `run_id` (the
-    newest), or None."""
+    """The newest version of `name` registered from `model_uri` by `run_id`, or None."""
     model_id = model_uri.removeprefix("models:/")
     versions = [v for v in tracker.client.search_model_versions(
         f"name = '{name}' and run_id = '{run_id}'")
@@ -299,8 +282,8 @@ def promote(tracker: MlflowTracker, run_id: str, name: str | None = None) -> dic
         ValueError: the run registered no version (under `name`, when given), or
             versions under several names and `name` is None.
     """
-    query = f"run_id = '{run_id}'" + (f" and name = '{name}'" if name else "")
-    versions = tracker.client.search_model_versions(query)
+    under = f" and name = '{name}'" if name else ""
+    versions = tracker.client.search_model_versions(f"run_id = '{run_id}'{under}")
     names = sorted({v.name for v in versions})
     if not versions:
         raise ValueError(f"promote: run {run_id} registered no model version"
@@ -388,11 +371,11 @@ def download_model(tracker: MlflowTracker, source: str, out_dir: str | Path,
         for f in (got / _TOKENIZER_DIR).iterdir():
             shutil.copy2(f, out / f.name)
         if (got / _CARD_TEXT).is_file():
-            data = (got / _CARD_DATA).read_text(encoding="utf-8") if (
-                got / _CARD_DATA).is_file() else ""
+            card_data = got / _CARD_DATA
+            data = card_data.read_text(encoding="utf-8") if card_data.is_file() else ""
             front = f"---\n{data}---\n" if data.strip() else ""
-            (out / "README.md").write_text(front + (got / _CARD_TEXT).read_text(
-                encoding="utf-8"), encoding="utf-8")
+            text = (got / _CARD_TEXT).read_text(encoding="utf-8")
+            (out / "README.md").write_text(front + text, encoding="utf-8")
     return out
 
 
@@ -413,15 +396,11 @@ def holdout_version_tags(digest: str, seed: str, bits_per_char: float) -> dict[s
 
 def _record_holdout(tracker: MlflowTracker, name: str, version: str, run_id: str,
                     result: dict[str, Any]) -> None:
-    """Set the holdout comparison of `result` (with `holdout`) on the run (tags
-    `registry.holdout_digest`, `registry.champion_holdout_rescored`; metrics
-    `registry/holdout_bits_per_char`, `registry/champion_holdout_bits_per_char`) and, when
-    compared, on the model version (`compared_*` tags)."""
+    """Set `result["holdout"]` on the run and, when compared, on the model version."""
     held = result["holdout"]
-    theirs = held["champion_bits_per_char"]
+    theirs, rescored = held["champion_bits_per_char"], str(held["champion_rescored"]).lower()
     tracker.set_tags(run_id, {"registry.holdout_digest": held["digest"],
-                              "registry.champion_holdout_rescored":
-                              str(held["champion_rescored"]).lower()})
+                              "registry.champion_holdout_rescored": rescored})
     metrics = {"registry/holdout_bits_per_char": held["bits_per_char"]}
     if theirs is not None:
         metrics["registry/champion_holdout_bits_per_char"] = theirs
@@ -430,7 +409,7 @@ def _record_holdout(tracker: MlflowTracker, name: str, version: str, run_id: str
             "compared_bits_per_char": repr(float(held["bits_per_char"])),
             "compared_champion_version": str(result["champion_before"]["version"]),
             "compared_champion_bits_per_char": repr(float(theirs)),
-            "compared_champion_rescored": str(held["champion_rescored"]).lower()})
+            "compared_champion_rescored": rescored})
     log_missing_metrics(tracker, run_id, metrics, 0)
 
 

@@ -1,38 +1,25 @@
 """Which MLflow run a rerun continues, and what may change when it does.
 
-A killed pretraining run is continued by running the same command again: the same config
-(`mlm-pipeline run`, the same deployment parameters, or Prefect's retry of the task). The
-run to continue is found by its *job key* (`job_key`): a digest of the config's name, the
-experiment, the resolved work directory and the data sections (`ingest`, `tokenizer`,
-`shards`), stored on the run as the tag `mlm.job_key`. Among the runs of the experiment with
-that tag, the newest that is not FINISHED, whose process is gone and that has an intact
-checkpoint in `<work_dir>/train/<run id>/checkpoints` is continued (`find_resumable`). A
-FINISHED run is never continued; `tracking.resume: never` (`--fresh`) starts a new run.
+A killed pretraining run is continued by running the same command again (the same config,
+deployment parameters, or Prefect's retry of the task). The run is found by its *job key*
+(`job_key`), stored as the tag `mlm.job_key`: of the experiment's runs with it, the newest
+that is not FINISHED, whose process is gone and that has an intact checkpoint in
+`<work_dir>/train/<run id>/checkpoints` is continued (`find_resumable`). A FINISHED run is
+never continued; `tracking.resume: never` (`--fresh`) starts a new run.
 
-What may differ from the continued run (`config_changes`): settings that do not change what
-the steps compute (`COMPATIBLE`: more steps, the time cap, logging and checkpoint cadence,
-threads, evaluation and tracking settings) are recorded as tags; any other difference in
-`train`, `model` or `masking` refuses to continue, naming the fields.
+Settings that do not change what the steps compute (`COMPATIBLE`) may differ and are
+recorded as tags; any other difference in `train`, `model` or `masking` refuses to
+continue, naming the fields (`config_changes`).
 
-The budget (`train.max_steps`, `plan`): continuing never goes back. A run whose training
-stopped before its budget B (killed, failed, a time cap) at checkpoint step N continues
-with `train.max_steps` B or more (a larger budget is recorded in `mlm.resume.<n>` and the
-tag `mlm.max_steps`: MLflow params are immutable, so the param keeps the first value; the
-run summary shows the budget used); `train.max_steps` at or below N, or below B, is
-refused (`ResumeRefusedError`, naming `--fresh` and `tracking.resume_run_id`). A run whose
-training reached its budget and that failed after it (evaluation, model logging,
-registration) is *finished* by a rerun with the same `train.max_steps`: training is not
-run again and only what is missing is done (no second final evaluation point, logged
-model or model version). A rerun with another `train.max_steps` leaves it alone and
-starts a new run (its training is complete: another budget is another run); naming it
-with `tracking.resume_run_id` is refused.
+The budget (`train.max_steps`, `plan`): continuing never goes back; a larger budget is
+recorded in `mlm.resume.<n>` and the tag `mlm.max_steps` (MLflow params are immutable). A
+run whose training reached its budget and that failed after it (evaluation, model logging,
+registration) is *finished* by a rerun with the same `train.max_steps`: only what is
+missing is done (no second final evaluation point, logged model or model version).
 
-A run whose process is alive is never touched: runs record `mlm.host` and `mlm.pid`, and a
-RUNNING run of this host whose process still exists is left alone (two runs at once start
-two MLflow runs). A RUNNING run of another host is left alone too, since nothing here can
-tell whether it still trains (a shared MLflow server, an `s3://` work directory): name it
-with `tracking.resume_run_id` to take it over once its machine is gone. A RUNNING run of a
-dead process without a checkpoint is closed KILLED.
+A run whose process may be alive is never touched: runs record `mlm.host` and `mlm.pid`. A
+RUNNING run of another host is left alone too (nothing here can tell whether it still
+trains): name it with `tracking.resume_run_id` to take it over once its machine is gone.
 """
 
 from __future__ import annotations
@@ -63,8 +50,7 @@ COMPATIBLE = frozenset({
     "train.max_steps", "train.max_time_s", "train.log_every", "train.checkpoint_every",
     "train.checkpoint_interval_s", "train.keep_last_checkpoints", "train.num_threads",
     "train.verify_shards", "train.compile", "train.nonfinite", "train.max_skipped_steps",
-    "train.warmup_in_effect",
-})
+    "train.warmup_in_effect"})
 #: Sections whose other params must be equal to continue a run.
 _CHECKED_PREFIXES = ("train.", "model.", "masking.")
 
@@ -72,14 +58,10 @@ _CHECKED_PREFIXES = ("train.", "model.", "masking.")
 def job_key(cfg: PipelineConfig) -> str:
     """Hex sha256 identifying a job for resumption: config name, experiment, absolute work
     directory (or its URL) and the data sections (`ingest`, `tokenizer`, `shards`)."""
-    identity = {
-        "name": cfg.name,
-        "experiment": cfg.tracking.experiment_name,
-        "work_dir": store.work_id(cfg.work_dir),
-        "ingest": cfg.ingest.model_dump(mode="json"),
-        "tokenizer": cfg.tokenizer.model_dump(mode="json"),
-        "shards": cfg.shards.model_dump(mode="json"),
-    }
+    identity = {"name": cfg.name, "experiment": cfg.tracking.experiment_name,
+                "work_dir": store.work_id(cfg.work_dir)}
+    for section in ("ingest", "tokenizer", "shards"):
+        identity[section] = getattr(cfg, section).model_dump(mode="json")
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -120,13 +102,11 @@ def _alive(tags: Mapping[str, str], run_id: str = "") -> bool:
                     "training); once that machine is gone, continue it with "
                     "tracking.resume_run_id=%s", run_id, host, run_id)
         return True
-    if not tags.get(PID_TAG, "").isdigit():
-        return False
-    pid = int(tags[PID_TAG])
-    if pid == os.getpid():
+    pid = tags.get(PID_TAG, "")
+    if not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
-        os.kill(pid, 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -232,31 +212,27 @@ def find_resumable(
 
     Returns:
         The newest run with this job key that is not FINISHED, whose process is gone (a
-        RUNNING run of another host counts as alive), that has a checkpoint and that is
-        not a complete training of another `train.max_steps` (`plan`); None when there
-        is none. Dead RUNNING runs without a
-        checkpoint are closed KILLED on the way (nothing to continue).
+        RUNNING run of another host counts as alive), that has a checkpoint and that is not
+        a complete training of another `train.max_steps` (`plan`); None when there is none.
+        Dead RUNNING runs without a checkpoint are closed KILLED on the way.
 
     Raises:
-        ValueError: the run to continue was trained with incompatible settings (the
-            differing params are named, with what to do).
-        ResumeRefusedError: `train.max_steps` is at or below the step of the checkpoint
-            it would continue from (`plan`).
+        ValueError: the run was trained with incompatible settings (named, with what to do).
+        ResumeRefusedError: `train.max_steps` is at or below the checkpoint's step (`plan`).
     """
     key = job_key(cfg)
     runs = tracker.client.search_runs(
         [tracker.experiment_id()], filter_string=f"tags.`{JOB_KEY_TAG}` = '{key}'",
         order_by=["attributes.start_time DESC"], max_results=50)
     for run in runs:
-        status = run.info.status
-        if status == "FINISHED" or (status == "RUNNING" and _alive(run.data.tags,
-                                                                   run.info.run_id)):
+        status, run_id = run.info.status, run.info.run_id
+        if status == "FINISHED" or (status == "RUNNING" and _alive(run.data.tags, run_id)):
             continue
-        checkpoint = newest_checkpoint(run.info.run_id)
+        checkpoint = newest_checkpoint(run_id)
         if checkpoint is None:
             if status == "RUNNING":
-                tracker.end_run(run.info.run_id, "KILLED")
-                tracker.set_tags(run.info.run_id, {"mlflow.note.content": (
+                tracker.end_run(run_id, "KILLED")
+                tracker.set_tags(run_id, {"mlflow.note.content": (
                     "Closed KILLED by a later run of the same config: its process was gone "
                     "and it had no checkpoint to continue from.")})
             continue
@@ -266,17 +242,17 @@ def find_resumable(
             logger.info(
                 "MLflow run %s trained all its %d steps and is %s: not continued with "
                 "train.max_steps=%d, a new run starts (train.max_steps=%d finishes it)",
-                run.info.run_id, budget, status, max_steps, budget)
+                run_id, budget, status, max_steps, budget)
             continue
         compatible, incompatible = config_changes(run.data.params, params)
         if incompatible:
             changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in incompatible.items())
             raise ValueError(
-                f"cannot continue MLflow run {run.info.run_id} (unfinished, checkpoint "
+                f"cannot continue MLflow run {run_id} (unfinished, checkpoint "
                 f"{checkpoint.name}): these settings differ: {changes}. Run the same config "
                 "to continue it, or start a new run with --fresh (tracking.resume=never)")
-        how = plan(run.info.run_id, step, budget, max_steps)
-        return Resumable(run.info.run_id, status, checkpoint, compatible, how == "finish")
+        how = plan(run_id, step, budget, max_steps)
+        return Resumable(run_id, status, checkpoint, compatible, how == "finish")
     return None
 
 
@@ -293,15 +269,13 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
                  tags: Mapping[str, str], step: int,
                  changes: Mapping[str, tuple[str, str]] | None = None,
                  finish: bool = False) -> None:
-    """Reopen `run_id` (status RUNNING) to continue it from checkpoint `step` (`finish`:
-    its training is complete, only the end stages are left; said in the log line).
+    """Reopen `run_id` (status RUNNING) to continue it from checkpoint `step` (`finish`: only
+    the end stages are left; said in the log line).
 
-    Params the run lacks are logged; params whose value changed (compatible ones, and
-    settings outside `train`/`model`/`masking`) keep their first value (MLflow params are
-    immutable) and are recorded, with the step and time, in a tag `mlm.resume.<n>`
-    (n = 1, 2, ... per resume); a changed `train.max_steps` is also the tag
-    `mlm.max_steps` (the budget in effect, which the param cannot show); `tags` and the
-    tracker's `bookkeeping_tags` (how the run was continued) are set.
+    Params the run lacks are logged; changed params keep their first value (MLflow params
+    are immutable) and are recorded, with the step and time, in a tag `mlm.resume.<n>` (n =
+    1, 2, ... per resume); a changed `train.max_steps` is also the tag `mlm.max_steps`;
+    `tags` and the tracker's `bookkeeping_tags` are set.
 
     Raises:
         ValueError: the run is FINISHED (a finished run is never continued) or unknown.
@@ -328,13 +302,9 @@ def continue_run(tracker: MlflowTracker, run_id: str, params: Mapping[str, objec
               if "train.max_steps" in changed else {})
     tracker.set_tags(run_id, {**tracker.bookkeeping_tags, **tags, **budget,
                               f"mlm.resume.{number}": json.dumps(record)})
-    if finish:
-        logger.info("finishing MLflow run %s: its training reached step %d, only what is "
-                    "missing after training is done (resume %d; --fresh starts a new run "
-                    "instead)", run_id, step, number)
-    else:
-        logger.info("continuing MLflow run %s from step %d (resume %d; --fresh starts a new "
-                    "run instead)", run_id, step, number)
+    how = ("finishing MLflow run %s: its training reached step %d, only what is missing "
+           "after training is done" if finish else "continuing MLflow run %s from step %d")
+    logger.info(how + " (resume %d; --fresh starts a new run instead)", run_id, step, number)
 
 
 def failure_tags(exc: BaseException) -> tuple[str, dict[str, str]]:

@@ -1,11 +1,9 @@
 """`MlflowSink`: the `MetricsSink` (see `mlm_pipeline.sinks`) that sends step metrics to an
 MLflow run in batches, and `_mlflow_client`, the one place an `MlflowClient` is made.
 
-mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
-torch or prefect). Before the first import, `MLFLOW_DISABLE_TELEMETRY` is set to `true` unless
-the environment already sets it: MLflow 3 otherwise sends usage events to an outside endpoint
-from every process, which offline workers cannot reach and which users never agreed to; the
-user's own setting wins.
+mlflow is imported lazily. Before its first import, `MLFLOW_DISABLE_TELEMETRY` is set to
+`true` unless the environment sets it: MLflow 3 otherwise sends usage events to an outside
+endpoint from every process, which offline workers cannot reach and users never agreed to.
 
 Limit (MLflow 3.17 `mlflow/utils/validation.py`): 1000 metrics per `log_batch`, keys as in
 `sinks.check_key`. Runs, params and artifacts are `mlm_pipeline.tracking.tracker`'s.
@@ -43,13 +41,13 @@ def _mlflow_client(tracking_uri: str) -> MlflowClient:
 class MlflowSink:
     """Buffers step metrics and sends them to an MLflow run with `MlflowClient.log_batch`.
 
-    One HTTP call per value costs ~13 ms against a server, so records are buffered and sent
-    when `flush_every` records are waiting, when `flush_interval_s` has passed since the last
-    send (checked on `log`, no background thread), on `flush()` and on `close()`; each send
-    carries at most 1000 metrics. Non-finite values are dropped and counted in
-    `dropped_nonfinite` (MLflow would store `inf` as the largest double). A failed automatic
-    send keeps the metrics for the next one and logs a warning, so an MLflow outage does not
-    stop training; `flush()` and `close()` raise. Timestamps are Unix milliseconds of `log`.
+    One HTTP call per value costs ~13 ms against a server, so records are sent when
+    `flush_every` are waiting, when `flush_interval_s` has passed since the last send
+    (checked on `log`, no background thread), on `flush()` and on `close()`; at most 1000
+    metrics a send. Non-finite values are dropped and counted in `dropped_nonfinite` (MLflow
+    would store `inf` as the largest double). A failed automatic send keeps the metrics for
+    the next one with a warning, so an MLflow outage does not stop training; `flush()` and
+    `close()` raise. Timestamps are Unix milliseconds of `log`.
 
     Args:
         run_id: MLflow run to log to.
@@ -62,21 +60,12 @@ class MlflowSink:
         ValueError: `flush_every` < 1 or `flush_interval_s` < 0.
     """
 
-    def __init__(
-        self,
-        run_id: str,
-        tracking_uri: str,
-        flush_every: int = 50,
-        flush_interval_s: float = 10.0,
-        client: MlflowClient | None = None,
-    ) -> None:
+    def __init__(self, run_id: str, tracking_uri: str, flush_every: int = 50,
+                 flush_interval_s: float = 10.0, client: MlflowClient | None = None) -> None:
         if flush_every < 1 or flush_interval_s < 0:
-            raise ValueError(
-                f"MlflowSink: flush_every={flush_every} must be >= 1 and "
-                f"flush_interval_s={flush_interval_s} >= 0"
-            )
-        self.run_id = run_id
-        self.flush_every = flush_every
+            raise ValueError(f"MlflowSink: flush_every={flush_every} must be >= 1 and "
+                             f"flush_interval_s={flush_interval_s} >= 0")
+        self.run_id, self.flush_every = run_id, flush_every
         self.flush_interval_s = flush_interval_s
         self.client = client or _mlflow_client(tracking_uri)
         from mlflow.entities import Metric
@@ -118,11 +107,9 @@ class MlflowSink:
         with self._lock:
             self._buffer.extend(batch)
             self._records += 1
-            due = (
-                self._records >= self.flush_every
-                or len(self._buffer) >= MAX_METRICS_PER_BATCH
-                or time.monotonic() - self._last_send >= self.flush_interval_s
-            )
+            due = (self._records >= self.flush_every
+                   or len(self._buffer) >= MAX_METRICS_PER_BATCH
+                   or time.monotonic() - self._last_send >= self.flush_interval_s)
         if due:
             try:
                 self.flush()

@@ -2,37 +2,20 @@
 tracking-URI helpers), batched step metrics in `mlm_pipeline.tracking.sink` (`MlflowSink`).
 
 `MlflowTracker` owns one `MlflowClient` and takes an explicit `run_id` everywhere: MLflow's
-active run is per thread, and Prefect tasks may run in other threads.
-
-mlflow is imported lazily inside functions, so importing this module stays cheap (no mlflow,
-torch or prefect); the client comes from `sink._mlflow_client`, which turns MLflow's
-telemetry off unless the environment sets it (why: see `mlm_pipeline.tracking.sink`).
+active run is per thread, and Prefect tasks may run in other threads. mlflow is imported
+lazily; the client comes from `sink._mlflow_client` (telemetry off: see that module).
 
 Artifacts with a SQLite backend: MLflow 3.17 puts a new experiment's artifacts under
-`<cwd>/mlruns/<experiment_id>` (the default artifact root `./mlruns`, resolved against the
-working directory of whichever process creates the experiment), so runs started from
-different directories scatter their artifacts. `MlflowTracker` creates experiments on a
-SQLite URI with the artifact location `<db dir>/mlartifacts/<experiment name>` (characters
-other than `A-Za-z0-9._-` replaced by `_`), an absolute path next to the database. Existing
-experiments keep their location; on an http(s) server, new experiments get the server's
-default (with served artifacts, `mlflow-artifacts:/...`: artifacts go through the server).
-
-Moving from local to a server: an experiment created on the local SQLite store (then
-migrated, or recreated on a server sharing that database) keeps its absolute local artifact
-location, and MLflow's client then writes its runs' artifacts straight to the worker's
-disk instead of through the server. `experiment_id` warns once per process and experiment
-when the tracking URI is http(s) and the artifact location is a local path (`/...` or
-`file:`), saying what to do (MLflow cannot change an experiment's artifact location).
+`./mlruns/<experiment_id>` of whichever process creates it, scattering runs started from
+different directories; `experiment_id` creates experiments on a SQLite URI with the
+absolute artifact location `<db dir>/mlartifacts/<experiment name>` instead. Existing
+experiments keep their location; on an http(s) server, new ones get the server's default.
+An experiment created locally and later served keeps its local location (MLflow cannot
+change it), so its runs' artifacts would bypass the server: `experiment_id` warns once.
 
 Experiment kind: MLflow 3's UI opens an experiment on the view its tag `mlflow.experimentKind`
-names (`genai_development`: traces; `custom_model_development`: runs and training curves;
-values from the UI bundle of MLflow 3.17, `ExperimentKind`); without the tag it guesses, and
-shows an empty traces page. `experiment_id` sets `custom_model_development` on the
-experiments it creates and on existing ones that lack the tag.
-
-System metrics: `MlflowTracker.system_metrics` samples CPU, memory, disk, network and (with
-`nvidia-ml-py`, the `gpu` extra) GPU use into `system/...` metrics with MLflow's
-`SystemMetricsMonitor`, which works on a run id (no fluent active run).
+names (`custom_model_development`: runs and training curves; values from the UI bundle of
+MLflow 3.17, `ExperimentKind`); without the tag it guesses, and shows an empty traces page.
 
 Limits (MLflow 3.17 `mlflow/utils/validation.py`): 100 params or tags per `log_batch`, param
 values up to 6000 characters, tag values up to 8000, keys as in `sinks.check_key`.
@@ -111,10 +94,9 @@ def git_commit() -> str | None:
     the top of a git work tree's `mlm_pipeline/` (an installed wheel) or git is missing."""
     pkg = Path(__file__).resolve().parents[1]  # mlm_pipeline/ (this is tracking/__init__.py)
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "HEAD"],
-            cwd=pkg, capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.splitlines()
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=pkg,
+                             capture_output=True, text=True, timeout=10, check=True,
+                             ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
     # A wheel installed in a venv inside some other repository must not report that commit.
@@ -177,11 +159,10 @@ class MlflowTracker:
         return self._client
 
     def experiment_id(self) -> str:
-        """Id of `experiment_name`, creating it (artifacts next to a SQLite DB; on a server,
-        the server's default location) if missing; the experiment is tagged
-        `mlflow.experimentKind = custom_model_development` (the UI's runs view) when it
-        lacks that tag. On an http(s) URI, an existing experiment with a local artifact
-        location is logged as a warning once (see the module docstring).
+        """Id of `experiment_name`, created if missing (artifacts next to a SQLite DB; on a
+        server, its default location) and tagged `mlflow.experimentKind =
+        custom_model_development` (the UI's runs view) when it lacks the tag. On an http(s) URI,
+        an existing experiment with a local artifact location is warned about once.
 
         Raises:
             ValueError: the experiment exists but is deleted (restore it or pick a new name).
@@ -205,8 +186,7 @@ class MlflowTracker:
             raise ValueError(
                 f"MLflow experiment {self.experiment_name!r} (id {exp.experiment_id}) is deleted:"
                 f" `mlflow experiments restore --experiment-id {exp.experiment_id}` or set"
-                " tracking.experiment_name"
-            )
+                " tracking.experiment_name")
         if EXPERIMENT_KIND_TAG not in exp.tags:
             self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG,
                                            EXPERIMENT_KIND)
@@ -214,15 +194,11 @@ class MlflowTracker:
         return exp.experiment_id
 
     def _check_artifact_location(self, experiment_id: str, location: str) -> None:
-        """Warn (once per process, tracking URI and experiment) when an http(s) tracking
-        server holds an experiment whose artifact location is a local path: its runs'
-        artifacts would go to this machine's disk, not through the server."""
-        if urlparse(self.tracking_uri).scheme not in ("http", "https"):
-            return
-        if not location.startswith(("/", "file:")):
-            return
+        """Warn once per process, URI and experiment when an http(s) server's experiment keeps a
+        local artifact location (its runs' artifacts would go to this machine's disk)."""
         key = (self.tracking_uri, experiment_id)
-        if key in _WARNED_LOCAL_LOCATIONS:
+        if (not self._served() or not location.startswith(("/", "file:"))
+                or key in _WARNED_LOCAL_LOCATIONS):
             return
         _WARNED_LOCAL_LOCATIONS.add(key)
         logger.warning(
@@ -290,21 +266,18 @@ class MlflowTracker:
         """Set tags in batches of 100 (values stringified, cut to 8000 characters)."""
         from mlflow.entities import RunTag
 
-        items = [
-            RunTag(k, _truncate("tag", k, str(v), MAX_TAG_VALUE_LENGTH)) for k, v in tags.items()
-        ]
+        items = [RunTag(k, _truncate("tag", k, str(v), MAX_TAG_VALUE_LENGTH))
+                 for k, v in tags.items()]
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
 
-    def sink(
-        self, run_id: str, flush_every: int = 50, flush_interval_s: float = 10.0
-    ) -> MlflowSink:
+    def sink(self, run_id: str, flush_every: int = 50,
+             flush_interval_s: float = 10.0) -> MlflowSink:
         """An `MlflowSink` for `run_id` on this tracker's URI."""
         return MlflowSink(run_id, self.tracking_uri, flush_every, flush_interval_s, self.client)
 
-    def log_metrics(
-        self, run_id: str, metrics: Mapping[str, float], step: int | None = None
-    ) -> None:
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float],
+                    step: int | None = None) -> None:
         """Log a few metrics at once (e.g. evaluation results); non-finite values are
         dropped with a warning. `step` None logs at step 0 (MLflow's default).
 
@@ -316,9 +289,8 @@ class MlflowTracker:
         sink.log(dict(metrics), 0 if step is None else step)
         sink.close()
 
-    def log_artifacts(
-        self, run_id: str, local_path: str | os.PathLike[str], artifact_path: str | None = None
-    ) -> None:
+    def log_artifacts(self, run_id: str, local_path: str | os.PathLike[str],
+                      artifact_path: str | None = None) -> None:
         """Copy a file, or a directory's files, into the run's artifacts under `artifact_path`.
 
         Raises:
@@ -347,9 +319,9 @@ class MlflowTracker:
         """While the block runs, sample system use every `sampling_interval_s` seconds into
         the run's `system/...` metrics (`system/cpu_utilization_percentage`,
         `system/system_memory_usage_megabytes`, `system/gpu_0_utilization_percentage`, ...;
-        names, units and the GPU probe are MLflow's `SystemMetricsMonitor`); steps continue
-        after those a continued run holds. One last sample is logged when the block ends, so
-        a block shorter than the interval still has a point.
+        names, units and the GPU probe (`nvidia-ml-py`) are MLflow's `SystemMetricsMonitor`,
+        which works on a run id); steps continue after those a continued run holds. One last
+        sample is logged when the block ends, so a short block still has a point.
         `$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` overrides the interval. A monitor that
         fails to start or to log only warns: training never fails for its system metrics.
         """
@@ -387,7 +359,7 @@ class MlflowTracker:
 
     def run_url(self, run_id: str, experiment_id: str | None = None) -> str | None:
         """The run's page in the MLflow UI when the tracking URI is http(s), else None."""
-        if urlparse(self.tracking_uri).scheme not in ("http", "https"):
+        if not self._served():
             return None
         return ui_url(self.tracking_uri, self.run_experiment_id(run_id, experiment_id), run_id)
 
@@ -399,6 +371,10 @@ class MlflowTracker:
     def get_run(self, run_id: str) -> Run:
         """`MlflowClient.get_run` (params, metrics, tags, status)."""
         return self.client.get_run(run_id)
+
+    def _served(self) -> bool:
+        """Whether the tracking URI is an http(s) server."""
+        return urlparse(self.tracking_uri).scheme in ("http", "https")
 
 
 def _truncate(kind: str, key: str, value: str, limit: int) -> str:

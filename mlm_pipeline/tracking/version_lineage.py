@@ -90,8 +90,8 @@ def model_digest(trained: TrainManifest) -> str:
 
 def _resolve_parent(tracker: MlflowTracker, name: str, new: int, init: Mapping[str, Any],
                     champion_before: Mapping[str, Any] | None) -> dict[str, str]:
-    """`lineage.parent`, and `lineage.parent_version` / `lineage.parent_run_id` when
-    known, of a version `new` of `name` whose parent is `init` (`TrainManifest.init`)."""
+    """`lineage.parent`, and `lineage.parent_version` / `lineage.parent_run_id` when known,
+    of version `new` of `name` whose parent is `init` (`TrainManifest.init`)."""
     from mlflow.exceptions import MlflowException
 
     client = tracker.client
@@ -140,7 +140,7 @@ def _resolve_parent(tracker: MlflowTracker, name: str, new: int, init: Mapping[s
 def record_version_lineage(tracker: MlflowTracker, registered: Mapping[str, Any],
                            trained: TrainManifest, corpus_digest: str,
                            tokenizer_digest: str) -> dict[str, str]:
-    """Tag the model version `app.publish.publish` registered with its lineage (see the module
+    """Tag the model version `app.publish.publish` registered with its lineage (module
     docstring) and the run with its parent and steps added.
 
     Args:
@@ -148,8 +148,7 @@ def record_version_lineage(tracker: MlflowTracker, registered: Mapping[str, Any]
         registered: `app.publish.publish`'s record: `name`, `version`, `decision`,
             `champion_before` (the run is the version's).
         trained: the run's train manifest (`steps`, `init`, the final checkpoint).
-        corpus_digest: the ingest manifest's digest the run was trained on.
-        tokenizer_digest: the tokenizer manifest's digest.
+        corpus_digest, tokenizer_digest: the ingest and tokenizer manifests' digests.
 
     Returns:
         The tags set on the version, keys without the `lineage.` prefix.
@@ -175,9 +174,8 @@ def record_version_lineage(tracker: MlflowTracker, registered: Mapping[str, Any]
     tags = {k: v for k, v in tags.items() if v}  # an unverified parent has no digest
     for key, value in tags.items():
         client.set_model_version_tag(name, str(new), PREFIX + key, value)
-    run_tags = {PREFIX + k: tags[k] for k in ("parent", "parent_version", "parent_run_id",
-                                              "steps_added") if k in tags}
-    tracker.set_tags(version.run_id, run_tags)
+    tracker.set_tags(version.run_id, {PREFIX + k: tags[k] for k in (
+        "parent", "parent_version", "parent_run_id", "steps_added") if k in tags})
     return tags
 
 
@@ -211,23 +209,15 @@ def log_model_metrics(tracker: MlflowTracker, run_id: str, model_uri: str,
                       dataset_digest: str) -> dict[str, float]:
     """Link the run's final evaluation points to the logged model `model_uri`
     (`models:/m-...`), so the model's page lists them, without ever adding a point to the
-    run's history: the run keeps one point per key and step whatever the end stages did
-    (a model logged, a publish step retried, a run finished after a failure).
+    run's history (one point per key and step, whatever the end stages did or redid).
 
-    A link is the run's own point of that key at `step` (its timestamp and value) sent
-    again with the model's id: MLflow stores a run's metric once per (key, timestamp,
-    step, value), so the run's history is unchanged, and the model gains the point.
-    MLflow's `log_model(step=...)` (`registry.log_model`) has already linked every point
-    of the run at that step to the model, without a dataset; those are left as they are.
-    The store keys a model's metric by model, key, timestamp, step and run, not by
-    dataset, so the dataset cannot be added to a linked point without a second point of
-    a new timestamp in the run's history, which is what this function must never log:
-    a point it links itself carries `dataset_name` / `dataset_digest`; the run's dataset
-    inputs (`lineage.shard_inputs`) say which data the run was evaluated on either way.
-
-    A key the run holds no point of at `step` (its end stages logged none: normally
-    `records.record_results` logs them first) is logged once here, linked, with the
-    dataset: its first point. Non-finite values are skipped, as MLflow cannot store them.
+    A link is the run's own point of that key at `step` (its timestamp and value) sent again
+    with the model's id: MLflow stores a run's metric once per (key, timestamp, step, value),
+    so the run's history is unchanged. Points MLflow's `log_model(step=...)` already linked,
+    without a dataset, are left as they are (adding the dataset would take a second point of
+    a new timestamp); points linked here carry `dataset_name` / `dataset_digest`. A key the
+    run holds no point of at `step` is logged once here, linked, with the dataset.
+    Non-finite values are skipped, as MLflow cannot store them.
 
     Args:
         tracker: the MLflow backend.
@@ -272,10 +262,9 @@ def record_lineage(tracker: MlflowTracker, registered: Mapping[str, Any],
                    trained: TrainManifest, evaluated: EvalManifest,
                    shards: ShardManifest, tokenizer_digest: str) -> dict[str, str]:
     """What `train-evaluate`'s publish step records after registration: the version's
-    lineage (`record_version_lineage`, the corpus digest read from `shards.inputs`) and
-    the final evaluation metrics linked to the logged model `registered["model_uri"]`
-    (`log_model_metrics`: the run's own points, none added; those it links itself carry
-    the dataset `shards-validation`, digest `lineage.dataset_digest`, as the run's input).
+    lineage (`record_version_lineage`, the corpus digest from `shards.inputs`) and the final
+    evaluation metrics linked to the logged model `registered["model_uri"]`
+    (`log_model_metrics`, dataset `shards-validation`, digest `lineage.dataset_digest`).
     Returns the version's lineage tags.
 
     Raises:

@@ -2,34 +2,21 @@
 
 The `Checkpointer` composes the parts of a run under fixed keys (`LAYOUT`); it knows
 nothing about them but `state_dict()` / `load_state_dict()`. A checkpoint is a directory
-`step-00000123/` holding:
-
-- `model.safetensors`: the model's `state_dict` (safetensors; a tensor that shares memory
-  with an earlier one, the tied decoder, is stored once and named in the metadata),
-- `optimizer.pt`: `{"optimizer": ..., "scheduler": ...}`, the optimizer and LR schedule,
-- `rng.pt`: torch CPU (and CUDA) generator states (`RngState`), so dropout continues
-  identically,
-- `state.json`: `format`, the JSON parts (`train_state`: step and tokens seen, `cursor`:
-  data position, `masker`: masking identity, checked on resume, `meter`: the open log
-  interval's sums) and what makes the directory self-describing: `config` (the `model`,
-  `train` and `masking` sections), `vocab_size`, `seq_len` and the digests of the tokenizer
-  and shards it was trained on, and `files`: the size and sha256 of every other file.
+`step-00000123/` holding `model.safetensors` (a tensor sharing memory with an earlier one,
+the tied decoder, is stored once and named in the metadata), `optimizer.pt` (optimizer and
+LR schedule), `rng.pt` (torch CPU and CUDA generators, so dropout continues identically)
+and `state.json`: `format`, the JSON parts (`train_state`, `cursor`, `masker`, `meter`),
+what makes the directory self-describing (`config`, `vocab_size`, `seq_len`, the
+tokenizer and shard digests) and `files`, the size and sha256 of every other file.
 
 It is written under a temporary name (`.step-XXXXXXXX.<host>.<pid>.tmp`, every file
 fsynced, `state.json` last, sealed with the digest of its own fields) and renamed, so a
 crash never leaves a partial checkpoint that looks complete; the temporary directories of
-writers that died on this host (pid no longer alive) are removed by the next save into the
-same directory. A checkpoint is never written from non-finite weights. Finding, verifying
-and loading checkpoints is `train.verified`'s (re-exported here): loading verifies every
-file and `state.json` itself first, and the declared sizes against the tensors; a damaged
-newest checkpoint is reported and the newest intact one is used (`Checkpointer.latest`); a
-checkpoint that cannot be verified (written before digests) is refused unless trusted
-(`Checkpointer(trust_unverified=True)`, `train.trust_unverified_checkpoint`).
-
-With a URL work directory (`mlm_pipeline.store`) a saved checkpoint is uploaded to the
-store (`state.json` last) with the run directory's other files (`metrics.jsonl`) and the
-pruned ones removed from it, and the newest complete
-one is downloaded when a run resumes on a machine whose mirror lacks it.
+writers that died on this host are removed by the next save. A checkpoint is never
+written from non-finite weights. Finding, verifying and loading checkpoints is
+`train.verified`'s (re-exported here). With a URL work directory (`mlm_pipeline.store`) a
+saved checkpoint is uploaded with the run directory's other files and the pruned ones
+removed from the store.
 """
 
 from __future__ import annotations
@@ -48,24 +35,13 @@ import torch
 
 from mlm_pipeline import store
 from mlm_pipeline.train.verified import (  # noqa: F401  (re-exported: the public API)
-    STATE_DIGEST,
-    CheckpointError,
-    UnverifiedCheckpointError,
-    find_checkpoint,
-    latest_checkpoint,
-    latest_intact_checkpoint,
-    list_checkpoints,
-    load_model,
-    load_model_state,
-    read_state,
-    seal_state,
-    sha256_file,
-    verify_checkpoint,
+    PREFIX, STATE_DIGEST, WEIGHTS, CheckpointError, UnverifiedCheckpointError,
+    find_checkpoint, latest_checkpoint, latest_intact_checkpoint, list_checkpoints,
+    load_model, load_model_state, read_state, seal_state, sha256_file, verify_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "step-"
 _JSON = "state.json"
 #: A writer's temporary directory: `.step-XXXXXXXX.<host>.<pid>.tmp` (`<host>.` absent
 #: in names written before hosts were recorded).
@@ -73,12 +49,10 @@ _TEMP = re.compile(r"^\.step-\d{8}\.(?:(?P<host>.+)\.)?(?P<pid>\d+)\.tmp$")
 #: Version of the checkpoint layout; 1 (no `format` key) is the layout before `LAYOUT`;
 #: 3 stores the weights as safetensors and the files' sha256.
 FORMAT = 3
-_WEIGHTS = "model.safetensors"
-_LEGACY_WEIGHTS = "model.pt"
 
 #: Where each part's state lives: (file, key inside the file; None: the whole file).
 LAYOUT: dict[str, tuple[str, str | None]] = {
-    "model": (_WEIGHTS, None),
+    "model": (WEIGHTS, None),
     "optimizer": ("optimizer.pt", "optimizer"),
     "lr_scheduler": ("optimizer.pt", "scheduler"),
     "rng": ("rng.pt", None),
@@ -97,11 +71,9 @@ class Stateful(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """The part's state (tensors for `.pt` files, plain JSON values for `state.json`)."""
-        ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (and check) what `state_dict` returned."""
-        ...
 
 
 class RngState:
@@ -123,7 +95,7 @@ class RngState:
 
 def checkpoint_name(step: int) -> str:
     """Directory name of the checkpoint at optimizer step `step`."""
-    return f"{_PREFIX}{step:08d}"
+    return f"{PREFIX}{step:08d}"
 
 
 def _fsync(path: Path) -> None:
@@ -168,10 +140,9 @@ class Checkpointer:
         keep_last: complete checkpoints kept on disk (oldest removed first).
         is_writer: False on the ranks of a distributed run other than 0: `save` gathers
             every part's state (a collective under FSDP2) but writes nothing.
-        barrier: called at the end of `save` so no rank runs ahead of the write (None:
-            one process).
-        trust_unverified: resume from a checkpoint that cannot be verified (no digest:
-            written before digests); False refuses it (`UnverifiedCheckpointError`).
+        barrier: called at the end of `save` so no rank runs ahead of the write (None: none).
+        trust_unverified: resume from a checkpoint that cannot be verified (no digest);
+            False refuses it (`UnverifiedCheckpointError`).
 
     Raises:
         ValueError: `parts` does not have exactly the keys of `LAYOUT`, or a `meta` key is
@@ -234,7 +205,7 @@ class Checkpointer:
         for file, content in files.items():
             if file == _JSON:
                 continue
-            if file == _WEIGHTS:
+            if file == WEIGHTS:
                 _save_weights(content, tmp / file)
             else:
                 torch.save(content, tmp / file)
@@ -292,15 +263,13 @@ class Checkpointer:
 
 def remove_dead_writers(root: Path) -> list[Path]:
     """Remove the temporary directories under `root` of checkpoint writers that died on
-    this host (`.step-XXXXXXXX.<host>.<pid>.tmp` whose host is this one and whose pid is no
-    longer alive; a name without a host counts as this host's). Another host's, and a live
-    process's, are kept.
+    this host (`.step-XXXXXXXX.<host>.<pid>.tmp`, a name without a host counting as this
+    host's); another host's, and a live process's, are kept.
 
     Returns:
         The directories removed.
     """
-    removed = []
-    here = socket.gethostname()
+    removed, here = [], socket.gethostname()
     for p in root.iterdir() if root.is_dir() else ():
         m = _TEMP.match(p.name)
         if m is None or not p.is_dir() or (m["host"] not in (None, here)):

@@ -2,11 +2,9 @@
 wrapper and the collectives the loop needs.
 
 `torchrun` (`torch.distributed.run`) starts one process per rank and sets `RANK`,
-`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`; `init_world` reads them,
-initializes the default process group (`nccl` on CUDA, `gloo` on CPU) and, on CUDA, binds
-the process to GPU `LOCAL_RANK`. Without those variables (or with `WORLD_SIZE=1`) it
-returns `World.single()`, whose collectives are no-ops, so the one-process path is
-unchanged.
+`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`; `init_world` reads them and
+joins the process group (`nccl` on CUDA, `gloo` on CPU). Without them (or with
+`WORLD_SIZE=1`) it returns `World.single()`, whose collectives are no-ops.
 
 How N ranks compute what one process computes on the same rows:
 
@@ -17,8 +15,8 @@ How N ranks compute what one process computes on the same rows:
 - the loss of every micro-batch is weighted by its masked tokens over the step's global
   masked-token count (an `all_reduce` of the count) and multiplied by `world_size`, since
   DDP and FSDP2 average gradients over ranks (PyTorch DDP docs, "gradients are averaged");
-- gradient synchronization is skipped on non-final micro-batches (`DistributedDataParallel.no_sync`,
-  FSDP2 `set_requires_gradient_sync(False)`);
+- gradient synchronization is skipped on non-final micro-batches (DDP `no_sync`, FSDP2
+  `set_requires_gradient_sync(False)`);
 - the reported loss and token counts are `all_reduce` sums, identical on every rank.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`, Zhao et al. 2023 "PyTorch FSDP") shards the
@@ -194,23 +192,17 @@ class FsdpModelState:
 
     def state_dict(self) -> dict[str, Any]:
         """Full tensors keyed like the plain model's `state_dict` (empty off rank 0)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        return get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dcp.get_model_state_dict(
+            self.model, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Shard a full `state_dict` onto this rank's parameters."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        set_model_state_dict(self.model, state,
-                             options=StateDictOptions(full_state_dict=True))
+        dcp.set_model_state_dict(self.model, state,
+                                 options=dcp.StateDictOptions(full_state_dict=True))
 
 
 class FsdpOptimizerState:
@@ -222,24 +214,18 @@ class FsdpOptimizerState:
 
     def state_dict(self) -> dict[str, Any]:
         """Full optimizer state (empty off rank 0)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        return get_optimizer_state_dict(
+        return dcp.get_optimizer_state_dict(
             self.model, self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Shard a full optimizer state onto this rank."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        set_optimizer_state_dict(self.model, self.optimizer, state,
-                                 options=StateDictOptions(full_state_dict=True))
+        dcp.set_optimizer_state_dict(self.model, self.optimizer, state,
+                                     options=dcp.StateDictOptions(full_state_dict=True))
 
 
 def local_grad_norm(norm: torch.Tensor) -> torch.Tensor:

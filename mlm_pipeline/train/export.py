@@ -2,19 +2,14 @@
 
 `export_checkpoint(checkpoint_dir, out_dir)` writes what `AutoModelForMaskedLM`,
 `AutoTokenizer` and `transformers.pipeline("fill-mask", model=out_dir)` load:
-
-- `config.json` and `model.safetensors`: the weights under the Hugging Face class of the
-  model's architecture (`train.hf`: `bert` -> `BertForMaskedLM`, `modern` ->
-  `ModernBertForMaskedLM`), fp32, the vocabulary's padding rows sliced away;
-- `tokenizer.json`, `tokenizer_config.json` (and what `transformers` writes with them):
-  our SentencePiece tokenizer rebuilt with `tokenizers` (`tokenizer.hf_files`), found from
-  the checkpoint's tokenizer digest in the work directory;
-- `README.md`: a model card (corpus and its digest, steps, tokens seen, evaluation
-  metrics when the run was evaluated, how it was trained and how to load it).
+`config.json` and `model.safetensors` (the weights under the Hugging Face class of the
+model's architecture, `train.hf`, fp32, the vocabulary's padding rows sliced away); the
+tokenizer files (our tokenizer rebuilt with `tokenizers`, `tokenizer.hf_files`, found from
+the checkpoint's tokenizer digest in the work directory); and a `README.md` model card.
 
 The directory is written under a temporary name beside `out_dir` and renamed, so a failed
 export leaves nothing that looks complete. `transformers` (and `tokenizers`, `safetensors`)
-are base dependencies, imported inside the functions to keep this module cheap.
+are imported inside the functions to keep this module cheap.
 """
 
 from __future__ import annotations
@@ -28,14 +23,8 @@ from typing import Any
 
 from mlm_pipeline import __version__
 from mlm_pipeline.config import ModelConfig, SpecialIds
-from mlm_pipeline.manifest import (
-    CorpusManifest,
-    EvalManifest,
-    ShardManifest,
-    TokenizerManifest,
-    TrainManifest,
-    read_manifest,
-)
+from mlm_pipeline.manifest import (CorpusManifest, EvalManifest, ShardManifest,
+                                   TokenizerManifest, TrainManifest, read_manifest)
 from mlm_pipeline.tokenizer.hf_files import export_tokenizer, require
 from mlm_pipeline.tokenizer.tokenizer import Tokenizer
 
@@ -102,14 +91,9 @@ def _train_state(state: dict[str, Any]) -> dict[str, int]:
 def _load_tokenizer(checkpoint: Path, state: dict[str, Any],
                     tokenizer: str | os.PathLike[str] | None,
                     ) -> tuple[Tokenizer, TokenizerManifest | None]:
-    """The tokenizer the checkpoint was trained with (checked by digest and vocab size),
-    and its manifest when there is one.
-
-    Raises:
-        FileNotFoundError: no tokenizer given and none with the checkpoint's digest in a
-            `tokenizer/` directory of the checkpoint's ancestors.
-        ValueError: the given tokenizer is not the one the checkpoint was trained with.
-    """
+    """The tokenizer the checkpoint was trained with (checked by digest and vocab size)
+    and its manifest if any; FileNotFoundError when none is found, ValueError when the
+    given one is not the checkpoint's."""
     digest = state["tokenizer_digest"]
     if tokenizer is None:
         manifest = find_stage_manifest(checkpoint, "tokenizer", digest, TokenizerManifest)
@@ -136,8 +120,7 @@ def _load_tokenizer(checkpoint: Path, state: dict[str, Any],
 
 
 def _eval_metrics(checkpoint: Path) -> dict[str, float]:
-    """The metrics of the run's evaluation, when this checkpoint is the run's final one
-    and the run was evaluated in its work directory (else empty)."""
+    """The run's evaluation metrics if this is its final checkpoint (else empty)."""
     run = checkpoint.parent.parent
     try:
         trained = read_manifest(run / "manifest.json", TrainManifest)
@@ -172,8 +155,7 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
                corpus_digest: str | None, shards: ShardManifest | None,
                metrics: dict[str, float], checkpoint: Path) -> str:
     """The `README.md` of an exported model (Markdown with YAML front matter)."""
-    counts = _train_state(state)
-    cfg = state["config"]
+    counts, cfg = _train_state(state), state["config"]
     model, train, masking = cfg["model"], cfg.get("train", {}), cfg.get("masking", {})
     sources = "corpus manifest not found in the work directory"
     if corpus is not None:
@@ -202,8 +184,7 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
             + (f" (from `{tok_manifest.source}`)" if tok_manifest and tok_manifest.source
                else ""))
     lines += [
-        (f"- Tokenizer: {kind}, "
-         f"{tok.vocab_size:,} pieces, digest `{state['tokenizer_digest']}`"),
+        f"- Tokenizer: {kind}, {tok.vocab_size:,} pieces, digest `{state['tokenizer_digest']}`",
         f"- Shards digest: `{state['shards_digest']}`; sequences of {state['seq_len']} tokens"
         + (f", {shards.train.rows:,} training rows" if shards is not None else ""),
         "", "## Training", "",
@@ -233,8 +214,8 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
                      f"{masking.get('random_replace_prob')} random)")
     lines += ["", "## Evaluation", ""]
     if metrics:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items())]
+        lines += ["| metric | value |", "|---|---|",
+                  *(f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items()))]
     else:
         lines.append("Not evaluated (no evaluation of this checkpoint in its work directory).")
     lines += [
@@ -250,22 +231,16 @@ def model_card(*, hf_class: str, state: dict[str, Any], tok: Tokenizer,
     return "\n".join(lines)
 
 
-def export_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    tokenizer: str | os.PathLike[str] | None = None,
-    overwrite: bool = False,
-    trust_unverified: bool = False,
-) -> Path:
+def export_checkpoint(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                      *, tokenizer: str | os.PathLike[str] | None = None,
+                      overwrite: bool = False, trust_unverified: bool = False) -> Path:
     """Write a `transformers` model directory from one of our checkpoints.
 
     Args:
         checkpoint_dir: a checkpoint (`.../checkpoints/step-XXXXXXXX`).
         out_dir: the model directory to create.
         tokenizer: the tokenizer stage directory (or its `.model` file or manifest); by
-            default the one with the checkpoint's tokenizer digest under the
-            `tokenizer/` directory of its work directory (any ancestor).
+            default the one with the checkpoint's digest under its work directory.
         overwrite: replace an existing non-empty `out_dir`.
         trust_unverified: export a checkpoint that cannot be verified (no digest).
 
@@ -273,12 +248,10 @@ def export_checkpoint(
         `out_dir`, resolved.
 
     Raises:
-        FileNotFoundError: `checkpoint_dir` is not a checkpoint, or its tokenizer is not
-            found.
+        FileNotFoundError: `checkpoint_dir` is not a checkpoint, or its tokenizer not found.
         FileExistsError: `out_dir` exists, is not empty, and `overwrite` is false.
         CheckpointError: (a ValueError) the checkpoint is damaged, cannot be verified
-            (unless `trust_unverified`), or declares sizes its tensors do not have
-            (`train.verified`, the file named).
+            (unless `trust_unverified`), or declares sizes its tensors do not have.
         ValueError: the model cannot be exported (fields no Hugging Face class can
             express; see `export_class`), or the tokenizer is not the checkpoint's.
         RuntimeError: `transformers` or `tokenizers` cannot be imported (an incomplete

@@ -2,31 +2,25 @@
 `modern` -> `ModernBertForMaskedLM`, weight for weight.
 
 The `bert` preset (post-LN, learned positions, GELU, biases) is BERT itself (Devlin et al.
-2019), so its weights map one to one onto `transformers`' BERT, except:
-
-- our fused `qkv` projection (rows: all query heads, then keys, then values) is split into
-  `query`, `key`, `value`;
-- HF BERT adds token-type embeddings: exported as zeros, so they add nothing.
+2019), so its weights map one to one onto `transformers`' BERT, except that our fused `qkv`
+(rows: all query heads, then keys, then values) is split into `query`, `key`, `value`, and
+HF BERT's token-type embeddings are exported as zeros, so they add nothing.
 
 The `modern` preset (pre-LN, RoPE, GeGLU, no biases) is ModernBERT (Warner et al. 2024) as
 transformers implements it (`models/modernbert/modeling_modernbert.py`), its attention
-layout included: `layer_types` says which layers are global (`model.global_every`; the
-preset's two local 128-token sliding-window layers for every global one, or every layer
-global for a checkpoint trained before the layout existed), `local_attention` the window
-and `rope_parameters` the two RoPE bases. Every tensor maps to
-one HF tensor under another name (`modern_name`), nothing split or added: fused `Wqkv`
-rows [q | k | v] with heads contiguous (HF views them as (3, heads, d) as ours does), `Wi`
-rows [gelu input | gate], no attention LayerNorm in layer 0 (HF `attn_norm` is Identity
-there), `final_norm`, head `dense` + GELU + `norm`, tied `decoder` with its bias. RoPE is
-the half-split `rotate_half` convention in both, with bit-identical fp32 tables
-(`attention.rope_tables`); under bf16 autocast we rotate in bf16 where HF rotates in fp32
-(rounding only, for speed).
+layout included: `layer_types` says which layers are global (`model.global_every`; every
+layer global for a checkpoint trained before the layout existed), `local_attention` the
+window and `rope_parameters` the two RoPE bases. Every tensor maps to one HF tensor under
+another name (`modern_name`), nothing split or added: fused `Wqkv` rows [q | k | v] with
+heads contiguous, `Wi` rows [gelu input | gate], no attention LayerNorm in layer 0 (HF
+`attn_norm` is Identity there), `final_norm`, head `dense` + GELU + `norm`, tied `decoder`
+with its bias. RoPE is the half-split `rotate_half` convention in both, with bit-identical
+fp32 tables (`attention.rope_tables`); under bf16 autocast we rotate in bf16 where HF
+rotates in fp32 (rounding only, for speed).
 
-For both, our word-embedding table is padded to a multiple of 64 rows, which our model
-never looks up and slices off its logits; the export keeps the V real rows (`vocab_size` =
-V), so logits and softmax (hence loss) equal ours at every real id.
-
-`transformers` is an optional dependency: it is imported inside the functions only.
+For both, the export keeps only the V real rows of our padded word-embedding table
+(`vocab_size` = V), so logits and softmax (hence loss) equal ours at every real id.
+`transformers` is imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -105,21 +99,14 @@ def hf_bert_config(model: BertMLM) -> BertConfig:
     check_bert_compatible(model)
     cfg = model.cfg
     return BertConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
+        vocab_size=model.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
         hidden_act="gelu",  # exact erf form, as ours (nn.GELU())
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.dropout,
-        max_position_embeddings=model.seq_len,
-        type_vocab_size=TYPE_VOCAB_SIZE,
-        initializer_range=cfg.initializer_range,
-        layer_norm_eps=cfg.layer_norm_eps,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
+        hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+        max_position_embeddings=model.seq_len, type_vocab_size=TYPE_VOCAB_SIZE,
+        initializer_range=cfg.initializer_range, layer_norm_eps=cfg.layer_norm_eps,
+        pad_token_id=PAD_ID, tie_word_embeddings=True, attn_implementation="sdpa",
     )
 
 
@@ -189,13 +176,11 @@ def hf_layer_types(cfg: ModelConfig) -> list[str]:
 
 def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
     """The `transformers.ModernBertConfig` of `model`'s shape: `layer_types` from
-    `global_every` (`hf_layer_types`), `local_attention` = `local_attention_window` (HF's
-    sliding mask lets a query see keys at most `local_attention // 2` away, as ours), RoPE
-    base `rope_base` in the global layers and `local_rope_base` in the local ones,
-    exact GELU in the MLP and head, LayerNorm eps
-    `layer_norm_eps`, every bias option (`norm_bias`, `attention_bias`, `mlp_bias`,
-    `classifier_bias`) = `bias`, `decoder_bias` on, each dropout = `dropout`, our special
-    ids, SDPA attention, dense logits (`sparse_prediction` off, as pipelines expect).
+    `global_every`, `local_attention` = `local_attention_window` (HF's sliding mask lets a
+    query see keys at most `local_attention // 2` away, as ours), RoPE bases `rope_base`
+    (global layers) and `local_rope_base` (local), exact GELU, every bias option = `bias`,
+    `decoder_bias` on, each dropout = `dropout`, our special ids, SDPA attention, dense
+    logits (`sparse_prediction` off, as pipelines expect).
 
     Raises:
         ValueError: the model is not ModernBERT-compatible (see `check_compatible`).
@@ -205,37 +190,22 @@ def hf_modernbert_config(model: BertMLM) -> ModernBertConfig:
     cfg = model.cfg
     check_compatible(cfg, "ModernBertForMaskedLM")
     return ModernBertConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
+        vocab_size=model.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
         hidden_activation="gelu",  # exact erf form, as ours (F.gelu)
-        classifier_activation="gelu",
-        max_position_embeddings=model.seq_len,
-        initializer_range=cfg.initializer_range,
-        norm_eps=cfg.layer_norm_eps,
-        norm_bias=cfg.bias,
-        attention_bias=cfg.bias,
-        mlp_bias=cfg.bias,
-        classifier_bias=cfg.bias,
-        decoder_bias=True,
-        layer_types=hf_layer_types(cfg),
-        local_attention=cfg.local_attention_window,
+        classifier_activation="gelu", max_position_embeddings=model.seq_len,
+        initializer_range=cfg.initializer_range, norm_eps=cfg.layer_norm_eps,
+        norm_bias=cfg.bias, attention_bias=cfg.bias, mlp_bias=cfg.bias,
+        classifier_bias=cfg.bias, decoder_bias=True,
+        layer_types=hf_layer_types(cfg), local_attention=cfg.local_attention_window,
         rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_base},
             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_base},
         },
-        embedding_dropout=cfg.dropout,
-        attention_dropout=cfg.dropout,
-        mlp_dropout=cfg.dropout,
-        pad_token_id=PAD_ID,
-        bos_token_id=CLS_ID,
-        cls_token_id=CLS_ID,
-        eos_token_id=SEP_ID,
-        sep_token_id=SEP_ID,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
+        embedding_dropout=cfg.dropout, attention_dropout=cfg.dropout, mlp_dropout=cfg.dropout,
+        pad_token_id=PAD_ID, bos_token_id=CLS_ID, cls_token_id=CLS_ID, eos_token_id=SEP_ID,
+        sep_token_id=SEP_ID, tie_word_embeddings=True, attn_implementation="sdpa",
     )
 
 

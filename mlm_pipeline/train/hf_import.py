@@ -3,32 +3,25 @@ of `train.hf`, for continuing the pretraining of a published encoder on one's ow
 (domain-adaptive pretraining: Gururangan et al. 2020, "Don't Stop Pretraining"; what
 transformers' `run_mlm.py --model_name_or_path` does).
 
-`load_hf_model(path)` reads `config.json` (mapped by `config.hf_parent.hf_model_fields`:
-`BertForMaskedLM` -> the `bert` preset, `ModernBertForMaskedLM` -> `modern`, its
-`layer_types`, window and both RoPE bases included) and the weights (`model.safetensors`,
-a sharded `model.safetensors.index.json`, or `pytorch_model.bin` through
+`load_hf_model(path)` maps `config.json` (`config.hf_parent.hf_model_fields`) and the
+weights (`model.safetensors`, a sharded index, or `pytorch_model.bin` through
 `torch.load(weights_only=True)`), checks every tensor's name and shape against the class,
 and maps them name for name onto ours:
 
 - HF BERT's `query`, `key`, `value` are fused into our `qkv` (rows [q | k | v]);
 - HF BERT's token-type embeddings: this pipeline feeds no segment ids, so HF computes
-  with row 0 (`token_type_ids` = 0) everywhere; row 0 is added to every row of the
-  position table, which gives the same sum `word + position + type[0]` before the
-  embedding LayerNorm (logits unchanged up to fp32 rounding), and the other rows (segment
-  B) are dropped. The record says so (`token_type`); an export writes zeros there, so it
-  computes the same function with `position'` = `position + type[0]`;
+  with row 0 everywhere; row 0 is added to every row of the position table, which gives
+  the same sum `word + position + type[0]` before the embedding LayerNorm (logits
+  unchanged up to fp32 rounding), and the other rows (segment B) are dropped;
 - the word-embedding table (= the tied decoder) and decoder bias get zero rows up to a
   multiple of 64 (`model.VOCAB_PAD_MULTIPLE`), rows our model never looks up;
-- BERT's pooler and next-sentence head (`bert.pooler.*`, `cls.seq_relationship.*`, what
-  `BertForPreTraining` checkpoints carry) and the derived `position_ids` buffer are
-  ignored, as `BertForMaskedLM.from_pretrained` ignores them; old `LayerNorm.gamma/beta`
-  names are read as `weight/bias`, as transformers does.
+- BERT's pooler and next-sentence head and the `position_ids` buffer are ignored, as
+  `BertForMaskedLM.from_pretrained` ignores them; old `LayerNorm.gamma/beta` names are
+  read as `weight/bias`, as transformers does.
 
-Nothing is trusted unread: a safetensors header is checked against the file's size
-before a tensor is read, and the record holds the sha256 of every file read
-(`config.json`, the weights, the tokenizer files); the parent's identity is the directory
-digest over them (`directory_digest`). Every refusal names the file and the field or
-tensor.
+Nothing is trusted unread: a safetensors header is checked against the file's size before
+a tensor is read, and the parent's identity is the digest over the sha256 of every file
+read (`directory_digest`). Every refusal names the file and the field or tensor.
 """
 
 from __future__ import annotations
@@ -78,8 +71,8 @@ def weight_files(path: Path) -> list[Path]:
     index = path / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                                .values()))
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{index}: not a safetensors index (weight_map: {exc})") from None
         missing = [s for s in shards if not (path / s).is_file()]

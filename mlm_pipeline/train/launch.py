@@ -8,20 +8,16 @@ shard and tokenizer manifests) to `<out_dir>/launch/`, starts
         --log-dir <out_dir>/launch/torchrun-<time> -m <entry>
         --inputs <out_dir>/launch/inputs.json --out-dir <out_dir>
 
-(`torch.distributed.run` is what the `torchrun` command runs), hands every line of its
-output to a callback as it comes, and reads back the `TrainManifest` rank 0 wrote. The
-entry module is `mlm_pipeline.train.launch` (`ENTRY`) unless the caller names another (the
-application layer's `mlm_pipeline.app.torchrun_entry`, which logs to MLflow live); what
-such an entry needs beyond the training inputs travels in `inputs.json` under `extra`. On a
-failure it raises `DistributedTrainingError` with the root cause: the earliest error that a
-rank recorded through the `torch.distributed.elastic` error file (`@record` on `main`,
-written to the per-rank `error.json` under `--log-dir`), naming the rank and the exception.
+(what the `torchrun` command runs), hands every line of its output to a callback as it
+comes, and reads back the `TrainManifest` rank 0 wrote. The entry module is `ENTRY` unless
+the caller names another (`mlm_pipeline.app.torchrun_entry`, which logs to MLflow live). On
+a failure it raises `DistributedTrainingError` with the root cause: the earliest error a
+rank recorded in its `torch.distributed.elastic` error file (`error.json` under
+`--log-dir`), naming the rank and the exception.
 
-`main` is the entry point each rank runs: it reads the inputs, calls `stage.train` (which
-joins the process group from the variables torchrun sets) and lets rank 0 write the
-manifest. Metrics reach the launcher as log lines (`StdoutSink` on rank 0; `sink_line_step`
-reads their step back); `metrics.jsonl` holds them all. Another entry module reuses
-`parse_rank_args`, `rank_logging`, `read_launch_inputs` and `recorded`.
+`main` is the entry point each rank runs: it reads the inputs and calls `stage.train`.
+Metrics reach the launcher as log lines (`StdoutSink` on rank 0; `sink_line_step` reads
+their step back); `metrics.jsonl` holds them all.
 """
 
 from __future__ import annotations
@@ -102,12 +98,10 @@ def write_launch_inputs(cfg: TrainConfig, model: ModelConfig, masking: MaskingCo
     """
     path = out_dir / "launch" / "inputs.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({
-        "train": cfg.model_dump(mode="json"), "model": model.model_dump(mode="json"),
-        "masking": masking.model_dump(mode="json"),
-        "shards": shards.model_dump(mode="json"),
-        "tokenizer": tokenizer.model_dump(mode="json"), "extra": dict(extra or {})},
-        indent=2))
+    sections = {"train": cfg, "model": model, "masking": masking, "shards": shards,
+                "tokenizer": tokenizer}
+    data = {k: v.model_dump(mode="json") for k, v in sections.items()}
+    atomic_write_text(path, json.dumps({**data, "extra": dict(extra or {})}, indent=2))
     return path
 
 
@@ -145,10 +139,8 @@ def torchrun_command(cfg: TrainConfig, inputs: Path, out_dir: Path, log_dir: Pat
     cmd = [sys.executable, "-m", "torch.distributed.run",
            "--nproc-per-node", str(dist.nproc_per_node), "--nnodes", str(dist.nnodes),
            "--log-dir", str(log_dir)]
-    if dist.rdzv_endpoint:
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", dist.rdzv_endpoint]
-    else:
-        cmd += ["--standalone"]
+    cmd += (["--rdzv-backend", "c10d", "--rdzv-endpoint", dist.rdzv_endpoint]
+            if dist.rdzv_endpoint else ["--standalone"])
     return [*cmd, "-m", entry, "--inputs", str(inputs), "--out-dir", str(out_dir)]
 
 
@@ -163,9 +155,8 @@ def root_cause(log_dir: Path) -> tuple[int | None, str] | None:
             continue
         extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
         text = message.get("message", "") if isinstance(message, dict) else str(message)
-        rank = extra.get("rank")
         found.append((int(extra.get("time_ns", 0)) or int(extra.get("timestamp", 0)) * 10**9,
-                      rank, text, extra.get("py_callstack", "")))
+                      extra.get("rank"), text, extra.get("py_callstack", "")))
     if not found:
         return None
     _, rank, text, stack = min(found, key=lambda f: f[0])

@@ -1,45 +1,28 @@
 """The pretraining loop, built from Stateful parts (STYLE rule 7).
 
-`Parts` holds what a run is made of: model, optimizer, LR schedule, data cursor, masker,
-metrics meter, train state (`step`, `tokens_seen`) and the RNG; `Parts.stateful()` hands
-them to the `Checkpointer` under its fixed keys. `train_step` takes one optimizer step;
-`run_steps` repeats it until `train.max_steps` or the `train.max_time_s` budget, hands the
-meter's report to the sink every `train.log_every` steps and checkpoints every
+`Parts` holds what a run is made of; `Parts.stateful()` hands it to the `Checkpointer`.
+`train_step` takes one optimizer step; `run_steps` repeats it until `train.max_steps` or
+`train.max_time_s`, logging every `train.log_every` and checkpointing every
 `train.checkpoint_every` steps. `mlm_pipeline.train.stage.train` builds the parts.
 
 The loop applies what the plain model leaves out (STYLE rule 4): bf16 autocast, the
-`torch.compile` wrapper (`Parts.forward_model`; checkpoints hold the uncompiled module's
-weights) and document attention (document ids from the [SEP] tokens of the unmasked rows).
-When dynamo hits the compiled model's recompile limit (`perf.COMPILE_RECOMPILE_LIMIT`) and
-runs part of it eagerly, the loop warns once and records it (`Parts.compile_fallback`).
+`torch.compile` wrapper (checkpoints hold the uncompiled module's weights; hitting the
+recompile limit is warned once and recorded in `Parts.compile_fallback`) and document
+attention (document ids from the [SEP] tokens of the unmasked rows). Gradient
+accumulation weights each micro-batch by its share of the step's masked tokens, so k
+micro-batches give the gradient of one batch k times larger.
 
-Gradient accumulation weights each micro-batch by its share of the step's masked tokens,
-so a step over k micro-batches computes the same gradient as one batch k times larger.
+With several ranks (`Parts.world`) gradients are synchronized on the last micro-batch
+only and clock or signal decisions are agreed by all ranks each step; every rank calls the
+checkpointer (FSDP2 gathers the full state), rank 0 alone writes, evaluates and logs.
 
-Several ranks (`Parts.world`, see `distributed`): masked-token counts and loss sums are
-summed over ranks, gradients synchronized on the last micro-batch only, and decisions on a
-clock or a signal (`max_time_s`, `checkpoint_interval_s`, a `StopSignal`) agreed by all
-ranks each step. Every rank calls the checkpointer (FSDP2 gathers the full state); rank 0
-alone writes, evaluates (the unwrapped model, no collectives) and feeds the sink.
-
-Steps that are not applied: a step whose micro-batches hold no selected (masked) token
-steps neither the optimizer nor the schedule and is counted (`train/empty_steps`); a step
-whose loss or gradient norm is not finite fails the run (`train.nonfinite: stop`, naming the
-first such step and the last good checkpoint; on CUDA the check is a device-side flag read
-at log and checkpoint steps, so nothing past it is ever saved) or is dropped and counted
-(`skip`, `train/skipped_steps`, at most `train.max_skipped_steps` in a row). `step` counts
-applied optimizer steps only.
-
-Evaluation during training: when `Parts.evaluator` is set, every `evaluator.every_steps`
-applied steps before the last it is called on the (uncompiled) model in eval mode and its
-metrics go to the sink at that step; its time is left out of `train/tokens_per_s`. It
-reads no global RNG, so a run with and without it trains bit-identically. A held-out loss
-still at a uniform guess's after the warm-up is warned about once (`warn_not_learning`).
-
-Stopping early: the run's `StopSignal` (set by the flows' SIGINT/SIGTERM handler) makes the loop save a
-checkpoint of the step it reached and raise `TrainingInterrupted`; `train.max_time_s`
-ends the run with a warning and stop reason `time_cap`. Sinks are flushed before every
-checkpoint, so a checkpoint never declares steps whose metrics were not delivered.
+A step without a selected token is not applied and is counted (`train/empty_steps`); a
+non-finite step fails the run (`train.nonfinite: stop`; on CUDA the check is a device-side
+flag read at log and checkpoint steps, so nothing past it is ever saved) or is dropped
+and counted (`skip`, `train/skipped_steps`). `step` counts applied steps only. The
+periodic evaluator reads no global RNG, so a run with and without it trains
+bit-identically; its time is left out of `train/tokens_per_s`. Sinks are flushed before
+every checkpoint, so a checkpoint never declares steps whose metrics were not delivered.
 """
 
 from __future__ import annotations
@@ -49,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,10 +40,7 @@ import torch
 
 from mlm_pipeline.config import IGNORE_INDEX, SEP_ID, TrainConfig
 from mlm_pipeline.errors import (  # noqa: F401 - raised here, importable from here too
-    CompileError,
-    NonFiniteLossError,
-    TrainingInterrupted,
-)
+    CompileError, NonFiniteLossError, TrainingInterrupted)
 from mlm_pipeline.masking.maskers import Masker
 from mlm_pipeline.sinks import MetricsSink
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState, Stateful
@@ -78,10 +58,9 @@ NOT_LEARNING_SHARE = 0.99
 
 
 class StopSignal:
-    """A request to stop one training run early, owned by whoever starts the run (the
-    flows' signal handler sets it on SIGINT and SIGTERM) and given to `train`: the loop
-    checkpoints the step it reached and raises `TrainingInterrupted`. Thread-safe: set
-    from any thread or a signal handler. Two runs in one process have two signals."""
+    """A request to stop one training run early (the flows' SIGINT/SIGTERM handler sets it):
+    the loop checkpoints the step it reached and raises `TrainingInterrupted`. Thread-safe:
+    set from any thread or a signal handler. Two runs in one process have two signals."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -124,9 +103,9 @@ class Evaluator(Protocol):
 
 @dataclass
 class TrainState:
-    """Counters of the run: `step` (optimizer steps applied), `tokens_seen` (rows * seq_len
-    trained on), `skipped_steps` (non-finite steps dropped), `empty_steps` (steps without a
-    selected token) and `skipped_in_a_row`."""
+    """Counters of the run: `step` (optimizer steps applied), `tokens_seen` (rows * seq_len),
+    `skipped_steps` (non-finite, dropped), `empty_steps` (no selected token) and
+    `skipped_in_a_row`."""
 
     step: int = 0
     tokens_seen: int = 0
@@ -136,9 +115,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, int]:
         """The five counters as `{name: int}`."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "skipped_steps": self.skipped_steps, "empty_steps": self.empty_steps,
-                "skipped_in_a_row": self.skipped_in_a_row}
+        return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters (those a checkpoint predates start at 0).
@@ -176,13 +153,11 @@ class Parts:
         masked_per_row: passed to the model's forward (a static head size) when it is
             compiled and the masking bounds the labels per row (`exact_k`); None otherwise,
             and always when eager, whose results it would change in the last bits.
-        world: this process's rank among the data-parallel ranks (`World.single()`: one
-            process).
-        recompile_limit: compiled versions `forward_model` keeps of one function
-            (`perf.compile_model`); None when eager.
+        world: this process's rank among the data-parallel ranks (`World.single()`: one).
+        recompile_limit: compiled versions `forward_model` keeps of one function; None when
+            eager.
         compile_fallback: `recompile_limit` once dynamo hit that limit and left part of the
-            forward pass to run eagerly (warned once; the train manifest and the MLflow tag
-            `mlm.compile_fallback` record it); None until then.
+            forward pass to run eagerly (recorded as `mlm.compile_fallback`); None until then.
         warned_not_learning: `warn_not_learning` has warned in this run.
     """
 
@@ -219,26 +194,22 @@ class Parts:
                 "masker": self.masker, "meter": self.meter, **self.state_parts}
 
 
-def accumulate_gradients(
-    model: torch.nn.Module,
-    micro_batches: list[tuple[torch.Tensor, ...]],
-    autocast: contextlib.AbstractContextManager | None = None,
-    masked_per_row: int | None = None,
-    world: World | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulate_gradients(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, ...]],
+                         autocast: contextlib.AbstractContextManager | None = None,
+                         masked_per_row: int | None = None, world: World | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward every micro-batch, each weighted by its share of the step's
     masked tokens, so the accumulated gradient is that of one batch holding them all.
 
     Args:
         model: a `BertMLM` (or its compiled wrapper); its loss is the mean cross-entropy
             over a micro-batch's masked tokens.
-        micro_batches: `(input_ids, labels)` pairs, int64 (b, L) each, or
-            `(input_ids, labels, document_ids)` triples (document ids int32 (b, L), passed
-            as the model's `document_ids`).
+        micro_batches: `(input_ids, labels)` pairs, int64 (b, L) each, or triples with
+            the model's `document_ids` (int32 (b, L)) third.
         autocast: context entered around each forward pass (None: none).
         masked_per_row: the model's static head size (`BertMLM.forward`), or None.
-        world: the data-parallel ranks (None: one process); `model` is then the wrapper
-            of `World.wrap`, and the weights use the step's masked tokens over all ranks.
+        world: the data-parallel ranks (None: one process); `model` is then `World.wrap`'s
+            wrapper, and the weights use the step's masked tokens over all ranks.
 
     Returns:
         (sum of per-token losses, number of masked tokens) over all micro-batches of all
@@ -347,8 +318,7 @@ def train_step(parts: Parts, cfg: TrainConfig) -> tuple[torch.Tensor, int, bool]
 
 
 def _check_finite(parts: Parts, checkpointer: Checkpointer) -> None:
-    """Raise `NonFiniteLossError` if a step since the last check was not finite (reads the
-    meter's device-side flag: one host sync)."""
+    """Raise `NonFiniteLossError` if a step since the last check was not finite (one sync)."""
     bad = parts.meter.first_nonfinite_step()
     if bad is not None:
         last = checkpointer.latest()
@@ -359,9 +329,7 @@ def _check_finite(parts: Parts, checkpointer: Checkpointer) -> None:
 
 
 def _evaluate(parts: Parts, sink: MetricsSink, warmup_steps: int = 0) -> None:
-    """Run the periodic evaluator at the current step and log its metrics; its wall time
-    is excluded from the meter's interval (it is not training throughput). After
-    `warmup_steps`, a held-out loss that has not fallen is warned about once."""
+    """Run and log the periodic evaluator (its time left out of the meter's interval)."""
     started = time.perf_counter()
     parts.model.eval()
     try:
@@ -375,11 +343,9 @@ def _evaluate(parts: Parts, sink: MetricsSink, warmup_steps: int = 0) -> None:
 
 def warn_not_learning(parts: Parts, eval_loss: float | None, warmup_steps: int) -> bool:
     """Warn once per run (`Parts.warned_not_learning`) when, after the warm-up, the
-    held-out loss has not fallen: it is still above `NOT_LEARNING_SHARE` of ln V (V =
-    vocabulary size), the loss of a uniform guess, which is where a freshly initialized
-    model starts (its logits are near zero). A model that learns anything, even the token
-    frequencies, falls well below it by then; one that does not has a learning rate too low
-    (or too high) for its recipe.
+    held-out loss is still above `NOT_LEARNING_SHARE` of ln V (V = vocabulary size), the
+    loss of a uniform guess, where a freshly initialized model starts: a model that learns
+    even the token frequencies falls well below it, so its learning rate is off.
 
     Args:
         parts: the run (its `model.vocab_size`, `train_state.step`, warning flag).
@@ -406,8 +372,7 @@ def warn_not_learning(parts: Parts, eval_loss: float | None, warmup_steps: int) 
 
 
 def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
-    """Checkpoint the current step after the finiteness check and a sink flush (the
-    checkpoint must not declare steps whose metrics were not delivered)."""
+    """Checkpoint the current step after the finiteness check and a sink flush."""
     _check_finite(parts, checkpointer)
     sink.flush()
     return checkpointer.save(parts.train_state.step)
@@ -416,11 +381,10 @@ def _save(parts: Parts, checkpointer: Checkpointer, sink: MetricsSink) -> Path:
 def run_steps(parts: Parts, cfg: TrainConfig, checkpointer: Checkpointer,
               sink: MetricsSink, stop: StopSignal | None = None
               ) -> tuple[dict[str, float], str]:
-    """Train from `parts.train_state.step` to `cfg.max_steps` (or until `cfg.max_time_s`).
-
-    Every `cfg.log_every` steps, at the last step and when out of time, the meter's report
-    goes to `sink`; every `cfg.checkpoint_every` steps (and `cfg.checkpoint_interval_s`
-    seconds) before the last, `checkpointer` saves (the final checkpoint is the caller's).
+    """Train from `parts.train_state.step` to `cfg.max_steps` (or until `cfg.max_time_s`),
+    logging every `cfg.log_every` steps (and at the last one) and checkpointing every
+    `cfg.checkpoint_every` steps or `cfg.checkpoint_interval_s` seconds before the last
+    (the final checkpoint is the caller's).
 
     Returns:
         (the last metrics reported, empty when no step ran; the stop reason: `max_steps`

@@ -18,19 +18,11 @@ running interval sums (on the training device, no host sync); at the end of a lo
 - `train/epoch`, `train/tokens_seen`, `train/memory_mb` (`perf.peak_memory_mb`, MiB) and, on
   CUDA, `memory/max_reserved_gib` (GiB).
 
-The meter also keeps a device-side record of the first step whose loss or gradient norm
-was not finite (`first_nonfinite_step`), so the loop can check it without a host sync per
-step.
-
-The interval sums and its elapsed time are the meter's state: a checkpoint taken between
-two reports holds them, so a run resumed from a step that is not a multiple of
-`train.log_every` logs the same `train/loss` as the uninterrupted run.
-
-Training time (`train_time_s`): the sum of the reported intervals' seconds, kept in the
-state too, so it spans every segment of a resumed run. It is the training loop's time:
-steps and the checkpoints saved between them, not start-up (building the model, loading a
-checkpoint, measuring the peak) nor periodic evaluation (`exclude`). Tokens seen divided by
-it is the run's mean throughput; each interval's `train/tokens_per_s` is its own.
+The interval sums and elapsed time are the meter's state, so a run resumed between two
+reports logs the same `train/loss` as the uninterrupted run. Training time (`train_time_s`,
+in the state too, so it spans every segment of a resumed run) is the loop's time: steps and
+the checkpoints between them, not start-up nor periodic evaluation (`exclude`); tokens seen
+divided by it is the run's mean throughput.
 """
 
 from __future__ import annotations
@@ -63,10 +55,8 @@ class Meter:
 
     def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float,
                  peak_flops: float | None, peak_source: str | None = None) -> None:
-        self.device = device
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
-        self.peak_flops = peak_flops
+        self.device, self.tokens_per_step = device, tokens_per_step
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         #: `measured`, `declared`, `spec`, `achieved` (raised by `report`) or `unknown`.
         self.peak_source = peak_source or (_peak_source(device) if peak_flops else "unknown")
         #: float32 0-dim: sum over the interval of per-token losses (nats).
@@ -146,14 +136,11 @@ class Meter:
             self._reported_s += elapsed
         tokens_per_s = self.steps * self.tokens_per_step / elapsed
         metrics = {
-            "train/loss": loss,
-            "train/lr": lr,
-            "train/grad_norm": float(grad_norm),
+            "train/loss": loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
             "train/tokens_per_s": tokens_per_s,
             "train/masked_tokens": float(self.masked_sum.item()),
             "train/skipped_steps": float(skipped_steps),
-            "train/empty_steps": float(empty_steps),
-            "train/epoch": float(epoch),
+            "train/empty_steps": float(empty_steps), "train/epoch": float(epoch),
             "train/tokens_seen": float(tokens_seen),
         }
         if self.peak_flops:
@@ -161,8 +148,7 @@ class Meter:
             if achieved > self.peak_flops:
                 # Once a run: later intervals that beat the raised peak only move it.
                 log = logger.warning if self.peak_source != "achieved" else logger.debug
-                log(
-                    "step %d: %.4g TFLOP/s achieved, above the %s peak of %.4g TFLOP/s: the "
+                log("step %d: %.4g TFLOP/s achieved, above the %s peak of %.4g TFLOP/s: the "
                     "peak is raised to the achieved rate (MFU 100 %%); declare the device's "
                     "peak with MLM_PIPELINE_PEAK_TFLOPS", step, achieved / 1e12,
                     self.peak_source, self.peak_flops / 1e12)
@@ -193,13 +179,9 @@ class Meter:
         """The open interval and the training time: `{"loss_sum": float (nats),
         "masked_sum": int, "steps": int, "elapsed_s": float (seconds), "reported_s": float
         (seconds of the reported intervals) or None}`, plain JSON values (one host sync)."""
-        return {
-            "loss_sum": self.loss_sum.item(),  # float32 -> Python float is exact
-            "masked_sum": int(self.masked_sum.item()),
-            "steps": self.steps,
-            "elapsed_s": time.perf_counter() - self._start,
-            "reported_s": self._reported_s,
-        }
+        return {"loss_sum": self.loss_sum.item(),  # float32 -> Python float is exact
+                "masked_sum": int(self.masked_sum.item()), "steps": self.steps,
+                "elapsed_s": time.perf_counter() - self._start, "reported_s": self._reported_s}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the interval saved by `state_dict` (the sums are restored bit for bit;

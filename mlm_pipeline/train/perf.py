@@ -5,16 +5,13 @@ appendix B). The peak (`peak_flops`) and its source (`peak_source`) are, in this
 `declared` in the environment variable `MLM_PIPELINE_PEAK_TFLOPS` (TFLOP/s, any device),
 `spec`: a table of vendor figures for known GPUs (dense, no sparsity), or `measured` on
 CPUs: the best of several short matmul timings at the training dtype (CPU peaks depend on
-the core count, the vector units and the clock, so no constant would be right; the best of
-several repetitions is the one least disturbed by other processes). A measurement taken on
-a busy machine can still be too low: the `Meter` then raises the peak to the rate it
-achieved (source `achieved`), so MFU never exceeds 100 %.
+the core count, the vector units and the clock, so no constant would be right). A
+measurement on a busy machine can still be too low: the `Meter` then raises the peak to the
+rate it achieved (source `achieved`), so MFU never exceeds 100 %.
 
 Precision `auto` means bf16 autocast on CUDA devices with bf16 support and on CPUs with
-native bf16 instructions (x86 AVX-512 BF16 or AMX-BF16, read from `/proc/cpuinfo` on
-Linux), fp32 elsewhere: without native instructions bf16 matmuls are emulated and slower
-than fp32. Set `train.precision: fp32` in the config (or `--set train.precision=fp32`) to
-force fp32 on any machine.
+native bf16 instructions (`/proc/cpuinfo` on Linux), fp32 elsewhere: without native
+instructions bf16 matmuls are emulated and slower than fp32.
 """
 
 from __future__ import annotations
@@ -36,16 +33,8 @@ logger = logging.getLogger(__name__)
 GPU_PEAK_BF16_FLOPS: dict[str, float] = {
     "H200": 989e12,
     "H100": 989e12,  # SXM; the PCIe card is lower, matched first below
-    "H100 PCIe": 756e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
+    "H100 PCIe": 756e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "A10G": 70e12,
+    "A10": 125e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
     "V100": 125e12,  # fp16 tensor cores (no bf16 on Volta)
     "T4": 65e12,  # fp16
 }
@@ -143,13 +132,12 @@ def compile_model(model: torch.nn.Module, device: torch.device, backend: str = "
                   recompile_limit: int = COMPILE_RECOMPILE_LIMIT) -> torch.nn.Module:
     """`torch.compile(model)`, after checking what the backend needs up front.
 
-    Compilation itself happens at the first forward pass; the loop turns a build failure
-    there into an error naming `train.compile`. The returned wrapper shares its parameters
-    with `model`; save `model`, whose state_dict keys have no `_orig_mod.` prefix. Its
-    compiled versions count against `recompile_limit` on their own (`isolate_recompiles`):
-    another compiled model in the same process (a second run, an evaluation) neither uses
-    up nor shares this one's limit. Past the limit dynamo runs the function eagerly; the
-    loop warns once (`recompile_limit_hits`).
+    Compilation happens at the first forward pass (the loop turns a build failure there
+    into an error naming `train.compile`). The wrapper shares its parameters with `model`;
+    save `model`, whose state_dict keys have no `_orig_mod.` prefix. Its compiled versions
+    count against `recompile_limit` on their own (`isolate_recompiles`): another compiled
+    model in the process neither uses up nor shares it. Past the limit dynamo runs the
+    function eagerly; the loop warns once (`recompile_limit_hits`).
 
     Args:
         model: the module to compile.
@@ -231,17 +219,13 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024,
                              seconds: float = 0.3, repeats: int = 6) -> float:
     """Measured CPU matmul throughput in FLOP/s (n x n @ n x n, 2 n^3 FLOPs each), with the
     current torch thread count: the best of `repeats` timings of about `seconds / repeats`
-    each (at least one matmul each), cached per process.
-
-    The maximum, not the mean: other processes only ever slow a timing down, so the fastest
-    repetition is the closest to the machine's peak.
-
-    The matrices come from a private generator: the measurement never moves the global
-    torch RNG, so dropout masks do not depend on whether (or when) it ran in this process.
+    each (at least one matmul each), cached per process. The maximum, not the mean: other
+    processes only ever slow a timing down. The matrices come from a private generator:
+    the measurement never moves the global torch RNG, so dropout masks do not depend on
+    whether (or when) it ran in this process.
     """
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
     torch.mm(a, b)  # warm-up
     best = 0.0
     for _ in range(max(repeats, 1)):

@@ -15,10 +15,8 @@ import torch
 from mlm_pipeline.config import TrainConfig
 
 
-def lr_multiplier(
-    step: int, *, warmup_steps: int, max_steps: int, decay: str, min_lr_ratio: float,
-    decay_fraction: float = 0.2,
-) -> float:
+def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, decay: str,
+                  min_lr_ratio: float, decay_fraction: float = 0.2) -> float:
     """Learning-rate factor for the optimizer step that follows `step` completed steps.
 
     Linear warm-up from `1 / warmup_steps` to 1 over `warmup_steps` steps (Goyal et al.
@@ -55,9 +53,8 @@ def lr_multiplier(
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer,
+                       cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """The schedule of `cfg` (`warmup`, `max_steps`, `decay`, `min_lr_ratio`,
     `decay_fraction`) as a multiplier of each parameter group's `lr`.
 
@@ -65,14 +62,6 @@ def build_lr_scheduler(
     `_last_lr`; the lambda is left out (it is not a callable object), so a checkpoint never
     stores code.
     """
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(
-            s,
-            warmup_steps=cfg.warmup,
-            max_steps=cfg.max_steps,
-            decay=cfg.decay,
-            min_lr_ratio=cfg.min_lr_ratio,
-            decay_fraction=cfg.decay_fraction,
-        ),
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, warmup_steps=cfg.warmup, max_steps=cfg.max_steps, decay=cfg.decay,
+        min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction))

@@ -1,20 +1,15 @@
 """Stage 5, training: `train(cfg, model, masking, shards, tokenizer, out_dir) -> TrainManifest`.
 
-`train()` builds the Stateful parts of the loop (`loop.Parts`: model, AdamW, LR schedule,
-data cursor, masker, meter, train state, RNG) from its own config sections, hands them to a
-`Checkpointer`, resumes from the newest checkpoint in its output directory if there is
-one, runs `loop.run_steps`, saves the final checkpoint and writes the manifest.
+`train()` builds the Stateful parts of the loop (`loop.Parts`) from its config sections,
+hands them to a `Checkpointer`, resumes from the newest checkpoint in its output directory
+if there is one, runs `loop.run_steps`, saves the final checkpoint and writes the
+manifest. Metrics go to `out_dir/metrics.jsonl` and to the sink it is given (the loop
+never talks to MLflow itself).
 
-Metrics go to `out_dir/metrics.jsonl` and to the sink it is given (the loop never talks to
-MLflow itself); see `meter` for the keys. Options applied here: `train.precision` (bf16
-autocast), `train.compile`, `train.document_attention`, `masking.whole_word` (word starts
-from the tokenizer) and `masking.mode` (the shards' precomputed copies).
-
-Under `torchrun` (`WORLD_SIZE` > 1; `launch` starts it) `train()` joins the process group
-(`distributed.init_world`), wraps the model (DDP, or FSDP2 with
-`train.distributed.strategy: fsdp2`) and gives each rank its strided part of the row order;
-only rank 0 writes `metrics.jsonl`, checkpoints and the manifest and feeds `sink` (the other
-ranks get no sink). Resuming needs the world size the checkpoint was written with.
+Under `torchrun` (`WORLD_SIZE` > 1) `train()` joins the process group, wraps the model (DDP,
+or FSDP2) and gives each rank its strided part of the row order; only rank 0 writes
+`metrics.jsonl`, checkpoints and the manifest and feeds `sink`. Resuming needs the world
+size the checkpoint was written with.
 """
 
 from __future__ import annotations
@@ -29,14 +24,8 @@ import torch
 
 from mlm_pipeline import store
 from mlm_pipeline.config import SEP_ID, MaskingConfig, ModelConfig, TrainConfig, resolve_lr
-from mlm_pipeline.manifest import (
-    ShardManifest,
-    Stopwatch,
-    TokenizerManifest,
-    TrainManifest,
-    compute_digest,
-    write_manifest,
-)
+from mlm_pipeline.manifest import (ShardManifest, Stopwatch, TokenizerManifest, TrainManifest,
+                                   compute_digest, write_manifest)
 from mlm_pipeline.masking.keyed import exact_k
 from mlm_pipeline.masking.maskers import Masker, build_masker
 from mlm_pipeline.shards import shard_special_ids
@@ -45,25 +34,14 @@ from mlm_pipeline.sinks import JsonlSink, MetricsSink, MultiSink
 from mlm_pipeline.tokenizer import Tokenizer
 from mlm_pipeline.train.checkpoint import Checkpointer, RngState
 from mlm_pipeline.train.data import PrecomputedShardDataset, RowCursor, ShardDataset
-from mlm_pipeline.train.distributed import (
-    FsdpModelState,
-    FsdpOptimizerState,
-    World,
-    init_world,
-)
+from mlm_pipeline.train.distributed import FsdpModelState, FsdpOptimizerState, World, init_world
 from mlm_pipeline.train.hf import hf_class_name
 from mlm_pipeline.train.loop import Evaluator, Parts, StopSignal, TrainState, run_steps
 from mlm_pipeline.train.meter import Meter
 from mlm_pipeline.train.model import BertMLM
-from mlm_pipeline.train.perf import (
-    COMPILE_RECOMPILE_LIMIT,
-    adamw_impl,
-    compile_model,
-    peak_flops,
-    resolve_compile,
-    resolve_device,
-    resolve_precision,
-)
+from mlm_pipeline.train.perf import (COMPILE_RECOMPILE_LIMIT, adamw_impl, compile_model,
+                                     peak_flops, resolve_compile, resolve_device,
+                                     resolve_precision)
 from mlm_pipeline.train.schedule import build_lr_scheduler
 from mlm_pipeline.train.verified import latest_intact_checkpoint
 from mlm_pipeline.train.warm_start import parent_of_run
@@ -73,11 +51,10 @@ logger = logging.getLogger(__name__)
 
 def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
                        tokenizer: TokenizerManifest, max_steps: int | None = None) -> Masker:
-    """`build_masker` for this run: the special ids the shards were written with (the
-    tokenizer's, `shards.shard_special_ids`), the masked copies' reader in precomputed
-    mode, the tokenizer's word boundaries (bool (V,) `word_starts`, and `word_ends` for
-    byte-level BPE) when `masking.whole_word` is set, and `train.max_steps` (`max_steps`,
-    the span of a masking-rate schedule).
+    """`build_masker` for this run: the shards' special ids, the masked copies' reader in
+    precomputed mode, the tokenizer's word boundaries (bool (V,) `word_starts`, and
+    `word_ends` for byte-level BPE) with `masking.whole_word`, and `max_steps` (the span of
+    a masking-rate schedule).
 
     Raises:
         ValueError: the shards' special ids are not the tokenizer's; `build_masker`'s.
@@ -96,11 +73,10 @@ def build_train_masker(masking: MaskingConfig, shards: ShardManifest,
 def train_digest(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                  shards: ShardManifest, tokenizer: TokenizerManifest, run_key: str,
                  init: dict[str, Any] | None = None) -> str:
-    """Identity of one training run: model, train and masking configs, inputs, run key,
-    and the warm start's parent checkpoint digest (`init`: `InitSource.record()`), so two
-    runs from different parents (one `models:/NAME@champion` at two times) differ. An
-    unset `init_from` is left out, and the model is hashed as `ModelConfig.digest_record`
-    gives it, so digests made before those fields existed still hold."""
+    """Identity of one training run: configs, inputs, run key and the warm start's parent
+    digest (`init`: `InitSource.record()`), so runs from different parents differ. An unset
+    `init_from` is left out and the model hashed as `ModelConfig.digest_record` gives it,
+    so digests made before those fields existed still hold."""
     unset = {"init_from"} if cfg.init_from is None else set()
     # `phase_of` names the chain a run belongs to, `init_required` guards a config's
     # use: neither is what the run trains
@@ -118,14 +94,13 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
                 world: World | None = None,
                 init_state: dict[str, torch.Tensor] | None = None) -> Parts:
     """Seed torch with `cfg.seed` and build every part of the loop on the resolved device
-    (on CUDA, GPU `LOCAL_RANK` of `world`); with several ranks the model is wrapped
-    (`World.wrap`) before the optimizer is built and every rank reads its strided rows.
+    (on CUDA, GPU `LOCAL_RANK` of `world`); with several ranks the model is wrapped before
+    the optimizer is built.
 
     The order is fixed: the model's initialization and then the CPU peak-FLOP/s
-    measurement (`perf.peak_flops`, which draws random matrices) consume the global RNG,
-    and a checkpoint's RNG state is restored only after both. `init_state` (a warm start's
-    parent weights, `warm_start.init_weights`) replaces the initial weights before the
-    model is wrapped and the optimizer built (the global RNG is drawn from all the same).
+    measurement (`perf.peak_flops` draws random matrices) consume the global RNG, and a
+    checkpoint's RNG state is restored only after both. `init_state` (a warm start's
+    parent weights) replaces the initial weights (the global RNG is drawn all the same).
 
     Raises:
         ValueError: fewer training rows than one micro-batch; precomputed masking without
@@ -157,9 +132,7 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
         world=world,
         state_parts=({"model": FsdpModelState(model),
                       "optimizer": FsdpOptimizerState(model, optimizer)} if fsdp else {}),
-        optimizer=optimizer,
-        lr_scheduler=build_lr_scheduler(optimizer, cfg),
-        dataset=dataset,
+        optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, cfg), dataset=dataset,
         cursor=RowCursor(len(dataset), cfg.micro_batch_size, cfg.seed, world.rank,
                          world.world_size),
         masker=build_train_masker(masking, shards, tokenizer, cfg.max_steps),
@@ -167,10 +140,7 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
                     * shards.seq_len,
                     model.flops_per_token(shards.seq_len, _mean_rate(masking, cfg.max_steps)),
                     _all_ranks_peak(peak_flops(device, precision), world)),
-        train_state=TrainState(),
-        rng=RngState(),
-        device=device,
-        precision=precision,
+        train_state=TrainState(), rng=RngState(), device=device, precision=precision,
         autocast=(torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                   else contextlib.nullcontext()),
         document_attention=cfg.document_attention,
@@ -188,45 +158,39 @@ def build_parts(cfg: TrainConfig, model_cfg: ModelConfig, masking: MaskingConfig
 
 
 def _mean_rate(masking: MaskingConfig, max_steps: int) -> float:
-    """The masking rate averaged over the run's steps (the constant itself): the masked
-    share MFU counts the prediction head's FLOPs at."""
+    """The masking rate averaged over the run's steps: the share MFU counts the head at."""
     if not masking.scheduled:
         return masking.mlm_probability
     return sum(masking.mlm_probability_at(s, max_steps) for s in range(max_steps)) / max_steps
 
 
 def _all_ranks_peak(peak: float | None, world: World) -> float | None:
-    """The MFU denominator of a run: one device's peak FLOP/s times the ranks (tokens/s
-    are counted over all ranks)."""
+    """The MFU denominator: one device's peak FLOP/s times the ranks."""
     return peak * world.world_size if peak else peak
 
 
 def checkpoint_meta(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
                     shards: ShardManifest, tokenizer: TokenizerManifest) -> dict[str, Any]:
-    """What makes a checkpoint self-describing: the `model`, `train` and `masking` configs
-    (JSON), `vocab_size`, `seq_len` (tokens), the tokenizer and shard digests, the special
-    ids the rows were written with (`special_ids`, `SpecialIds` as JSON), and `hf_class`:
-    the `transformers` class the weights map onto one to one (`hf.hf_class_name`:
-    `BertForMaskedLM`, `ModernBertForMaskedLM`, or None)."""
-    return {
-        "config": {"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
-                   "masking": masking.model_dump(mode="json")},
-        "hf_class": hf_class_name(model),
-        "vocab_size": shards.vocab_size,
-        "seq_len": shards.seq_len,
-        "tokenizer_digest": tokenizer.digest,
-        "shards_digest": shards.digest,
-        "special_ids": shards.special_ids.model_dump(mode="json"),
-    }
+    """What makes a checkpoint self-describing: the `model`, `train` and `masking` configs,
+    `vocab_size`, `seq_len` (tokens), the tokenizer and shard digests, `special_ids` (as
+    JSON), and `hf_class`: the `transformers` class the weights map onto one to one
+    (`hf.hf_class_name`: `BertForMaskedLM`, `ModernBertForMaskedLM`, or None)."""
+    return {"config": _configs(cfg, model, masking), "hf_class": hf_class_name(model),
+            "vocab_size": shards.vocab_size, "seq_len": shards.seq_len,
+            "tokenizer_digest": tokenizer.digest, "shards_digest": shards.digest,
+            "special_ids": shards.special_ids.model_dump(mode="json")}
+
+
+def _configs(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig) -> dict[str, Any]:
+    """The `model`, `train` and `masking` sections as JSON."""
+    return {"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
+            "masking": masking.model_dump(mode="json")}
 
 
 def _truncate_metrics_log(path: Path, step: int) -> None:
-    """Drop records logged after `step` (the checkpoint resumed from): the resumed run logs
-    those steps again, and the log must hold each step once. A line cut short by a kill
-    (not valid JSON) is dropped with a warning. In the mirror of a URL work directory the
-    store's copy is used when it holds more records up to `step` (a run resumed on another
-    machine, or back on one whose copy is older: the store's is uploaded at each
-    checkpoint)."""
+    """Drop records logged after `step` (the resumed run logs those steps again). In the
+    mirror of a URL work directory the store's copy is used when it holds more records up
+    to `step` (a run resumed on another machine, or on one whose copy is older)."""
     texts = [path.read_text()] if path.is_file() else []
     if (remote := store.read_remote(path)) is not None:
         texts.append(remote.decode("utf-8", "replace"))
@@ -237,8 +201,7 @@ def _truncate_metrics_log(path: Path, step: int) -> None:
 
 
 def _records_upto(path: Path, text: str, step: int) -> list[str]:
-    """The lines of a metrics log `text` (of `path`) with a step <= `step`; an incomplete
-    line is dropped with a warning."""
+    """The lines of `text` (of `path`) with a step <= `step`, incomplete ones dropped."""
     kept = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -254,41 +217,28 @@ def _records_upto(path: Path, text: str, step: int) -> list[str]:
     return kept
 
 
-def train(
-    cfg: TrainConfig,
-    model: ModelConfig,
-    masking: MaskingConfig,
-    shards: ShardManifest,
-    tokenizer: TokenizerManifest,
-    out_dir: str | Path,
-    sink: MetricsSink | None = None,
-    evaluator: Evaluator | None = None,
-    init_checkpoint: Path | None = None,
-    stop: StopSignal | None = None,
-) -> TrainManifest:
+def train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig, shards: ShardManifest,
+          tokenizer: TokenizerManifest, out_dir: str | Path, sink: MetricsSink | None = None,
+          evaluator: Evaluator | None = None, init_checkpoint: Path | None = None,
+          stop: StopSignal | None = None) -> TrainManifest:
     """Pretrain a `BertMLM` on the training shards (dynamic or precomputed masking).
 
     Args:
-        cfg: the optimization loop (`train` section; `lr: auto` is resolved from `model`,
-            `config.lr_auto`).
+        cfg: the `train` section (`lr: auto` is resolved from `model`, `config.lr_auto`).
         model: the encoder's shape (`model` section).
-        masking: the masking (`masking` section; its `seed` keys the masks).
+        masking: the `masking` section (its `seed` keys the masks).
         shards: packed training rows.
         tokenizer: the tokenizer the shards were encoded with (recorded in checkpoints).
-        out_dir: this run's directory; holds `checkpoints/`, `metrics.jsonl` and
-            `manifest.json`. If it already holds a checkpoint, training resumes from it.
+        out_dir: this run's directory (`checkpoints/`, `metrics.jsonl`, `manifest.json`);
+            if it already holds a checkpoint, training resumes from it.
         sink: receives one metrics dict per log interval (besides `metrics.jsonl`); not
             closed here.
-        evaluator: periodic held-out evaluation during training (`loop.Evaluator`, e.g.
-            `mlm_pipeline.evaluate.PeriodicEvaluator`); its metrics go to the same sinks at
-            the steps it runs. It does not change what is trained.
+        evaluator: periodic held-out evaluation (`loop.Evaluator`); its metrics go to the
+            same sinks. It does not change what is trained.
         init_checkpoint: the local checkpoint an MLflow `cfg.init_from` was fetched to
-            (`app.parents.init_checkpoint`); None: `cfg.init_from` is a local path (or
-            unset). Used at a fresh start only: a resumed run continues from its own
-            checkpoint, whose state records its parent.
+            (None: a local path, or unset); used at a fresh start only.
         stop: the run's stop request (`loop.StopSignal`): once set, the step reached is
-            checkpointed and `TrainingInterrupted` raised; None: the run is not stopped
-            early.
+            checkpointed and `TrainingInterrupted` raised; None: never.
 
     Returns:
         The `TrainManifest` (also written as `out_dir/manifest.json`).
@@ -301,10 +251,9 @@ def train(
             data order or masking (the masker's or cursor's state differs); a warm start
             (`cfg.init_from`) whose parent is not a checkpoint, is damaged, or differs from
             this run in architecture, vocabulary or `seq_len` (every field named).
-        RuntimeError: when CUDA or bf16 is requested but unavailable, when
-            `cfg.compile=on` cannot compile (no C++ compiler on CPU, or the first
-            compiled step fails to build), or the loss becomes non-finite (the step is
-            named).
+        RuntimeError: when CUDA or bf16 is requested but unavailable, when `cfg.compile=on`
+            cannot compile (no C++ compiler on CPU, or the first compiled step fails to
+            build), or the loss becomes non-finite (the step is named).
     """
     watch = Stopwatch()
     cfg = resolve_lr(cfg, model)  # `lr: auto` of a TrainConfig passed on its own
@@ -319,8 +268,7 @@ def train(
 
 def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
     """Refuse periodic evaluation during a several-rank FSDP2 run: the evaluator runs on
-    rank 0 alone, while each FSDP2 rank holds only a shard of the parameters (a forward
-    pass gathers them collectively, with every rank taking part).
+    rank 0 alone, while each FSDP2 rank holds only a shard of the parameters.
 
     Args:
         distributed: the run has several ranks.
@@ -335,10 +283,10 @@ def refuse_fsdp2_evaluation(distributed: bool, strategy: str) -> None:
                          "train.distributed.strategy ddp or turn periodic evaluation off")
 
 
-def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig,
-           shards: ShardManifest, tokenizer: TokenizerManifest, out: Path,
-           sink: MetricsSink | None, evaluator: Evaluator | None, world: World,
-           watch: Stopwatch, init_checkpoint: Path | None = None,
+def _train(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig, shards: ShardManifest,
+           tokenizer: TokenizerManifest, out: Path, sink: MetricsSink | None,
+           evaluator: Evaluator | None, world: World, watch: Stopwatch,
+           init_checkpoint: Path | None = None,
            stop: StopSignal | None = None) -> TrainManifest:
     """`train` once the process group (if any) is up: rank 0 alone writes files."""
     if evaluator is not None:
@@ -398,33 +346,23 @@ def _write_train_manifest(cfg: TrainConfig, model: ModelConfig, masking: Masking
                           watch: Stopwatch, final: Path, parts: Parts,
                           last_metrics: dict[str, float], stop_reason: str,
                           init: dict[str, Any] | None = None) -> TrainManifest:
-    """Write and return the manifest of a finished run (`final`: its last checkpoint), with
-    the meter's training time over every segment and its MFU peak and the peak's source,
-    and the warm start's parent (`init`, also an input of the digest)."""
+    """Write and return the manifest of a finished run (`final`: its last checkpoint)."""
+    meter = parts.meter
     manifest = TrainManifest(
         stage="train",
         digest=train_digest(cfg, model, masking, shards, tokenizer, out.name, init),
-        output_dir=str(out),
-        config={"model": model.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
-                "masking": masking.model_dump(mode="json")},
+        output_dir=str(out), config=_configs(cfg, model, masking),
         inputs={"shards": shards.digest, "tokenizer": tokenizer.digest,
                 **({"init": init["digest"]} if init else {})},
-        created_at=watch.created_at,
-        wall_time_s=watch.elapsed,
+        created_at=watch.created_at, wall_time_s=watch.elapsed,
         checkpoint_dir=str(final.relative_to(out)),
-        steps=parts.train_state.step,
-        tokens_seen=parts.train_state.tokens_seen,
-        final_metrics=last_metrics,
-        metrics_log="metrics.jsonl",
-        stopped_early=stop_reason != "max_steps",
-        stop_reason=stop_reason,
-        device=parts.device.type,
-        precision=parts.precision,
-        train_time_s=parts.meter.train_time_s(),
-        peak_tflops=parts.meter.peak_flops / 1e12 if parts.meter.peak_flops else None,
-        peak_source=parts.meter.peak_source,
-        compile_fallback=parts.compile_fallback,
-        init=init,
+        steps=parts.train_state.step, tokens_seen=parts.train_state.tokens_seen,
+        final_metrics=last_metrics, metrics_log="metrics.jsonl",
+        stopped_early=stop_reason != "max_steps", stop_reason=stop_reason,
+        device=parts.device.type, precision=parts.precision,
+        train_time_s=meter.train_time_s(),
+        peak_tflops=meter.peak_flops / 1e12 if meter.peak_flops else None,
+        peak_source=meter.peak_source, compile_fallback=parts.compile_fallback, init=init,
     )
     if parts.world.is_main:  # checkpoints are in the store already (a URL work directory)
         write_manifest(manifest, changed_only=True)

@@ -2,30 +2,16 @@
 (training's resume, evaluation, `fill-mask`, `export`) reads one.
 
 A checkpoint directory (`step-XXXXXXXX/`, written by `train.checkpoint.Checkpointer`) is
-*intact* when
+*intact* when its `state.json` carries `state_sha256`, the sha256 of its own other fields
+in canonical JSON (an edited `step` or a deleted `files` record no longer matches), and
+every file in the state's `files` record has the size and sha256 recorded there.
 
-- its `state.json` carries `state_sha256`, the sha256 of its own other fields in canonical
-  JSON (`state_digest`): an edited or damaged `state.json` (a `step` changed from 45 to 46,
-  the `files` record deleted) no longer matches it;
-- every file listed in the state's `files` record has the size and sha256 recorded there.
-
-Before a model is built from a checkpoint (`load_model`), the sizes the state declares
-(`config.model`, `vocab_size`, `seq_len`) must be those of the tensors the weights file
-holds (`check_sizes`): the safetensors header is read (no tensor is loaded) and compared
-with the state dict of the declared model built on the `meta` device (which allocates
-nothing), so a declared `vocab_size` of 2,000,000,000 is refused before any memory is
-allocated. `seq_len`, which no tensor holds when positions are rotary, is bounded by
-`MAX_SEQ_LEN`.
-
-A checkpoint without `state_sha256` or `files` (written before either existed, or with the
-record removed) cannot be verified: it is refused (`UnverifiedCheckpointError`, whose
-message names the way to accept it) unless the caller trusts it (`trust_unverified`:
-`--trust-unverified` on `fill-mask` / `export`, `train.trust_unverified_checkpoint` for
-training); a trusted one is still bounded by its tensors. `find_checkpoint` takes a
-checkpoint directory, a run directory or its `checkpoints/` directory and returns the newest
-intact checkpoint, each newer damaged one named in a warning; `load_model` rebuilds the
-model from a verified checkpoint. Loading uses safetensors and
-`torch.load(weights_only=True)`: a checkpoint cannot execute code.
+Before a model is built (`load_verified`), the declared sizes must be those of the tensors
+(`check_sizes`), so a declared `vocab_size` of 2,000,000,000 is refused before any memory
+is allocated. A checkpoint without a digest or `files` record is refused
+(`UnverifiedCheckpointError`) unless trusted; a trusted one is still bounded by its
+tensors. Loading uses safetensors and `torch.load(weights_only=True)`: a checkpoint cannot
+execute code.
 """
 
 from __future__ import annotations
@@ -120,7 +106,7 @@ def _read_json(checkpoint: Path) -> dict[str, Any]:
 
 def verify_checkpoint(checkpoint: Path, trust_unverified: bool = False) -> dict[str, Any]:
     """Check `state.json` against its own digest and every file against the sizes and
-    sha256 in `state.json` (`load_model` then checks the declared sizes, `check_sizes`).
+    sha256 in `state.json` (the declared sizes are `check_sizes`').
 
     Args:
         checkpoint: a checkpoint directory (`.../step-XXXXXXXX`).
@@ -159,7 +145,6 @@ def verify_checkpoint(checkpoint: Path, trust_unverified: bool = False) -> dict[
     return _with_train_state(state)
 
 
-
 def _with_train_state(state: dict[str, Any]) -> dict[str, Any]:
     if "format" not in state and "train_state" not in state and "step" in state:
         state["train_state"] = {"step": state["step"], "tokens_seen": state.get("tokens_seen", 0)}
@@ -190,9 +175,9 @@ def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_sizes(checkpoint: Path, state: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose declared sizes are not its tensors': the model that
-    `config.model`, `vocab_size` and `seq_len` declare is built on the `meta` device (no
-    memory) and its state dict's names and shapes compared with the weights file's header.
+    """Refuse a checkpoint whose declared sizes are not its tensors': the declared model is
+    built on the `meta` device (no memory) and its names and shapes compared with the
+    weights file's header.
 
     Raises:
         CheckpointError: a declared size is missing, not a positive integer, `seq_len` is
@@ -231,8 +216,7 @@ def check_sizes(checkpoint: Path, state: dict[str, Any]) -> None:
 def latest_intact_checkpoint(root: Path, trust_unverified: bool = False) -> Path | None:
     """The newest checkpoint under `root` that passes `verify_checkpoint`, or None; every
     newer damaged one is reported with a warning. In the mirror of a URL work directory
-    the store's complete checkpoints count too: one the mirror lacks is downloaded when
-    its turn comes (a run resumed on another machine), and removed again if damaged.
+    the store's checkpoints count too (downloaded when their turn comes).
 
     Raises:
         UnverifiedCheckpointError: the newest checkpoint that is not damaged cannot be
@@ -316,8 +300,7 @@ def _load_weights(path: Path, map_location: str | torch.device) -> dict[str, tor
 
 def load_model_state(checkpoint: Path, map_location: str | torch.device = "cpu") -> dict:
     """The model `state_dict` of a checkpoint, loaded safely (safetensors, or
-    `torch.load(weights_only=True)` for a checkpoint written before safetensors); not
-    verified (see `verify_checkpoint`).
+    `torch.load(weights_only=True)` for an older one); not verified.
 
     Raises:
         FileNotFoundError: when neither `model.safetensors` nor `model.pt` exists.
@@ -343,12 +326,9 @@ def load_model(checkpoint: Path, device: str | torch.device = "cpu",
 
 def load_verified(checkpoint: Path, device: str | torch.device = "cpu",
                   trust_unverified: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The `BertMLM` a checkpoint was trained as, with its weights, in eval mode, and the
-    state it was built from, once the checkpoint passes `verify_checkpoint` and
-    `check_sizes` (before anything is allocated).
-
-    The architecture comes from the checkpoint's own `state.json` (`config.model`,
-    `vocab_size`, `seq_len`), so a checkpoint directory is enough to use the model.
+    """The `BertMLM` a checkpoint was trained as (from its own `state.json`), with its
+    weights, in eval mode, and that state, once the checkpoint passes `verify_checkpoint`
+    and `check_sizes` (before anything is allocated).
 
     Raises:
         FileNotFoundError: when `checkpoint` is not a complete checkpoint directory.

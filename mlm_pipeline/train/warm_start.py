@@ -1,43 +1,19 @@
 """Warm start (`train.init_from`): a fresh run initialized with a parent model's weights.
 
-`resolve_init(source)` turns a local SOURCE (a checkpoint directory, or a training run
-directory: its newest intact checkpoint, as `fill-mask` and `export` take them through
-`app.consumers.resolve_checkpoint`) into an `InitSource`: the verified checkpoint,
-its digest (`state_sha256`, which covers the sha256 of every file of the checkpoint), its
-step and its state. An MLflow SOURCE (run id, `models:/NAME@ALIAS`) is turned into a
-local checkpoint by the tracking layer first (`tracking.fetch`, as `app.parents` decides), which passes it
-here as `checkpoint`. A Hugging Face masked LM (a `save_pretrained` directory whose
-`config.json` names a `...ForMaskedLM` class: a published encoder, or one of our exports)
-is a parent too (`resolve_hf_init`): its weights are read by `train.hf_import` (the
-sha256 of every file read, checked again when they are loaded), its identity is the
-directory digest, its `step` 0, and its record names the class (`hf_class`); its
-`config.json` is the run's `model` section (`config.hf_parent`, applied by
-`load_config`), its vocabulary may be larger than the run's tokenizer (the rows past the
-tokenizer's ids are cut: no input can look them up, their logits leave the softmax; the
-lineage records `vocab_size` [parent, child]). Another `config.json` directory is refused
-(the message names the checkpoint its model card says it was exported from).
-
-`check_init_compatible` refuses a parent whose architecture (the `model` fields that shape
-or compute the network: all but `preset`, `dropout`, `initializer_range` and the
-`_RECORDED_MODEL_FIELDS`), `vocab_size` or tokenizer differ from the run's, naming every
-field that differs in one error. `init_weights` loads the weights through the verified
-loader (`verified.load_verified`); only the weights: the optimizer, the LR schedule with
+`resolve_init` turns a SOURCE (a checkpoint or run directory, an MLflow parent fetched by
+the tracking layer, or a Hugging Face masked LM: `resolve_hf_init`, whose vocabulary may
+be larger than the run's, the rows no input can look up cut) into an `InitSource`;
+`check_init_compatible` refuses a parent whose architecture, `vocab_size` or tokenizer
+differ from the run's. Only the weights are loaded: the optimizer, the LR schedule with
 its warm-up, the data order and the step count of the new run start afresh.
 
 Length phases (BERT's 128 -> 512, ModernBERT's 1,024 -> 8,192 context extension): the
-child's `shards.seq_len` may differ from the parent's. Rotary positions have no table, so
-any length fits, and the RoPE bases (`model.rope_base`, `model.local_rope_base`) may change
-with it (ModernBERT raised the global base from 10,000 to 160,000 to extend its context;
-Warner et al. 2024, section 2.2). A learned position table is cut to the child's length
-when it is shorter, and extended when it is longer by copying the parent's table over the
-new rows, row i taking the parent's row i mod L_parent (Longformer's initialization of its
-4,096 positions from RoBERTa's 512: Beltagy et al. 2020, section 5). What changed is the
-run's lineage (`init_changes`): the parent record gets `changes` (field -> [parent,
-child]) and, for a learned table, `positions` (the rule applied).
-
-`parent_tokenizer` finds the parent's tokenizer manifest (by the checkpoint's
-`tokenizer_digest`, in a `tokenizer/` directory of its work directory), what
-`tokenizer.from_init` reuses (`tokenizer.stage.adopt_tokenizer`).
+child's `shards.seq_len` may differ from the parent's. Rotary positions have no table, and
+the RoPE bases may change with the length (ModernBERT raised the global base from 10,000
+to 160,000 to extend its context; Warner et al. 2024, section 2.2). A learned position
+table is cut, or extended with row i taking the parent's row i mod L_parent (Longformer's
+initialization of its 4,096 positions from RoBERTa's 512: Beltagy et al. 2020, section 5).
+The run's lineage records what changed (`init_changes`).
 """
 
 from __future__ import annotations
@@ -54,20 +30,10 @@ from mlm_pipeline.config import ModelConfig, TrainConfig
 from mlm_pipeline.config.hf_parent import hf_parent_class
 from mlm_pipeline.manifest import ShardManifest, TokenizerManifest
 from mlm_pipeline.train.export import find_stage_manifest
-from mlm_pipeline.train.hf_import import (
-    directory_digest,
-    fit_vocab,
-    hf_model_fields,
-    load_hf_model,
-    parent_files,
-)
-from mlm_pipeline.train.verified import (
-    STATE_DIGEST,
-    find_checkpoint,
-    load_verified,
-    read_state,
-    verify_checkpoint,
-)
+from mlm_pipeline.train.hf_import import (directory_digest, fit_vocab, hf_model_fields,
+                                          load_hf_model, parent_files)
+from mlm_pipeline.train.verified import (STATE_DIGEST, find_checkpoint, load_verified,
+                                         read_state, verify_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +72,8 @@ class InitSource:
 
     def record(self, changes: dict[str, Any] | None = None) -> dict[str, Any]:
         """What runs record of their parent (checkpoint meta, train manifest, MLflow tags):
-        `source`, `checkpoint` (a Hugging Face parent's directory), `digest`, `step`
-        (JSON values), `hf_class` for a Hugging Face parent, and the `changes` from the
-        parent (`init_changes`) when there are any."""
+        `source`, `checkpoint`, `digest`, `step` (JSON values), `hf_class` for a Hugging
+        Face parent, and the `changes` from the parent (`init_changes`) if any."""
         record = {"source": self.source, "checkpoint": str(self.checkpoint),
                   "digest": self.digest, "step": self.step,
                   **({"hf_class": self.hf_class} if self.hf_class else {})}
@@ -153,7 +118,7 @@ def resolve_init(source: str, checkpoint: str | Path | None = None,
 def resolve_hf_init(source: str, path: Path) -> InitSource:
     """The `InitSource` of a Hugging Face masked-LM directory: digest = the directory
     digest of every file `load_hf_model` reads, step 0, `hf_class`, and a `state` in a
-    checkpoint's terms (module docstring).
+    checkpoint's terms (`InitSource.state`).
 
     Raises:
         ValueError: `train.init_from` and the errors of `hf_model_fields` and
@@ -179,12 +144,7 @@ def resolve_hf_init(source: str, path: Path) -> InitSource:
 
 def _refuse_exported(source: str, path: Path) -> None:
     """Refuse an exported `transformers` model directory (`config.json`, no checkpoint):
-    it records no digests to verify it by, and its weights are laid out for another class;
-    the message names the checkpoint it was exported from when its model card says.
-
-    Raises:
-        ValueError: `path` is such a directory.
-    """
+    it records no digests to verify it by (ValueError naming its origin checkpoint)."""
     if not (path / "config.json").is_file() or (path / "state.json").is_file() \
             or (path / "checkpoints").is_dir():
         return
@@ -197,8 +157,7 @@ def _refuse_exported(source: str, path: Path) -> None:
 
 
 def _exported_origin(path: Path) -> str:
-    """` (its model card says: checkpoint ... of run ...)` for a directory our export wrote
-    (`train.export.model_card`), else an empty string."""
+    """` (its model card says: checkpoint ... of run ...)` for our export, else ""."""
     card = path / "README.md"
     if card.is_file():
         found = _EXPORTED_FROM.search(card.read_text(encoding="utf-8", errors="replace"))
@@ -213,19 +172,13 @@ def init_differences(init: InitSource, model: ModelConfig, shards: ShardManifest
     """Every field in which the parent differs from the run and may not, as
     `model.hidden_size: 128 in the source, 256 in the config` (empty: compatible).
 
-    The model fields are compared as resolved (a preset's values included, a field the
-    parent's record predates as it was trained: `ModelConfig.from_record`), except those
-    a child may change (`_RECORDED_MODEL_FIELDS`); the vocabulary as `vocab_size` and
-    tokenizer digest (same size, other pieces: other ids). `seq_len` may differ (a length
-    phase, module docstring)."""
-    problems = []
-    theirs = _parent_model(init)
-    for name in ModelConfig.model_fields:
-        if name in _FREE_MODEL_FIELDS | _RECORDED_MODEL_FIELDS:
-            continue
-        a, b = getattr(theirs, name), getattr(model, name)
-        if a != b:
-            problems.append(f"model.{name}: {a!r} in the source, {b!r} in the config")
+    The model fields are compared as resolved (`ModelConfig.from_record`), except those a
+    child may change; the vocabulary as `vocab_size` and tokenizer digest (same size,
+    other pieces: other ids). `seq_len` may differ (a length phase)."""
+    fixed = [n for n in ModelConfig.model_fields
+             if n not in _FREE_MODEL_FIELDS | _RECORDED_MODEL_FIELDS]
+    problems = [f"model.{name}: {a!r} in the source, {b!r} in the config"
+                for name, a, b in _differing(_parent_model(init), model, fixed)]
     have = init.state.get("vocab_size")
     if have != shards.vocab_size and not (init.hf_class and have > shards.vocab_size):
         problems.append(f"vocab_size: {have} in the source, {shards.vocab_size} in the "
@@ -253,6 +206,13 @@ def _parent_model(init: InitSource) -> ModelConfig:
     return ModelConfig.from_record((init.state.get("config") or {}).get("model") or {})
 
 
+def _differing(theirs: ModelConfig, ours: ModelConfig,
+               names: list[str]) -> list[tuple[str, Any, Any]]:
+    """(name, parent's value, child's value) of each field in `names` that differs."""
+    return [(n, getattr(theirs, n), getattr(ours, n)) for n in names
+            if getattr(theirs, n) != getattr(ours, n)]
+
+
 def init_changes(init: InitSource, model: ModelConfig, seq_len: int,
                  vocab_size: int | None = None) -> dict[str, Any]:
     """What a compatible child changes from its parent: `{"seq_len": [parent, child],
@@ -269,10 +229,8 @@ def init_changes(init: InitSource, model: ModelConfig, seq_len: int,
             changes["positions"] = ("cut to the first rows" if seq_len < parent_len else
                                     "extended: row i = parent row i mod "
                                     f"{parent_len} (Longformer)")
-    for name in sorted(_RECORDED_MODEL_FIELDS):
-        a, b = getattr(theirs, name), getattr(model, name)
-        if a != b:
-            changes[f"model.{name}"] = [a, b]
+    for name, a, b in _differing(theirs, model, sorted(_RECORDED_MODEL_FIELDS)):
+        changes[f"model.{name}"] = [a, b]
     return changes
 
 
@@ -311,9 +269,7 @@ def check_init_compatible(init: InitSource, model: ModelConfig, shards: ShardMan
 
 def init_weights(init: InitSource, trust_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The parent's model `state_dict` (CPU, fp32 as saved), read through the verified
-    loader (`load_verified`: digests, sizes, then safetensors).
-
-    A Hugging Face parent's weights are read by `hf_import.load_hf_model` (its
+    loader (`load_verified`), or a Hugging Face parent's by `hf_import.load_hf_model` (its
     vocabulary rows padded to a multiple of 64: `fit_vocab` fits them to the run's).
 
     Raises:
@@ -340,9 +296,8 @@ def init_weights(init: InitSource, trust_unverified: bool = False) -> dict[str, 
 
 
 def parent_tokenizer(init: InitSource) -> TokenizerManifest:
-    """The manifest of the tokenizer the parent was trained with: found by the checkpoint's
-    `tokenizer_digest` in a `tokenizer/` directory of the checkpoint's ancestors (its work
-    directory, or where an MLflow parent was fetched to).
+    """The manifest of the tokenizer the parent was trained with: found by its
+    `tokenizer_digest` in a `tokenizer/` directory of the checkpoint's ancestors.
 
     Raises:
         FileNotFoundError: no such tokenizer output (named with the digest).
@@ -367,15 +322,13 @@ def parent_of_run(cfg: TrainConfig, model: ModelConfig, shards: ShardManifest,
                   ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
     """The parent record (`InitSource.record`) and weights a run starts from: at a fresh
     start with `cfg.init_from`, the verified, compatible parent and its weights; when
-    resuming (`resume_from`: the run's own checkpoint), the record that checkpoint holds
-    and no weights (the parent is not read again: `models:/NAME@champion` may have moved
-    on, or the parent's directory be gone); else (None, None).
+    resuming, the record its checkpoint holds and no weights (the parent is not read again:
+    `models:/NAME@champion` may have moved on); else (None, None).
 
     Args:
         cfg, model, shards, tokenizer: the run's train and model configs and inputs.
         resume_from: the checkpoint the run resumes from, or None (a fresh start).
-        init_checkpoint: where an MLflow `cfg.init_from` was fetched to (see
-            `resolve_init`; `app.parents.init_checkpoint` fetches it at a fresh start).
+        init_checkpoint: where an MLflow `cfg.init_from` was fetched to (`resolve_init`).
 
     Raises:
         ValueError, FileNotFoundError: the errors of `resolve_init` and
