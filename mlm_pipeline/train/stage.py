@@ -188,8 +188,8 @@ def _configs(cfg: TrainConfig, model: ModelConfig, masking: MaskingConfig) -> di
 
 
 def _truncate_metrics_log(path: Path, step: int) -> None:
-    """Drop records logged after `step` (the resumed run logs those steps again). In the
-    mirror of a URL work directory the store's copy is used when it holds more records up
+    """Drop records logged after `step` (the resumed run logs those steps again); a line
+    cut short by a kill (not valid JSON) is dropped with a warning. In the mirror of a URL work directory the store's copy is used when it holds more records up
     to `step` (a run resumed on another machine, or on one whose copy is older)."""
     texts = [path.read_text()] if path.is_file() else []
     if (remote := store.read_remote(path)) is not None:
